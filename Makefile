@@ -1,0 +1,49 @@
+# lineax_attn: the two commands a fresh machine needs.
+#   make run   - create .venv if missing, install, run the main job (bench_ops on a small default)
+#   make test  - same set-up, then the test suite
+# The venv is rebuilt only when setup.cfg or constraints.txt change (stamp file).
+
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?= -n 2 --durations=15
+
+.PHONY: run test venv clean
+
+# Find a Python >= 3.12: python3.12, python3.13, pyenv's builds (3.12 first: the GPU machine runs 3.12), then python3.
+# Candidates are *run*, not trusted: pyenv's bare shims exit 127 when no version is selected.
+define find_python
+for c in python3.12 python3.13 \
+         $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -V) \
+         $$(command -v pyenv >/dev/null 2>&1 && ls -d $$(pyenv root)/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -V) \
+         python3; do \
+  if "$$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then \
+    echo "$$c"; exit 0; fi; \
+done; exit 1
+endef
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	@if [ ! -x $(PY) ] || ! $(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' 2>/dev/null; then \
+	  rm -rf $(VENV); \
+	  py=$$( $(find_python) ) || { echo "error: lineax_attn needs Python >= 3.12 (jax >= 0.11 requires it)." \
+	    "Tried python3.13, python3.12, pyenv versions and python3. Install one, e.g. 'pyenv install 3.12' or 'apt-get install python3.12-venv'." >&2; exit 1; }; \
+	  echo "Creating $(VENV) with $$py ($$($$py --version))"; \
+	  $$py -m venv $(VENV) || exit 1; \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,train]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.bench_ops
+
+test: $(STAMP)
+	@JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (exit 5); the suite must not be empty." >&2; exit 1; fi; \
+	exit $$rc
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

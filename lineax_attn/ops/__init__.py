@@ -1,0 +1,28 @@
+"""Public ops of lineax_attn: every token mixer as a pure function with one signature.
+
+    o, final_state = gated_delta_rule(q, k, v, g, beta, implementation="chunk")
+
+Implementations: "scan" (the `lax.scan` reference, the truth) and "chunk" (chunkwise-parallel
+pure JAX, differentiable); `implementation=None` picks the best available for the backend.
+"""
+
+from lineax_attn.ops import api as _api
+from lineax_attn.ops import chunked as _chunked
+from lineax_attn.ops import reference as _reference
+from lineax_attn.ops.attention import softmax_attention
+from lineax_attn.ops.delta_rule import delta_rule
+from lineax_attn.ops.gated_delta_rule import gated_delta_rule
+from lineax_attn.ops.gdn2 import gdn2
+from lineax_attn.ops.kda import kda
+from lineax_attn.ops.linear_attention import linear_attention
+
+_api.register_implementation("scan", _reference.scan_reference)
+_api.register_implementation("chunk", _chunked.chunk_delta_family)
+
+available_implementations = _api.available_implementations
+MIXERS = tuple(_api.MIXER_GATES)
+
+__all__ = [
+    "linear_attention", "delta_rule", "gated_delta_rule", "kda", "gdn2", "softmax_attention",
+    "available_implementations", "MIXERS",
+]

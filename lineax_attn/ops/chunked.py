@@ -1,0 +1,305 @@
+"""The chunkwise-parallel form (SPEC.md §3) in pure JAX, for all five linear mixers.
+
+All five mixers are the one template of SPEC.md §2.0 with a decay α = exp(g), an erase key
+k̃ and a write value ṽ. Per chunk of C tokens (rows i = 1..C, G = in-chunk cumsum of g):
+
+    L_ij = Σ_c k̃_ic k_jc e^{G_ic − G_jc}   (j < i)        P_ij = Σ_c q_ic k_jc e^{G_ic − G_jc}   (j ≤ i)
+    Z = (I + L)^{-1};   Y = Z (K̃ ⊙ e^G);   U = Z Ṽ                       # intra-chunk, parallel
+    E = U − Y S_0;   O = (Q ⊙ e^G) S_0 + P E;   S_C = e^{G_C} S_0 + (K ⊙ e^{G_C − G})ᵀ E   # sequential
+
+Everything intra-chunk is computed for all chunks at once (and recomputed in the backward
+pass, `jax.checkpoint`); only the last line runs as a `lax.scan` over chunks. E is the write
+residual r that cross-layer routing exports.
+
+Three gate kinds share the code: none (linear attention, DeltaNet), scalar (GDN, a C×C decay
+matrix) and per key channel (KDA, GDN-2). For per-channel gates e^{G_i − G_j} cannot be split
+into e^{G_i}·e^{−G_j} (e^{−G} overflows once −G > 88), so L and P are built from 16-row
+sub-chunks (SPEC.md §3.4 rule 3): pairs of different sub-chunks are anchored at the first row
+of the later sub-chunk, which keeps every exponent ≤ 0, and the 16×16 diagonal blocks use the
+exact elementwise form. Log gates down to −1e4 per step stay finite, forward and backward.
+
+Segments (SPEC.md §3.5) are handled exactly inside chunks with a same-segment mask on L and P,
+a continuation flag c_i on the S_0 terms and a keep flag on the state update; G is never
+restarted. Varlen (`cu_seqlens`) re-lays each sequence on its own chunk grid (as FLA does), so
+a sequence start always falls on a chunk start and takes its own initial state there.
+
+Inside: float32, matmuls at `Precision.HIGHEST`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from lineax_attn.ops import segments as seg_lib
+
+_HI = jax.lax.Precision.HIGHEST
+SUB_CHUNK = 16  # rows per sub-chunk of the overflow-free per-channel path
+
+
+def _einsum(spec, *xs):
+  return jnp.einsum(spec, *xs, precision=_HI)
+
+
+def canonical_gates(mixer, v, gates):
+  """Maps a mixer's gates to the shared template: (g, erase, write).
+
+  g: None (no decay), [B,T,HV] scalar or [B,T,HV,K] per channel log decay.
+  erase: None (no delta edit: k̃ = 0) or the factor multiplying k ([B,T,HV,1] or [B,T,HV,K]).
+  write: the factor multiplying v ([B,T,HV,1] or [B,T,HV,V]), or None for 1.
+  """
+  if mixer == "linear_attention":
+    return None, None, None
+  if mixer == "delta_rule":
+    beta = gates["beta"][..., None]
+    return None, beta, beta
+  if mixer == "gated_delta_rule":
+    beta = gates["beta"][..., None]
+    return gates["g"], beta, beta
+  if mixer == "kda":
+    beta = gates["beta"][..., None]
+    return gates["g"], beta, beta
+  if mixer == "gdn2":
+    return gates["g"], gates["b"], gates["w"]
+  raise ValueError(f"unknown mixer {mixer!r}")
+
+
+def _masked_exp(x, mask):
+  """exp(x) where mask else 0, never evaluating exp of a masked (possibly huge) argument.
+
+  The inner `where` also keeps the backward pass NaN-free (no inf·0 in the cotangent).
+  """
+  return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+
+
+def _pair_matrices_no_gate(Q, K, Kt):
+  P = _einsum("...ic,...jc->...ij", Q, K)
+  L = None if Kt is None else _einsum("...ic,...jc->...ij", Kt, K)
+  return P, L
+
+
+def _pair_matrices_scalar(Q, K, Kt, G):
+  """G [..., C] scalar cumulative gate: one C×C decay matrix e^{G_i − G_j}."""
+  c = G.shape[-1]
+  lower = jnp.tril(jnp.ones((c, c), bool))
+  decay = _masked_exp(G[..., :, None] - G[..., None, :], lower)
+  P = _einsum("...ic,...jc->...ij", Q, K) * decay
+  L = None if Kt is None else _einsum("...ic,...jc->...ij", Kt, K) * decay
+  return P, L
+
+
+def _pair_matrices_channel(Q, K, Kt, G):
+  """G [..., C, K] per-channel cumulative gate: anchored sub-chunks, exact diagonal blocks."""
+  *lead, c, dk = Q.shape
+  cs = min(SUB_CHUNK, c)
+  ns = c // cs
+  split = lambda x: x.reshape(*lead, ns, cs, dk)
+  Qr, Kr, Gr = split(Q), split(K), split(G)
+  Ktr = None if Kt is None else split(Kt)
+
+  # Off-diagonal sub-block pairs (q < p), anchored at n = first row of sub-chunk p:
+  # e^{G_i − G_j} = e^{G_i − G_n} · e^{G_n − G_j}, both exponents <= 0 since j < n <= i.
+  anchor = Gr[..., :, :1, :]                                       # [..., ns, 1, K]
+  row = jnp.exp(Gr - anchor)                                       # [..., ns(p), cs(i), K]
+  earlier = jnp.tril(jnp.ones((ns, ns), bool), k=-1)[:, :, None, None]   # q < p
+  col = _masked_exp(anchor[..., :, None, :, :] - Gr[..., None, :, :, :], earlier)
+  Kcol = Kr[..., None, :, :, :] * col                              # [..., p, q, cs(j), K]
+  # Diagonal sub-blocks: the exact C_s×C_s×K form.
+  within = jnp.tril(jnp.ones((cs, cs), bool))[:, :, None]          # j <= i
+  diag = _masked_exp(Gr[..., :, :, None, :] - Gr[..., :, None, :, :], within)  # [..., p, i, j, K]
+  eye = jnp.eye(ns, dtype=Q.dtype)
+
+  def assemble(A):  # A [..., ns, cs, K] row factors -> [..., C, C]
+    off = _einsum("...pic,...pqjc->...piqj", A * row, Kcol)
+    on = _einsum("...pic,...pjc,...pijc->...pij", A, Kr, diag)
+    full = off + on[..., :, :, None, :] * eye[:, None, :, None]
+    return full.reshape(*lead, c, c)
+
+  return assemble(Qr), (None if Ktr is None else assemble(Ktr))
+
+
+def _intra_chunk(Q, K, Kt, Vt, G, gate_kind, same, cont, keep):
+  """Everything that does not depend on the chunk-entry state, for all chunks at once.
+
+  Args (leading dims [..., C]): Q, K, Kt (or None), Vt, G ([..., C, K] / [..., C] / None);
+    same [..., C, C] same-segment mask or None; cont [..., C] continuation flag c_i or None;
+    keep [..., C] rows that reach the chunk's last row or None.
+  Returns: QG, P, Y, U, KG (exit-decayed keys), gC (decay of S_0 across the chunk, [..., K]).
+  """
+  c = Q.shape[-2]
+  if gate_kind == "channel":
+    P, L = _pair_matrices_channel(Q, K, Kt, G)
+    gam, gam_exit = jnp.exp(G), jnp.exp(G[..., -1:, :] - G)
+    gC = jnp.exp(G[..., -1, :])
+  elif gate_kind == "scalar":
+    P, L = _pair_matrices_scalar(Q, K, Kt, G)
+    gam, gam_exit = jnp.exp(G)[..., None], jnp.exp(G[..., -1:] - G)[..., None]
+    gC = jnp.exp(G[..., -1:])
+  else:
+    P, L = _pair_matrices_no_gate(Q, K, Kt)
+    gam = gam_exit = gC = None
+
+  P = P * jnp.tril(jnp.ones((c, c), bool))
+  if L is not None:
+    L = L * jnp.tril(jnp.ones((c, c), bool), k=-1)
+  if same is not None:
+    P = P * same
+    L = None if L is None else L * same
+  scale_rows = lambda x, f: x if f is None else x * f
+  # Rows of a segment that started inside this chunk do not see S_0 (c_i = 0).
+  entry = gam if cont is None else (cont[..., None] if gam is None else gam * cont[..., None])
+  QG = scale_rows(Q, entry)
+  KG = scale_rows(scale_rows(K, gam_exit), None if keep is None else keep[..., None])
+  if cont is not None:
+    last_cont = cont[..., -1:]
+    gC = last_cont if gC is None else gC * last_cont
+
+  if L is None:  # linear attention: no delta edit, E = Ṽ
+    Y, U = None, Vt
+  else:
+    rhs = jnp.concatenate([scale_rows(Kt, entry), Vt], axis=-1)
+    eye = jnp.eye(c, dtype=L.dtype)
+    with jax.default_matmul_precision("highest"):
+      sol = jax.lax.linalg.triangular_solve(
+          eye + L, rhs, left_side=True, lower=True, unit_diagonal=True)
+    dk = Kt.shape[-1]
+    Y, U = sol[..., :dk], sol[..., dk:]
+  return QG, P, Y, U, KG, gC
+
+
+def _state_passing(QG, P, Y, U, KG, gC, S0, starts=None, keep_states=False):
+  """The sequential part: a `lax.scan` over chunks carrying the float32 state.
+
+  Inputs have layout [Nc, B, HV, ...]. `starts = (flags [Nc], states fn)` replaces the carry by
+  a sequence's initial state at chunks where a varlen sequence begins.
+  """
+
+  def step(S, xs):
+    qg, p, y, u, kg, gc, idx = xs
+    if starts is not None:
+      flags, start_state = starts
+      S = jnp.where(flags[idx], start_state(idx), S)
+    E = u if y is None else u - _einsum("...ck,...kv->...cv", y, S)
+    O = _einsum("...ij,...jv->...iv", p, E)
+    O = O + (_einsum("...ck,...kv->...cv", qg, S) if qg is not None else 0.0)
+    decayed = S if gc is None else gc[..., None] * S
+    S_next = decayed + _einsum("...ck,...cv->...kv", kg, E)
+    return S_next, (O, E, S_next if keep_states else None)
+
+  n_chunks = P.shape[0]
+  xs = (QG, P, Y, U, KG, gC, jnp.arange(n_chunks))
+  S, (O, E, states) = jax.lax.scan(step, S0, xs)
+  return O, E, S, states
+
+
+def _pad_time(x, t_pad, mode="constant"):
+  if x is None or x.shape[1] == t_pad:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (0, t_pad - x.shape[1])
+  return jnp.pad(x, pad, mode=mode)
+
+
+def _to_chunks(x, c):
+  """[B, T, HV, ...] -> [Nc, B, HV, C, ...]."""
+  if x is None:
+    return None
+  b, t, hv = x.shape[:3]
+  x = x.reshape(b, t // c, c, hv, *x.shape[3:])
+  return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
+
+
+def _from_chunks(x):
+  """[Nc, B, HV, C, D] -> [B, T, HV, D]."""
+  nc, b, hv, c, d = x.shape
+  return jnp.moveaxis(x, 0, 1).transpose(0, 1, 3, 2, 4).reshape(b, nc * c, hv, d)
+
+
+def _chunk_core(q, k, kt, vt, g, S0, *, chunk_size, segidx=None, starts=None,
+                keep_states=False):
+  """Chunked recurrence on [B, T, HV, ...] inputs with T a multiple of chunk_size."""
+  c = chunk_size
+  gate_kind = None if g is None else ("channel" if g.ndim == 4 else "scalar")
+  G = None
+  if g is not None:
+    G = jnp.cumsum(_to_chunks(g[..., None] if gate_kind == "scalar" else g, c), axis=-2)
+    if gate_kind == "scalar":
+      G = G[..., 0]
+  same = cont = keep = None
+  if segidx is not None:
+    # [B, T] -> [Nc, B, 1, C]; the entry segment is the one of the token before the chunk.
+    sc = _to_chunks(segidx[:, :, None, None], c)[..., 0]                  # [Nc, B, 1, C]
+    prev = jnp.concatenate([segidx[:, :1], segidx[:, c - 1:-1:c]], axis=1)  # [B, Nc]
+    entry = jnp.moveaxis(prev, 1, 0)[:, :, None, None]                     # [Nc, B, 1, 1]
+    same = sc[..., :, None] == sc[..., None, :]
+    cont = (sc == entry).astype(jnp.float32)
+    keep = (sc == sc[..., -1:]).astype(jnp.float32)
+  intra = jax.checkpoint(functools.partial(_intra_chunk, gate_kind=gate_kind))
+  QG, P, Y, U, KG, gC = intra(_to_chunks(q, c), _to_chunks(k, c), _to_chunks(kt, c),
+                              _to_chunks(vt, c), G, same=same, cont=cont, keep=keep)
+  O, E, S, states = _state_passing(QG, P, Y, U, KG, gC, S0, starts=starts,
+                                   keep_states=keep_states)
+  return _from_chunks(O), _from_chunks(E), S, states
+
+
+def _varlen_relayout(cu_seqlens, t, c):
+  """Places sequence n at chunk `chunk_off[n]` so every sequence starts on a chunk start.
+
+  Returns (dest [T] new position of each token, total padded length, chunk_off [N],
+  last_chunk [N]). The padded length is the static bound ceil(T/C) + N chunks.
+  """
+  n = cu_seqlens.shape[0] - 1
+  lens = cu_seqlens[1:] - cu_seqlens[:-1]
+  n_chunks = (lens + c - 1) // c
+  chunk_off = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(n_chunks)[:-1]])
+  seq = seg_lib.sequence_index(cu_seqlens, t)
+  dest = chunk_off[seq] * c + (jnp.arange(t, dtype=jnp.int32) - cu_seqlens[seq])
+  total = (-(-t // c) + n) * c
+  return dest, total, chunk_off, chunk_off + n_chunks - 1
+
+
+def chunk_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
+                       output_final_state=False):
+  """The `chunk` implementation (see `api.run_mixer` for the contract)."""
+  g, erase, write = canonical_gates(mixer, v, gates)
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
+  n_rep = hv // h
+  q = jnp.repeat(q, n_rep, axis=2) * scale
+  k = jnp.repeat(k, n_rep, axis=2)
+  kt = None if erase is None else k * erase
+  vt = v if write is None else v * write
+  c = chunk_size
+
+  if layout.is_varlen:
+    dest, total, chunk_off, last_chunk = _varlen_relayout(layout.cu_seqlens, t, c)
+    place = lambda x: None if x is None else (
+        jnp.zeros((1, total) + x.shape[2:], x.dtype).at[:, dest].set(x))
+    n_chunks = total // c
+    flags = jnp.zeros((n_chunks,), bool).at[chunk_off].set(True)
+    seq_of_chunk = jnp.zeros((n_chunks,), jnp.int32).at[chunk_off].set(
+        jnp.arange(chunk_off.shape[0], dtype=jnp.int32))
+    table = (jnp.zeros((chunk_off.shape[0], hv, dk, dv), jnp.float32) if initial_state is None
+             else initial_state)
+    S0 = jnp.zeros((1, hv, dk, dv), jnp.float32)
+    O, E, _, states = _chunk_core(place(q), place(k), place(kt), place(vt), place(g), S0,
+                                  chunk_size=c, starts=(flags, lambda i: table[seq_of_chunk[i]][None]),
+                                  keep_states=output_final_state)
+    final = states[last_chunk, 0] if output_final_state else None
+    return O[:, dest], final, E[:, dest]
+
+  if layout.valid is not None:
+    # Padding rows are identity steps: no decay, no erase, no write, zero output.
+    m = layout.valid[:, :, None, None].astype(jnp.float32)
+    q, k, vt = q * m, k * m, vt * m
+    kt = None if kt is None else kt * m
+    g = None if g is None else g * (m if g.ndim == 4 else m[..., 0])
+  t_pad = -(-t // c) * c
+  pad = functools.partial(_pad_time, t_pad=t_pad)
+  segidx = None if layout.segidx is None else _pad_time(layout.segidx, t_pad, mode="edge")
+  S0 = jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None else initial_state
+  O, E, S, _ = _chunk_core(pad(q), pad(k), pad(kt), pad(vt), pad(g), S0, chunk_size=c,
+                           segidx=segidx)
+  return O[:, :t], (S if output_final_state else None), E[:, :t]

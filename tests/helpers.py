@@ -1,0 +1,72 @@
+"""Shared test utilities: random mixer inputs (SPEC.md §9) and the relative-error metric."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lineax_attn import ops
+
+MIXERS = ops.MIXERS  # linear_attention, delta_rule, gated_delta_rule, kda, gdn2
+
+
+def rel_err(x, ref) -> float:
+  """rms(x − ref) / rms(ref), FLA's metric (SPEC.md §9); 0 when both are ~0."""
+  x = np.asarray(x, np.float64)
+  ref = np.asarray(ref, np.float64)
+  num = np.sqrt(np.mean((x - ref) ** 2))
+  den = np.sqrt(np.mean(ref ** 2))
+  if num <= 1e-6 and den <= 1e-6:
+    return 0.0
+  return float(num / max(den, 1e-30))
+
+
+def assert_close(x, ref, tol, name=""):
+  """Passes if max|x − ref| <= 1e-6 or rel_err < tol (SPEC.md §9)."""
+  x = np.asarray(x, np.float64)
+  ref = np.asarray(ref, np.float64)
+  assert x.shape == ref.shape, f"{name}: shape {x.shape} != {ref.shape}"
+  assert np.all(np.isfinite(x)), f"{name}: non-finite values"
+  if np.max(np.abs(x - ref), initial=0.0) <= 1e-6:
+    return
+  err = rel_err(x, ref)
+  assert err < tol, f"{name}: relative error {err:.3e} >= {tol:.1e}"
+
+
+def l2norm(x, axis=-1):
+  return x / jnp.sqrt(jnp.sum(x * x, axis=axis, keepdims=True) + 1e-6)
+
+
+def make_inputs(mixer, *, b=2, t=75, h=2, hv=None, dk=16, dv=24, tau=1.0, dtype=jnp.float32,
+                seed=0, with_state=True):
+  """Random inputs of SPEC.md §9: unit q/k, β/b/w = σ(N(0,1)), g = logsigmoid(N(0,1))/τ.
+
+  Returns (args, kwargs): args are the positional arrays of `getattr(ops, mixer)`.
+  """
+  hv = hv or h
+  keys = jax.random.split(jax.random.key(seed), 8)
+  n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32)
+  q = l2norm(n(0, (b, t, h, dk))).astype(dtype)
+  k = l2norm(n(1, (b, t, h, dk))).astype(dtype)
+  v = n(2, (b, t, hv, dv)).astype(dtype)
+  beta = jax.nn.sigmoid(n(3, (b, t, hv)))
+  g_scalar = jax.nn.log_sigmoid(n(4, (b, t, hv))) / tau
+  g_channel = jax.nn.log_sigmoid(n(4, (b, t, hv, dk))) / tau
+  gate_b = jax.nn.sigmoid(n(5, (b, t, hv, dk)))
+  gate_w = jax.nn.sigmoid(n(6, (b, t, hv, dv)))
+  gates = {
+      "linear_attention": (),
+      "delta_rule": (beta,),
+      "gated_delta_rule": (g_scalar, beta),
+      "kda": (g_channel, beta),
+      "gdn2": (g_channel, gate_b, gate_w),
+  }[mixer]
+  kwargs = {}
+  if with_state:
+    kwargs["initial_state"] = n(7, (b, hv, dk, dv))
+  return (q, k, v) + gates, kwargs
+
+
+def run(mixer, args, **kwargs):
+  return getattr(ops, mixer)(*args, **kwargs)
