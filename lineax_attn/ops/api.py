@@ -37,7 +37,7 @@ MIXER_GATES: dict[str, tuple[tuple[str, str | None], ...]] = {
 
 _IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {}
 # Implementations that may exist later but are not built yet: a clear error, not a KeyError.
-_PLANNED = ("pallas_tpu", "pallas_gpu")
+_PLANNED = ("pallas_gpu",)
 
 
 def register_implementation(name: str, fn: Callable[..., Any]) -> None:
@@ -51,10 +51,17 @@ def available_implementations() -> tuple[str, ...]:
 def default_implementation(backend: str | None = None) -> str:
   """The best implementation available on `backend` (default: jax's default backend).
 
-  Until the Pallas kernels land this is the chunked pure-JAX form everywhere; the scan is an
-  oracle, far too slow to train with.
+  "pallas_tpu" on TPU, "pallas_gpu" on Hopper GPUs (it falls back to "chunk" itself for shapes
+  it does not handle), else the chunked pure-JAX form; the scan is an oracle, far too slow to
+  train with.
   """
-  del backend
+  backend = backend or jax.default_backend()
+  if backend == "tpu" and "pallas_tpu" in _IMPLEMENTATIONS:
+    return "pallas_tpu"
+  if backend == "gpu" and "pallas_gpu" in _IMPLEMENTATIONS:
+    from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
+    if pallas_gpu.is_hopper():
+      return "pallas_gpu"
   return "chunk"
 
 
@@ -113,14 +120,15 @@ def check_gate(mixer: str, name: str, x, axis: str | None, dims: Dims):
   elif axis == "v":
     shape, desc = shape + (dims.dv,), "[B, T, HV, V]"
   _check_shape(name, x, shape, desc + f" for {mixer}")
-  x = x.astype(jnp.float32)
   if _is_concrete(x):
-    # Cheap value checks where the data is concrete; under jit they are the caller's contract.
-    if name == "g" and bool(jnp.any(x > 0)):
-      raise ValueError(f"`g` is a log decay and must be <= 0 everywhere (got max {float(jnp.max(x))}).")
-    if not bool(jnp.all(jnp.isfinite(x))):
+    # Cheap value checks where the data is concrete (numpy, so nothing is staged into a trace
+    # that closes over the array); under jit with traced gates they are the caller's contract.
+    xn = np.asarray(x, np.float32)
+    if name == "g" and np.any(xn > 0):
+      raise ValueError(f"`g` is a log decay and must be <= 0 everywhere (got max {float(np.max(xn))}).")
+    if not np.all(np.isfinite(xn)):
       raise ValueError(f"`{name}` contains NaN or Inf.")
-  return x
+  return x.astype(jnp.float32)
 
 
 def check_scale(scale, dk: int) -> float:
@@ -128,7 +136,7 @@ def check_scale(scale, dk: int) -> float:
     return dk ** -0.5
   try:
     scale = float(scale)
-  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
     raise ValueError(f"`scale` must be a Python number, got {type(scale).__name__}.") from e
   if not math.isfinite(scale) or scale <= 0:
     raise ValueError(f"`scale` must be a positive finite number, got {scale}.")
@@ -152,7 +160,7 @@ def check_segments(segment_ids, cu_seqlens, dims: Dims) -> seg_lib.SegmentLayout
       raise ValueError(f"`segment_ids` must be an integer array [B, T], got dtype "
                        f"{getattr(segment_ids, 'dtype', type(segment_ids).__name__)}.")
     _check_shape("segment_ids", segment_ids, (dims.b, dims.t), "[B, T]")
-    if _is_concrete(segment_ids) and bool(jnp.any(segment_ids < 0)):
+    if _is_concrete(segment_ids) and np.any(np.asarray(segment_ids) < 0):
       raise ValueError("`segment_ids` must be >= 0 (0 marks padding).")
     return seg_lib.layout_from_segment_ids(jnp.asarray(segment_ids))
   if cu_seqlens is not None:
@@ -225,7 +233,8 @@ _COMMON_DOC = """scale: query scale, default K ** -0.5.
     cu_seqlens: `[N + 1]` int, FLA-style varlen with B = 1; sequence n starts from initial_state[n].
     chunk_size: rows per chunk of the chunked forms (a multiple of 16).
     return_residual: also return the write residual r `[B, T, HV, V]` (what CLER routes).
-    implementation: "scan" (the reference), "chunk", or None for the best on the backend.
+    implementation: "scan" (the reference), "chunk", "pallas_tpu", "pallas_gpu", or None for the
+      best on the backend.
 
   Returns:
     `(o, final_state)`, or `(o, final_state, r)` with `return_residual=True`. o has v's dtype and

@@ -1,0 +1,150 @@
+"""Reusable pieces of the benchmark programs: timing, random inputs, error metric, tables.
+
+    fwd = jax.jit(f)
+    ms = time_fn(fwd, *args, repeats=10, warmup=3)      # median wall time, compile excluded
+
+Methodology (SPEC.md §7.3): compile once (the first call, untimed), run `warmup` more calls,
+then time `repeats` calls one by one with `jax.block_until_ready`; report the median (and the
+20/80 quantiles with `measure`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Wall times of one function in milliseconds over `repeats` timed calls."""
+
+  median_ms: float
+  p20_ms: float
+  p80_ms: float
+  repeats: int
+
+
+def measure(fn: Callable[..., Any], *args, repeats: int = 10, warmup: int = 3) -> Timing:
+  """Times `fn(*args)`: one untimed call (compiles a jitted fn), `warmup` calls, `repeats` timed."""
+  if repeats < 1 or warmup < 0:
+    raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}.")
+  jax.block_until_ready(fn(*args))  # compile (and first-run allocation) stays out of the numbers
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  p20, p50, p80 = np.percentile(times, [20, 50, 80])
+  return Timing(median_ms=float(p50), p20_ms=float(p20), p80_ms=float(p80), repeats=repeats)
+
+
+def time_fn(fn: Callable[..., Any], *args, repeats: int = 10, warmup: int = 3) -> float:
+  """Median milliseconds of `fn(*args)`, compile excluded (see `measure`)."""
+  return measure(fn, *args, repeats=repeats, warmup=warmup).median_ms
+
+
+def forward_backward(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+  """`(cotangent, *args) -> (loss, grads of every arg)` for `fn(*args) -> array`.
+
+  The loss is <fn(*args), cotangent> in float32, so the backward pass sees a dense random
+  cotangent, as in training. Not jitted: wrap it in `jax.jit` before timing.
+  """
+
+  def loss(args, cotangent):
+    return jnp.sum(fn(*args).astype(jnp.float32) * cotangent)
+
+  grad_fn = jax.value_and_grad(loss)
+  return lambda cotangent, *args: grad_fn(args, cotangent)
+
+
+def max_rel_err(x, ref) -> float:
+  """max|x − ref| / max|ref| in float64 (0 when both are 0): a worst-case relative error."""
+  x = np.asarray(x, np.float64)
+  ref = np.asarray(ref, np.float64)
+  if x.shape != ref.shape:
+    raise ValueError(f"shape mismatch: {x.shape} vs {ref.shape}")
+  num = float(np.max(np.abs(x - ref), initial=0.0))
+  den = float(np.max(np.abs(ref), initial=0.0))
+  if not np.isfinite(num):
+    return float("inf")
+  if den == 0.0:
+    return 0.0 if num == 0.0 else float("inf")
+  return num / den
+
+
+def _l2norm(x):
+  return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def mixer_inputs(mixer: str, *, batch: int, seq_len: int, heads: int, v_heads: int,
+                 head_dim_k: int, head_dim_v: int, dtype=jnp.float32, seed: int = 0):
+  """Random positional inputs of `lineax_attn.ops.<mixer>` as in SPEC.md §9.
+
+  q, k `[B, T, H, K]` unit-norm, v `[B, T, HV, V]` ~ N(0, 1) in `dtype`; float32 gates:
+  β, b, w = σ(N(0, 1)), g = logsigmoid(N(0, 1)) (scalar `[B, T, HV]` for GDN, per channel
+  `[B, T, HV, K]` for KDA and GDN-2).
+  """
+  b, t, h, hv, dk, dv = batch, seq_len, heads, v_heads, head_dim_k, head_dim_v
+  keys = jax.random.split(jax.random.key(seed), 7)
+  n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32)
+  q = _l2norm(n(0, (b, t, h, dk))).astype(dtype)
+  k = _l2norm(n(1, (b, t, h, dk))).astype(dtype)
+  v = n(2, (b, t, hv, dv)).astype(dtype)
+  sig = lambda i, shape: jax.nn.sigmoid(n(i, shape))
+  logsig = lambda i, shape: jax.nn.log_sigmoid(n(i, shape))
+  gates = {
+      "linear_attention": lambda: (),
+      "delta_rule": lambda: (sig(3, (b, t, hv)),),
+      "gated_delta_rule": lambda: (logsig(4, (b, t, hv)), sig(3, (b, t, hv))),
+      "kda": lambda: (logsig(4, (b, t, hv, dk)), sig(3, (b, t, hv))),
+      "gdn2": lambda: (logsig(4, (b, t, hv, dk)), sig(5, (b, t, hv, dk)), sig(6, (b, t, hv, dv))),
+  }
+  if mixer not in gates:
+    raise ValueError(f"unknown mixer {mixer!r}; expected one of {sorted(gates)}.")
+  return (q, k, v) + gates[mixer]()
+
+
+def attention_inputs(*, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+                     dtype=jnp.float32, seed: int = 0):
+  """Random q `[B, T, H, D]`, k and v `[B, T, H_kv, D]` ~ N(0, 1) for `softmax_attention`."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (batch, seq_len, heads, head_dim), jnp.float32)
+  k = jax.random.normal(keys[1], (batch, seq_len, kv_heads, head_dim), jnp.float32)
+  v = jax.random.normal(keys[2], (batch, seq_len, kv_heads, head_dim), jnp.float32)
+  return tuple(x.astype(dtype) for x in (q, k, v))
+
+
+def _cell(value: Any) -> str:
+  if value is None:
+    return ""
+  if isinstance(value, float):
+    if not np.isfinite(value):
+      return str(value)
+    return f"{value:.2e}" if value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e5) else f"{value:.3f}"
+  return str(value)
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+  """A Markdown table; `columns` are (key in each row, header). Missing keys print empty."""
+  lines = ["| " + " | ".join(header for _, header in columns) + " |",
+           "|" + "|".join("---" for _ in columns) + "|"]
+  for row in rows:
+    lines.append("| " + " | ".join(_cell(row.get(key)) for key, _ in columns) + " |")
+  return "\n".join(lines)
+
+
+def write_json(path: str, rows: Sequence[Mapping[str, Any]], **metadata) -> None:
+  """Writes `{"metadata": ..., "rows": [...]}`; non-finite floats become null."""
+  clean = lambda v: None if isinstance(v, float) and not np.isfinite(v) else v
+  payload = {"metadata": metadata, "rows": [{k: clean(v) for k, v in r.items()} for r in rows]}
+  with open(path, "w") as f:
+    json.dump(payload, f, indent=2)
+    f.write("\n")

