@@ -45,16 +45,21 @@ def make_inputs(mixer, *, b=2, t=75, h=2, hv=None, dk=16, dv=24, tau=1.0, dtype=
   Returns (args, kwargs): args are the positional arrays of `getattr(ops, mixer)`.
   """
   hv = hv or h
-  keys = jax.random.split(jax.random.key(seed), 8)
-  n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32)
-  q = l2norm(n(0, (b, t, h, dk))).astype(dtype)
-  k = l2norm(n(1, (b, t, h, dk))).astype(dtype)
-  v = n(2, (b, t, hv, dv)).astype(dtype)
-  beta = jax.nn.sigmoid(n(3, (b, t, hv)))
-  g_scalar = jax.nn.log_sigmoid(n(4, (b, t, hv))) / tau
-  g_channel = jax.nn.log_sigmoid(n(4, (b, t, hv, dk))) / tau
-  gate_b = jax.nn.sigmoid(n(5, (b, t, hv, dk)))
-  gate_w = jax.nn.sigmoid(n(6, (b, t, hv, dv)))
+  # numpy draws: jax.random would compile anew for every shape, which dominates small tests.
+  rng = np.random.default_rng(seed)
+  n = lambda shape: rng.standard_normal(shape).astype(np.float32)
+  sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))
+  log_sigmoid = lambda x: -np.logaddexp(0.0, -x)
+  unit = lambda x: x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+  q = jnp.asarray(unit(n((b, t, h, dk))), dtype)
+  k = jnp.asarray(unit(n((b, t, h, dk))), dtype)
+  v = jnp.asarray(n((b, t, hv, dv)), dtype)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  beta = f32(sigmoid(n((b, t, hv))))
+  g_scalar = f32(log_sigmoid(n((b, t, hv))) / tau)
+  g_channel = f32(log_sigmoid(n((b, t, hv, dk))) / tau)
+  gate_b = f32(sigmoid(n((b, t, hv, dk))))
+  gate_w = f32(sigmoid(n((b, t, hv, dv))))
   gates = {
       "linear_attention": (),
       "delta_rule": (beta,),
@@ -64,7 +69,7 @@ def make_inputs(mixer, *, b=2, t=75, h=2, hv=None, dk=16, dv=24, tau=1.0, dtype=
   }[mixer]
   kwargs = {}
   if with_state:
-    kwargs["initial_state"] = n(7, (b, hv, dk, dv))
+    kwargs["initial_state"] = f32(n((b, hv, dk, dv)))
   return (q, k, v) + gates, kwargs
 
 
