@@ -2,12 +2,17 @@
 
     o, final_state = gated_delta_rule(q, k, v, g, beta, implementation="chunk")
 
-Implementations: "scan" (the `lax.scan` reference, the truth) and "chunk" (chunkwise-parallel
-pure JAX, differentiable); `implementation=None` picks the best available for the backend.
+Implementations: "scan" (the `lax.scan` reference, the truth), "chunk" (chunkwise-parallel
+pure JAX, differentiable), "pallas_tpu" (Pallas Mosaic TPU kernels; the TPU interpreter off TPU)
+and "pallas_gpu" (Mosaic GPU state-passing kernels on Hopper, the rest in XLA; other shapes fall
+back to "chunk" with a log line). `implementation=None` picks the best available for the
+backend: "pallas_tpu" on TPU, "pallas_gpu" on Hopper GPUs, "chunk" elsewhere.
 """
 
 from lineax_attn.ops import api as _api
 from lineax_attn.ops import chunked as _chunked
+from lineax_attn.ops import pallas_gpu as _pallas_gpu
+from lineax_attn.ops import pallas_tpu as _pallas_tpu
 from lineax_attn.ops import reference as _reference
 from lineax_attn.ops.attention import softmax_attention
 from lineax_attn.ops.delta_rule import delta_rule
@@ -18,6 +23,8 @@ from lineax_attn.ops.linear_attention import linear_attention
 
 _api.register_implementation("scan", _reference.scan_reference)
 _api.register_implementation("chunk", _chunked.chunk_delta_family)
+_api.register_implementation("pallas_tpu", _pallas_tpu.pallas_tpu_impl)
+_api.register_implementation("pallas_gpu", _pallas_gpu.pallas_gpu_delta_family)
 
 available_implementations = _api.available_implementations
 MIXERS = tuple(_api.MIXER_GATES)

@@ -37,7 +37,7 @@ MIXER_GATES: dict[str, tuple[tuple[str, str | None], ...]] = {
 
 _IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {}
 # Implementations that may exist later but are not built yet: a clear error, not a KeyError.
-_PLANNED = ("pallas_gpu",)
+_PLANNED: tuple[str, ...] = ()
 
 
 def register_implementation(name: str, fn: Callable[..., Any]) -> None:

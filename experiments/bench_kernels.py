@@ -1,0 +1,535 @@
+"""Op-level timing of every linear mixer against its peers (SPEC.md §7.3), in one process.
+
+    python3 -m experiments.bench_kernels --shapes=4,4096,16,128 --out_md=/tmp/bench.md
+
+Times, for each shape (B, T, H, D) and mixer, forward and forward+backward (median of
+`--iters` runs after `--warmup`, each ending in `block_until_ready` / `cuda.synchronize`):
+
+* ours: `implementation="pallas_gpu"`, `"chunk"`, and `"scan"` (forward only, T <= --scan_max_t);
+* jax-linear-attention 0.1.0 (`jla.ops.linear_attention(kind, ..., impl="mosaic_gpu")`);
+* FLA (fla-core) through torch, for the mixers in --fla_mixers (it autotunes 90-200 s per op);
+* causal softmax attention: cuDNN via `jax.nn.dot_product_attention(implementation="cudnn")`
+  and torch SDPA.
+
+Each peer runs only if importable. Peak memory: for JAX, arguments + outputs + temporaries of
+the compiled executable; for torch, `max_memory_allocated` over the call. Writes a Markdown
+table with the ratios ours/jla, ours/FLA, ours/chunk, ours/cuDNN (--out_md; a file that holds
+the markers below gets only the text between them replaced) and a JSON file of raw numbers.
+
+`--breakdown` also times the parts of pallas_gpu GDN (XLA preparation per solve, each kernel);
+`--skip=mixer:impl[:T]` and `--merge_json=run1.json` split a long run over several device calls;
+`--time_budget_s` stops starting new entries after that many seconds (results are written after
+every entry, so a killed run still leaves its table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave memory for torch
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lineax_attn import ops  # noqa: E402
+
+_SHAPES = flags.DEFINE_string("shapes", "4,4096,16,128;2,16384,16,128",
+                              "';'-separated B,T,H,D (H = q/k and value heads, D = K = V).")
+_MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule,kda,delta_rule,gdn2,linear_attention",
+                            "Mixers in priority order.")
+_IMPLS = flags.DEFINE_list("impls", "pallas_gpu,chunk,scan,jla,fla,cudnn,sdpa", "What to time.")
+_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "fwd and/or fwdbwd.")
+_FLA_MIXERS = flags.DEFINE_list("fla_mixers", "gated_delta_rule",
+                                "Mixers FLA runs for (each autotunes 90-200 s on first use).")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls after compilation.")
+_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls; the median is reported.")
+_SCAN_MAX_T = flags.DEFINE_integer("scan_max_t", 4096, "Time the scan forward only up to this T.")
+_BUDGET = flags.DEFINE_float("time_budget_s", 1e9, "Skip what is left after this many seconds.")
+_OUT_MD = flags.DEFINE_string("out_md", "", "Markdown output (marker section or whole file).")
+_OUT_JSON = flags.DEFINE_string("out_json", "", "Raw results as JSON.")
+_SKIP = flags.DEFINE_list("skip", "", "mixer:impl[:T] not to time (impl may be *), e.g. "
+                          "what an earlier run measured.")
+_MERGE = flags.DEFINE_list("merge_json", "",
+                           "Earlier --out_json files whose results fill what this run skips.")
+_BREAKDOWN = flags.DEFINE_bool("breakdown", False,
+                               "Also time the parts of pallas_gpu GDN at the first shape.")
+
+BEGIN, END = "<!-- bench_kernels:begin -->", "<!-- bench_kernels:end -->"
+JLA_KIND = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "kda": "kda",
+            "gdn2": "gdn2"}
+ATTN = ("cudnn", "sdpa")  # per shape, not per mixer
+
+
+@dataclasses.dataclass
+class Result:
+  shape: tuple
+  mixer: str          # "attention" for cudnn / sdpa
+  impl: str
+  mode: str
+  ms: float | None = None
+  q20: float | None = None
+  q80: float | None = None
+  peak_gib: float | None = None
+  err_vs_chunk: float | None = None
+  note: str = ""
+
+
+def log(*a):
+  print(*a, flush=True)
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def make_inputs(mixer, b, t, h, d, seed=0):
+  """bf16 inputs of SPEC.md §9 (unit q/k, σ gates, logsigmoid decays) as numpy float32."""
+  rng = np.random.default_rng(seed)
+  n = lambda *s: rng.standard_normal(s, dtype=np.float32)
+  unit = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+  sig = lambda x: 1 / (1 + np.exp(-x))
+  logsig = lambda x: -np.logaddexp(0, -x)
+  q, k, v = unit(n(b, t, h, d)), unit(n(b, t, h, d)), n(b, t, h, d)
+  gates = {
+      "linear_attention": {},
+      "delta_rule": {"beta": sig(n(b, t, h))},
+      "gated_delta_rule": {"g": logsig(n(b, t, h)), "beta": sig(n(b, t, h))},
+      "kda": {"g": logsig(n(b, t, h, d)), "beta": sig(n(b, t, h))},
+      "gdn2": {"g": logsig(n(b, t, h, d)), "b": sig(n(b, t, h, d)), "w": sig(n(b, t, h, d))},
+  }[mixer]
+  return q, k, v, gates
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def _median_q(ts):
+  ts = sorted(ts)
+  return statistics.median(ts), ts[int(0.2 * (len(ts) - 1))], ts[int(0.8 * (len(ts) - 1))]
+
+
+def time_jax(fn, args):
+  """Compiles fn once (AOT), times it; returns (median, q20, q80 in ms, peak GiB, output)."""
+  compiled = jax.jit(fn).lower(*args).compile()
+  peak = None
+  try:
+    ma = compiled.memory_analysis()
+    peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+            - ma.alias_size_in_bytes) / 2**30
+  except Exception:  # noqa: BLE001  (not every backend reports it)
+    pass
+  out = jax.block_until_ready(compiled(*args))
+  for _ in range(_WARMUP.value):
+    jax.block_until_ready(compiled(*args))
+  ts = []
+  for _ in range(_ITERS.value):
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    ts.append((time.perf_counter() - t0) * 1e3)
+  return (*_median_q(ts), peak, out)
+
+
+def time_torch(fn):
+  import torch
+  fn()
+  torch.cuda.synchronize()
+  for _ in range(_WARMUP.value):
+    fn()
+  torch.cuda.synchronize()
+  base = torch.cuda.memory_allocated()
+  torch.cuda.reset_peak_memory_stats()
+  ts = []
+  for _ in range(_ITERS.value):
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    ts.append((time.perf_counter() - t0) * 1e3)
+  peak = max(torch.cuda.max_memory_allocated(), base) / 2**30
+  return (*_median_q(ts), peak)
+
+
+def _grad_fn(fwd, n_args):
+  """jit-able fwd+bwd: gradients of <o, do> with respect to every input."""
+  def f(do, *args):
+    return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) * do),
+                    argnums=tuple(range(n_args)))(*args)
+  return f
+
+
+# ------------------------------------------------------------------------------ runners
+
+
+def run_ours(mixer, impl, mode, np_in):
+  q, k, v, gates = np_in
+  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+  args += [jnp.asarray(x, jnp.float32) for x in gates.values()]
+  op = getattr(ops, mixer)
+  fwd = lambda *a: op(*a, implementation=impl)[0]
+  if mode == "fwd":
+    return time_jax(fwd, args)
+  do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
+                   jnp.bfloat16)
+  return time_jax(_grad_fn(fwd, len(args)), [do] + args)
+
+
+def run_jla(mixer, mode, np_in):
+  from jla.ops import linear_attention as jla_la
+  q, k, v, gates = np_in
+  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+  gvals = [jnp.asarray(x, jnp.float32) for x in gates.values()]
+  names = list(gates)
+  fwd = lambda *a: jla_la(JLA_KIND[mixer], *a[:3], impl="mosaic_gpu",
+                          **dict(zip(names, a[3:])))[0]
+  if mode == "fwd":
+    return time_jax(fwd, args + gvals)
+  do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
+                   jnp.bfloat16)
+  return time_jax(_grad_fn(fwd, 3 + len(gvals)), [do] + args + gvals)
+
+
+def _fla_op(mixer):
+  if mixer == "gated_delta_rule":
+    import fla.ops.common.chunk_o as chunk_o
+    chunk_o.TRITON_ABOVE_3_7_1 = True  # lets its Hopper backward run on triton 3.6 (timing only)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    return lambda q, k, v, g: chunk_gated_delta_rule(q, k, v, g["g"], g["beta"])[0]
+  if mixer == "delta_rule":
+    from fla.ops.delta_rule import chunk_delta_rule
+    return lambda q, k, v, g: chunk_delta_rule(q, k, v, g["beta"])[0]
+  if mixer == "kda":
+    from fla.ops.kda import chunk_kda
+    return lambda q, k, v, g: chunk_kda(q, k, v, g["g"], g["beta"])[0]
+  if mixer == "gdn2":
+    from fla.ops.gdn2 import chunk_gdn2
+    return lambda q, k, v, g: chunk_gdn2(q, k, v, g["g"], g["b"], g["w"])[0]
+  from fla.ops.linear_attn import chunk_linear_attn
+  return lambda q, k, v, g: chunk_linear_attn(q, k, v, normalize=False)[0]
+
+
+def run_fla(mixer, mode, np_in):
+  import torch
+  q, k, v, gates = np_in
+  dev = "cuda"
+  need_grad = mode == "fwdbwd"
+  tq, tk, tv = (torch.tensor(x, device=dev, dtype=torch.bfloat16, requires_grad=need_grad)
+                for x in (q, k, v))
+  tg = {n: torch.tensor(x, device=dev, dtype=torch.float32, requires_grad=need_grad)
+        for n, x in gates.items()}
+  op = _fla_op(mixer)
+  if mode == "fwd":
+    with torch.no_grad():
+      return time_torch(lambda: op(tq, tk, tv, tg))
+  do = torch.randn_like(tv)
+
+  def step():
+    for x in (tq, tk, tv, *tg.values()):
+      x.grad = None
+    op(tq, tk, tv, tg).backward(do)
+  return time_torch(step)
+
+
+def run_cudnn(mode, b, t, h, d):
+  rng = np.random.default_rng(2)
+  args = [jnp.asarray(rng.standard_normal((b, t, h, d), dtype=np.float32), jnp.bfloat16)
+          for _ in range(3)]
+  fwd = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                     implementation="cudnn")
+  if mode == "fwd":
+    return time_jax(fwd, args)
+  return time_jax(_grad_fn(fwd, 3), [args[0]] + args)
+
+
+def run_sdpa(mode, b, t, h, d):
+  import torch
+  import torch.nn.functional as F
+  need_grad = mode == "fwdbwd"
+  q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16,
+                         requires_grad=need_grad) for _ in range(3))
+  if mode == "fwd":
+    with torch.no_grad():
+      return time_torch(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+  do = torch.randn_like(q)
+
+  def step():
+    for x in (q, k, v):
+      x.grad = None
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+  return time_torch(step)
+
+
+def _importable(name):
+  try:
+    __import__(name)
+    return True
+  except Exception as e:  # noqa: BLE001
+    log(f"[skip] {name} not importable: {type(e).__name__}: {e}")
+    return False
+
+
+def run_breakdown(shape):
+  """Where pallas_gpu GDN spends its time: XLA preparation vs the two kernels, per solve."""
+  from lineax_attn.ops import pallas_gpu
+  from pallas_kernels.gpu import state_passing as sp
+  b, t, h, d = shape
+  q, k, v, gates = make_inputs("gated_delta_rule", b, t, h, d)
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  q, k, v, g, beta = bf(q), bf(k), bf(v), f32(gates["g"]), f32(gates["beta"])
+
+  def prep(q, k, v, g, beta):
+    qs = q.astype(jnp.float32) * d ** -0.5
+    kf = k.astype(jnp.float32)
+    return pallas_gpu.prepare_chunks(qs, kf, kf * beta[..., None],
+                                     v.astype(jnp.float32) * beta[..., None], g, None, c=64)
+  rows = []
+  old = pallas_gpu.SOLVE
+  try:
+    for solve in ("inverse", "trsm"):
+      pallas_gpu.SOLVE = solve
+      rows.append((f"prepare_chunks (XLA intra-chunk, solve={solve}) fwd",
+                   time_jax(prep, [q, k, v, g, beta])[0]))
+      op = lambda *a: ops.gated_delta_rule(*a, implementation="pallas_gpu")[0]
+      rows.append((f"whole op, solve={solve}, fwd", time_jax(op, [q, k, v, g, beta])[0]))
+  finally:
+    pallas_gpu.SOLVE = old
+  inputs = jax.block_until_ready(jax.jit(prep)(q, k, v, g, beta))
+  s0 = jnp.zeros((b, h, d, d), jnp.float32)
+  for save in (False, True):
+    fn = lambda *a, save=save: sp.state_passing_fwd(*a, save_states=save)
+    rows.append((f"state_passing_fwd kernel (save_states={save})",
+                 time_jax(fn, list(inputs) + [s0])[0]))
+  ny, qg, p, u, kg, gc = inputs
+  do = jnp.ones(u.shape, jnp.bfloat16)
+  rows.append(("state_passing_bwd kernel",
+               time_jax(sp.state_passing_bwd, [ny, qg, p, kg, gc, do, u, s0])[0]))
+  for name, ms in rows:
+    log(f"[breakdown] {name}: {ms:.3f} ms")
+  return rows
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def _fmt(x, nd=2):
+  return "–" if x is None else f"{x:.{nd}f}"
+
+
+def _ratio(a, b):
+  return "–" if a is None or b is None else f"{a / b:.2f}"
+
+
+def to_markdown(results, meta):
+  by = {(r.shape, r.mixer, r.impl, r.mode): r for r in results}
+  shapes = sorted({r.shape for r in results}, key=lambda s: (s[0] * s[1], s))
+  mixers = [m for m in _MIXERS.value if any(r.mixer == m for r in results)]
+  merged_note = (f" (merged with the earlier run(s) of {', '.join(meta['merged'])} for what "
+                 "this run skipped)") if meta.get("merged") else ""
+  lines = [f"Run {meta['date']}{merged_note} on {meta['device']}; jax {meta['jax']}"
+           f"{', torch ' + meta['torch'] if meta.get('torch') else ''}"
+           f"{', jla ' + meta['jla'] if meta.get('jla') else ''}"
+           f"{', fla ' + meta['fla'] if meta.get('fla') else ''}. "
+           f"Times in ms (median of {_ITERS.value} after {_WARMUP.value} warm-up calls, "
+           "wall clock with block_until_ready / synchronize); bf16 inputs; peak memory in GiB "
+           "(JAX: args + outputs + temporaries of the compiled executable; torch: "
+           "max_memory_allocated). `err` = rms(o_pallas_gpu − o_chunk)/rms(o_chunk), forward.",
+           "",
+           "| B,T,H,D | mixer | mode | pallas_gpu | chunk | scan | jla | FLA | cuDNN attn | "
+           "SDPA | ours/jla | ours/FLA | ours/chunk | ours/cuDNN | peak ours | peak chunk | "
+           "peak jla | err |",
+           "|" + "---|" * 18]
+  for shape in shapes:
+    for mixer in mixers:
+      for mode in _MODES.value:
+        get = lambda impl, m=mixer: by.get((shape, m, impl, mode))
+        ms = lambda impl, m=mixer: getattr(get(impl, m), "ms", None)
+        ours = ms("pallas_gpu")
+        cud = ms("cudnn", "attention")
+        if all(ms(i) is None for i in ("pallas_gpu", "chunk", "jla", "fla")):
+          continue
+        err = getattr(by.get((shape, mixer, "pallas_gpu", "fwd")), "err_vs_chunk", None)
+        peak = lambda impl: getattr(get(impl), "peak_gib", None)
+        lines.append(
+            f"| {','.join(map(str, shape))} | {mixer} | {mode} | {_fmt(ours)} | "
+            f"{_fmt(ms('chunk'))} | {_fmt(ms('scan'))} | {_fmt(ms('jla'))} | {_fmt(ms('fla'))} | "
+            f"{_fmt(cud)} | {_fmt(ms('sdpa', 'attention'))} | {_ratio(ours, ms('jla'))} | "
+            f"{_ratio(ours, ms('fla'))} | {_ratio(ours, ms('chunk'))} | {_ratio(ours, cud)} | "
+            f"{_fmt(peak('pallas_gpu'))} | {_fmt(peak('chunk'))} | {_fmt(peak('jla'))} | "
+            f"{'–' if err is None else f'{err:.1e}'} |")
+  if meta.get("breakdown"):
+    bd = meta["breakdown"]
+    lines += ["", f"pallas_gpu GDN parts at B,T,H,D = {','.join(map(str, bd['shape']))} "
+              "(ms, each compiled and timed on its own):", "", "| part | ms |", "|---|---|"]
+    lines += [f"| {name} | {ms:.3f} |" for name, ms in bd["rows"]]
+  notes = [r for r in results if r.note]
+  if notes:
+    lines += ["", "Not measured / errors:", ""]
+    lines += [f"- {','.join(map(str, r.shape))} {r.mixer} {r.impl} {r.mode}: {r.note}"
+              for r in notes]
+  return "\n".join(lines) + "\n"
+
+
+def write_markdown(path, text):
+  body = f"{BEGIN}\n{text}{END}\n"
+  if os.path.exists(path):
+    old = open(path).read()
+    if BEGIN in old and END in old:
+      body = old[:old.index(BEGIN)] + body + old[old.index(END) + len(END) + 1:]
+  with open(path, "w") as f:
+    f.write(body)
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main(argv):
+  del argv
+  start = time.time()
+  dev = jax.devices()[0]
+  meta = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__}
+  impls = list(_IMPLS.value)
+  on_gpu = dev.platform == "gpu"
+  have = {}
+  have["jla"] = "jla" in impls and on_gpu and _importable("jla.ops")
+  have["torch"] = any(i in impls for i in ("fla", "sdpa")) and on_gpu and _importable("torch")
+  have["fla"] = "fla" in impls and have["torch"] and _importable("fla.ops")
+  if have["torch"]:
+    import torch
+    meta["torch"] = torch.__version__
+  for name, mod in (("jla", "jla"), ("fla", "fla")):
+    if have[name]:
+      from importlib import metadata
+      try:
+        meta[name] = metadata.version({"jla": "jax-linear-attention", "fla": "fla-core"}[name])
+      except Exception:  # noqa: BLE001
+        meta[name] = "?"
+  log("meta:", meta)
+
+  results: list[Result] = []
+  shapes = [tuple(int(x) for x in s.split(",")) for s in _SHAPES.value.split(";") if s]
+
+  skip = [x.split(":") for x in _SKIP.value]
+
+  def skipped(res):
+    for pat in skip:
+      if (pat[0] == res.mixer and pat[1] in ("*", res.impl)
+          and (len(pat) < 3 or int(pat[2]) == res.shape[1])):
+        return True
+    return False
+
+  def attempt(res: Result, fn):
+    if skipped(res):
+      return None
+    if time.time() - start > _BUDGET.value:
+      res.note = "skipped (time budget)"
+      results.append(res)
+      log(f"[skip] {res}")
+      return None
+    t0 = time.time()
+    try:
+      out = fn()
+      res.ms, res.q20, res.q80, res.peak_gib = out[:4]
+      log(f"[ok] {res.shape} {res.mixer:18s} {res.impl:10s} {res.mode:6s} {res.ms:8.3f} ms "
+          f"(q20 {res.q20:.3f}, q80 {res.q80:.3f}) peak {_fmt(res.peak_gib)} GiB "
+          f"[{time.time() - t0:.0f} s incl. compile]")
+      results.append(res)
+      return out
+    except Exception as e:  # noqa: BLE001
+      msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+      res.note = "error: " + msg
+      log(f"[error] {res.shape} {res.mixer} {res.impl} {res.mode}: {msg}")
+      traceback.print_exc(file=sys.stdout)
+      results.append(res)
+      return None
+
+  merged: list[Result] = []
+  for path in _MERGE.value:
+    with open(path) as f:
+      old = json.load(f)
+    for r in old["results"]:
+      r["shape"] = tuple(r["shape"])
+      if r.get("ms") is not None:
+        merged.append(Result(**r))
+    if old["meta"].get("breakdown") and "breakdown" not in meta:
+      meta["breakdown"] = old["meta"]["breakdown"]
+    meta["merged"] = meta.get("merged", []) + [old["meta"]["date"]]
+
+  def flush():
+    # This run's numbers override merged ones; merged notes ("skipped") are dropped.
+    have_now = {(r.shape, r.mixer, r.impl, r.mode) for r in results if r.ms is not None}
+    keep = [r for r in merged if (r.shape, r.mixer, r.impl, r.mode) not in have_now]
+    now = [r for r in results if not (r.note and (r.shape, r.mixer, r.impl, r.mode) in
+                                      {(m.shape, m.mixer, m.impl, m.mode) for m in keep})]
+    text = to_markdown(keep + now, meta)
+    if _OUT_MD.value:
+      write_markdown(_OUT_MD.value, text)
+    if _OUT_JSON.value:
+      with open(_OUT_JSON.value, "w") as f:
+        json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results]}, f,
+                  indent=1)
+    return text
+
+  for shape in shapes:  # attention first: cheap, and every row's ours/cuDNN needs it
+    b, t, h, d = shape
+    for mode in _MODES.value:
+      if "cudnn" in impls and on_gpu:
+        attempt(Result(shape, "attention", "cudnn", mode), lambda: run_cudnn(mode, b, t, h, d))
+      if "sdpa" in impls and have["torch"]:
+        attempt(Result(shape, "attention", "sdpa", mode), lambda: run_sdpa(mode, b, t, h, d))
+  flush()
+  if _BREAKDOWN.value and on_gpu:
+    try:
+      rows = run_breakdown(shapes[0])
+      meta["breakdown"] = {"shape": shapes[0], "rows": rows}
+    except Exception as e:  # noqa: BLE001
+      log(f"[error] breakdown: {type(e).__name__}: {e}")
+      traceback.print_exc(file=sys.stdout)
+  for mixer in _MIXERS.value:  # mixer-major, so a time budget cuts the least important last
+    for shape in shapes:
+      b, t, h, d = shape
+      np_in = make_inputs(mixer, b, t, h, d)
+      for mode in _MODES.value:
+        outs = {}
+        for impl in ("pallas_gpu", "chunk", "scan"):
+          if impl not in impls or (impl == "scan" and (mode != "fwd" or t > _SCAN_MAX_T.value)):
+            continue
+          out = attempt(Result(shape, mixer, impl, mode),
+                        lambda impl=impl: run_ours(mixer, impl, mode, np_in))
+          if out is not None and mode == "fwd":
+            outs[impl] = np.asarray(out[4], np.float32)
+        if "pallas_gpu" in outs and "chunk" not in outs:
+          try:  # chunk not timed this run: still compute its output for the err column
+            q_, k_, v_, g_ = np_in
+            a_ = [jnp.asarray(x, jnp.bfloat16) for x in (q_, k_, v_)]
+            a_ += [jnp.asarray(x, jnp.float32) for x in g_.values()]
+            ref = jax.jit(lambda *a: getattr(ops, mixer)(*a, implementation="chunk")[0])(*a_)
+            outs["chunk"] = np.asarray(ref, np.float32)
+          except Exception as e:  # noqa: BLE001
+            log(f"[error] chunk reference output: {type(e).__name__}: {e}")
+        if "pallas_gpu" in outs and "chunk" in outs:
+          a, r = outs["pallas_gpu"], outs["chunk"]
+          err = float(np.sqrt(np.mean((a - r) ** 2)) / max(np.sqrt(np.mean(r ** 2)), 1e-30))
+          for res in results:
+            if (res.shape, res.mixer, res.impl, res.mode) == (shape, mixer, "pallas_gpu", "fwd"):
+              res.err_vs_chunk = err
+          log(f"    err(pallas_gpu vs chunk) = {err:.2e}")
+        outs.clear()
+        if have["jla"] and mixer in JLA_KIND:
+          attempt(Result(shape, mixer, "jla", mode), lambda: run_jla(mixer, mode, np_in))
+        if have["fla"] and mixer in _FLA_MIXERS.value:
+          attempt(Result(shape, mixer, "fla", mode), lambda: run_fla(mixer, mode, np_in))
+        flush()
+
+  log("\n" + flush())
+  log(f"total {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,24 @@
+#!/bin/bash
+# Device-side runner for the pallas_gpu work: compiled kernel tests, then the kernel benchmark.
+# Usage (repo root, on the GPU machine, wheels carried in .whl/): bash experiments/run_gpu_kernels.sh TEST_TIMEOUT BENCH_TIMEOUT [bench flags...]
+set -u
+TT=${1:-240}; BT=${2:-300}; shift 2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/jax_linear_attention-*.whl .whl/fla_core-*.whl > $OUT/pip.log 2>&1 || { cat $OUT/pip.log; exit 1; }
+export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache JAX_PLATFORMS=cuda
+mkdir -p /tmp/triton_cache
+[ -f .whl/triton_cache.tgz ] && tar xzf .whl/triton_cache.tgz -C /tmp/triton_cache
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee $OUT/gpu.txt
+date -u +%FT%TZ > $OUT/date.txt
+if [ "$TT" -gt 0 ]; then
+  timeout $TT python3 -m pytest tests/test_pallas_gpu.py -v -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>&1
+  echo "pytest rc=$?"; grep -E "passed|failed|error" $OUT/test_gpu.log | tail -3
+fi
+if [ "$BT" -gt 0 ]; then
+  timeout $BT python3 -u -m experiments.bench_kernels --out_md=$OUT/bench.md --out_json=$OUT/bench.json \
+    --time_budget_s=$((BT - 60)) "$@" > $OUT/bench.log 2>&1
+  echo "bench rc=$?"; grep -E "^\[(ok|error|skip)\]|err\(" $OUT/bench.log | cut -c1-200
+fi
+tar czf $OUT/triton_cache.tgz -C /tmp/triton_cache . 2>/dev/null
+ls -la $OUT

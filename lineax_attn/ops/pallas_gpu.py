@@ -1,0 +1,304 @@
+"""The `pallas_gpu` implementation: XLA intra-chunk math + Mosaic GPU state-passing kernels.
+
+Split of the chunk form (SPEC.md §3.2):
+
+* **Intra-chunk, all chunks in parallel (XLA, differentiated by autodiff):** the masked
+  intra-chunk attention P, the WY/UT solve Y = Z(K̃⊙Γ), U = ZṼ, the gated queries/keys QG, KG
+  and the chunk decay gc. For scalar gates (GDN) and no gate (DeltaNet, linear attention) the
+  C×C products take bf16 operands with float32 accumulation and the unit-lower-triangular
+  systems are solved in float32 (blocked inverse by matmuls); per-channel gates (KDA, GDN-2)
+  reuse the overflow-free sub-chunk form of `chunked._intra_chunk` (float32).
+* **Sequential state pass (Mosaic GPU kernels, `pallas_kernels.gpu.state_passing`):**
+  E = U − Y·S, O = QG·S + P·E, S' = gc⊙S + KGᵀ·E with the float32 state on chip; its backward is
+  a reverse kernel for the state cotangent (SPEC.md §3.6 steps 1-2) plus batched matmuls, wired
+  as a `jax.custom_vjp`.
+
+Handled: all five linear mixers, initial_state / final_state, GVA, segment_ids, T not a multiple
+of the chunk, return_residual. Needs chunk_size 64, K = 64 or 128, V a multiple of 64. Anything
+else (other sizes, `cu_seqlens` varlen, a GPU that is not Hopper) falls back to the `chunk`
+implementation with one log line per reason; never silently wrong.
+
+Off GPU the kernels run in JAX's Mosaic GPU interpreter (slow; for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from lineax_attn.ops import chunked
+from pallas_kernels.gpu import state_passing as sp
+
+_log = logging.getLogger(__name__)
+_warned: set[str] = set()
+_F32 = jnp.float32
+_MM = sp.MM_DTYPE
+_HI = jax.lax.Precision.HIGHEST
+# How the intra-chunk unit-lower-triangular systems are solved: "inverse" (blocked inverse by
+# matmuls, `unit_lower_inverse`) or "trsm" (`lax.linalg.triangular_solve`). Module-level so
+# experiments/bench_kernels.py can time both.
+SOLVE = "inverse"
+
+
+def is_hopper(device=None) -> bool:
+  """True on an NVIDIA compute-capability-9.x GPU (H100, H200, H800, GH200)."""
+  device = device or jax.devices()[0]
+  if device.platform != "gpu":
+    return False
+  cc = getattr(device, "compute_capability", None)
+  if cc is not None:
+    return str(cc).startswith("9.")
+  kind = device.device_kind.upper()
+  return any(name in kind for name in ("H100", "H200", "H800", "GH200"))
+
+
+def _interpret_params():
+  """None (compile for the GPU) on a GPU backend, else the CPU interpreter."""
+  if jax.default_backend() == "gpu":
+    return None
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.InterpretGPUParams()
+
+
+def unsupported_reason(*, dk: int, dv: int, chunk_size: int, varlen: bool) -> str | None:
+  """Why `pallas_gpu` cannot run this call (None if it can)."""
+  if varlen:
+    return "cu_seqlens (varlen) is not handled by the pallas_gpu kernels yet"
+  reason = sp.supported(chunk_size, dk, dv)
+  if reason:
+    return reason
+  if jax.default_backend() == "gpu" and not is_hopper():
+    return f"GPU {jax.devices()[0].device_kind} is not Hopper (wgmma/TMA need sm_90)"
+  return None
+
+
+def _fallback(reason: str, mixer: str):
+  if reason not in _warned:
+    _warned.add(reason)
+    _log.warning("pallas_gpu: %s; %s falls back to implementation='chunk'.", reason, mixer)
+
+
+# ----------------------------------------------------------------------------- state pass
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _state_pass(ny, qg, p, u, kg, gc, s0, interpret):
+  o, e, s_final = sp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, interpret=interpret)
+  return o, e, s_final
+
+
+def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret):
+  o, e, s_final, h = sp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True,
+                                          interpret=interpret)
+  return (o, e, s_final), (ny, qg, p, kg, gc, h, e)
+
+
+def _mm(spec, a, b):
+  """Batched matmul with bf16 operands and float32 accumulation (SPEC.md §3.7)."""
+  return jnp.einsum(spec, a.astype(_MM), b.astype(_MM), preferred_element_type=_F32)
+
+
+def _state_pass_bwd(interpret, res, cts):
+  ny, qg, p, kg, gc, h, e = res
+  do, de_ext, ds_final = cts
+  de, dh, ds0 = sp.state_passing_bwd(ny, qg, p, kg, gc, do.astype(_MM), de_ext.astype(_F32),
+                                     ds_final.astype(_F32), interpret=interpret)
+  # h = state entering each chunk, dh = cotangent of the state leaving it.
+  d_ny = _mm("...cv,...kv->...ck", de, h)           # E = U + NY·S
+  d_qg = _mm("...cv,...kv->...ck", do, h)           # O = QG·S + P·E
+  d_p = _mm("...iv,...jv->...ij", do, e)
+  d_kg = _mm("...cv,...kv->...ck", e, dh)           # S' = gc⊙S + KGᵀ·E
+  d_gc = jnp.sum(dh.astype(_F32) * h.astype(_F32), axis=-1)
+  return (d_ny.astype(ny.dtype), d_qg.astype(qg.dtype), d_p.astype(p.dtype), de,
+          d_kg.astype(kg.dtype), d_gc, ds0)
+
+
+_state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
+
+
+# ----------------------------------------------------------------------------- intra-chunk
+
+
+def _masked_exp(x, mask):
+  return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
+
+
+def _intra_scalar(Q, K, Kt, Vt, G, same, cont, keep):
+  """`chunked._intra_chunk` for scalar or no gates, with bf16 operands in the C×C products.
+
+  Leading dims [..., C]; G [..., C] or None; Kt None for linear attention.
+  Returns QG, P, Y (or None), U, KG, gC ([..., 1] or None), like `chunked._intra_chunk`.
+  """
+  c = Q.shape[-2]
+  lower = jnp.tril(jnp.ones((c, c), bool))
+  strict = jnp.tril(jnp.ones((c, c), bool), k=-1)
+  if G is None:
+    decay = lower.astype(_F32)
+    gam = gam_exit = gC = None
+  else:
+    decay = _masked_exp(G[..., :, None] - G[..., None, :], lower)
+    gam, gam_exit = jnp.exp(G)[..., None], jnp.exp(G[..., -1:] - G)[..., None]
+    gC = jnp.exp(G[..., -1:])
+  if same is not None:
+    decay = decay * same
+  P = _mm("...ic,...jc->...ij", Q, K) * decay
+  rows = lambda x, f: x if f is None else x * f
+  entry = gam if cont is None else (cont[..., None] if gam is None else gam * cont[..., None])
+  QG = rows(Q, entry)
+  KG = rows(rows(K, gam_exit), None if keep is None else keep[..., None])
+  if cont is not None:
+    gC = cont[..., -1:] if gC is None else gC * cont[..., -1:]
+  if Kt is None:
+    return QG, P, None, Vt, KG, gC
+  L = _mm("...ic,...jc->...ij", Kt, K) * (decay * strict)
+  rhs = jnp.concatenate([rows(Kt, entry), Vt], axis=-1)
+  if SOLVE == "trsm":
+    eye = jnp.eye(c, dtype=_F32)
+    with jax.default_matmul_precision("highest"):
+      sol = jax.lax.linalg.triangular_solve(eye + L, rhs, left_side=True, lower=True,
+                                            unit_diagonal=True)
+  else:
+    sol = jnp.einsum("...ij,...jd->...id", unit_lower_inverse(L), rhs, precision=_HI)
+  dk = Kt.shape[-1]
+  return QG, P, sol[..., :dk], sol[..., dk:], KG, gC
+
+
+def unit_lower_inverse(L, block=16):
+  """(I + L)^{-1} for strictly lower-triangular L `[..., C, C]` (C a multiple of 16), float32.
+
+  Matmuls only (a batched `triangular_solve` of many 64×64 systems is slow on GPU). Each 16×16
+  diagonal block N = −L_bb is nilpotent, so (I − N)^{-1} = Σ_{j<16} N^j
+  = (I + N)(I + N²)(I + N⁴)(I + N⁸); blocks are then merged pairwise with
+  [[A, 0], [B, D]]^{-1} = [[A^{-1}, 0], [−D^{-1} B A^{-1}, D^{-1}]] (SPEC.md §3.7).
+  """
+  c = L.shape[-1]
+  b = min(block, c)
+  mm = lambda x, y: jnp.einsum("...ij,...jk->...ik", x, y, precision=_HI)
+  eye = jnp.eye(b, dtype=L.dtype)
+  invs = []
+  for i in range(c // b):
+    n = -L[..., i * b:(i + 1) * b, i * b:(i + 1) * b]
+    z, pw = eye + n, n
+    for _ in range(max(b.bit_length() - 2, 0)):   # 16 -> N², N⁴, N⁸
+      pw = mm(pw, pw)
+      z = z + mm(z, pw)
+    invs.append(z)
+  while len(invs) > 1:
+    size = invs[0].shape[-1]
+    merged = []
+    for j in range(0, len(invs), 2):
+      a_inv, d_inv = invs[j], invs[j + 1]
+      r0, c0 = (j + 1) * size, j * size
+      lower_left = -mm(mm(d_inv, L[..., r0:r0 + size, c0:c0 + size]), a_inv)
+      top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1)
+      bottom = jnp.concatenate([lower_left, d_inv], axis=-1)
+      merged.append(jnp.concatenate([top, bottom], axis=-2))
+    invs = merged
+  return invs[0]
+
+
+def _to_chunks(x, c):
+  """[B, T, HV, ...] -> [B, HV, Nc, C, ...]."""
+  if x is None:
+    return None
+  b, t, hv = x.shape[:3]
+  x = x.reshape(b, t // c, c, hv, *x.shape[3:])
+  return jnp.moveaxis(x, 3, 1)
+
+
+def _from_chunks(x):
+  """[B, HV, Nc, C, D] -> [B, T, HV, D]."""
+  b, hv, nc, c, d = x.shape
+  return jnp.moveaxis(x, 1, 3).reshape(b, nc * c, hv, d)
+
+
+def _pad_time(x, t_pad, mode="constant"):
+  if x is None or x.shape[1] == t_pad:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (0, t_pad - x.shape[1])
+  return jnp.pad(x, pad, mode=mode)
+
+
+def _segment_masks(segidx, c):
+  """segidx [B, T] -> same [B, 1, Nc, C, C], cont and keep [B, 1, Nc, C] (SPEC.md §3.5)."""
+  b, t = segidx.shape
+  sc = segidx.reshape(b, 1, t // c, c)
+  prev = jnp.concatenate([segidx[:, :1], segidx[:, c - 1:-1:c]], axis=1)   # [B, Nc]
+  entry = prev[:, None, :, None]
+  same = sc[..., :, None] == sc[..., None, :]
+  cont = (sc == entry).astype(_F32)
+  keep = (sc == sc[..., -1:]).astype(_F32)
+  return same, cont, keep
+
+
+def prepare_chunks(q, k, kt, vt, g, segidx, *, c):
+  """XLA part: [B, T, HV, ...] inputs (T a multiple of c) -> the state-pass kernel's inputs.
+
+  Returns (ny, qg, p, u, kg, gc) in the layouts of `state_passing.state_passing_fwd`.
+  """
+  gate_kind = None if g is None else ("channel" if g.ndim == 4 else "scalar")
+  G = None
+  if g is not None:
+    G = jnp.cumsum(_to_chunks(g[..., None] if gate_kind == "scalar" else g, c), axis=-2)
+    if gate_kind == "scalar":
+      G = G[..., 0]
+  same = cont = keep = None
+  if segidx is not None:
+    same, cont, keep = _segment_masks(segidx, c)
+  chunks = (_to_chunks(q, c), _to_chunks(k, c), _to_chunks(kt, c), _to_chunks(vt, c), G)
+  if gate_kind == "channel":
+    intra = jax.checkpoint(functools.partial(chunked._intra_chunk, gate_kind="channel"))
+  else:
+    intra = jax.checkpoint(_intra_scalar)
+  QG, P, Y, U, KG, gC = intra(*chunks, same=same, cont=cont, keep=keep)
+  dk = q.shape[-1]
+  lead = QG.shape[:3]
+  ny = jnp.zeros_like(QG) if Y is None else -Y
+  gc = jnp.ones(lead + (dk,), _F32) if gC is None else jnp.broadcast_to(gC, lead + (dk,))
+  return (ny.astype(_MM), QG.astype(_MM), P.astype(_MM), U.astype(_F32), KG.astype(_MM),
+          gc.astype(_F32))
+
+
+def _core(q, k, kt, vt, g, s0, segidx, *, c, interpret):
+  """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
+  ny, qg, p, u, kg, gc = prepare_chunks(q, k, kt, vt, g, segidx, c=c)
+  o, e, s_final = _state_pass(ny, qg, p, u, kg, gc, s0, interpret)
+  return _from_chunks(o), _from_chunks(e), s_final
+
+
+def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
+                            output_final_state=False):
+  """The `pallas_gpu` implementation (see `api.run_mixer` for the contract)."""
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
+  reason = unsupported_reason(dk=dk, dv=dv, chunk_size=chunk_size, varlen=layout.is_varlen)
+  if reason:
+    _fallback(reason, mixer)
+    return chunked.chunk_delta_family(mixer, q, k, v, gates, scale=scale,
+                                      initial_state=initial_state, layout=layout,
+                                      chunk_size=chunk_size,
+                                      output_final_state=output_final_state)
+  g, erase, write = chunked.canonical_gates(mixer, v, gates)
+  n_rep = hv // h
+  q = jnp.repeat(q, n_rep, axis=2) * scale
+  k = jnp.repeat(k, n_rep, axis=2)
+  kt = None if erase is None else k * erase
+  vt = v if write is None else v * write
+  if layout.valid is not None:
+    # Padding rows are identity steps: no decay, no erase, no write, zero output.
+    m = layout.valid[:, :, None, None].astype(_F32)
+    q, k, vt = q * m, k * m, vt * m
+    kt = None if kt is None else kt * m
+    g = None if g is None else g * (m if g.ndim == 4 else m[..., 0])
+  c = chunk_size
+  t_pad = -(-t // c) * c
+  pad = functools.partial(_pad_time, t_pad=t_pad)
+  segidx = None if layout.segidx is None else _pad_time(layout.segidx, t_pad, mode="edge")
+  s0 = jnp.zeros((b, hv, dk, dv), _F32) if initial_state is None else initial_state
+  o, e, s_final = _core(pad(q), pad(k), pad(kt), pad(vt), pad(g), s0, segidx, c=c,
+                        interpret=_interpret_params())
+  return o[:, :t], (s_final if output_final_state else None), e[:, :t]

@@ -1,0 +1,24 @@
+"""KDA (SPEC.md §2.5): S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t−1} + β_t k_t v_tᵀ, α per channel."""
+
+from __future__ import annotations
+
+from pallas_kernels.tpu import _common
+from pallas_kernels.tpu.template import delta_template
+
+
+@_common.with_doc
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+        segidx=None, valid=None, cu_seqlens=None, block_sizes=None, interpret=None):
+  """Chunkwise KDA on TPU (per-channel gate: anchored 16-row sub-chunks, SPEC.md §3.4).
+
+  Args:
+    q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; g: `[B, T, HV, K]` log decay ≤ 0;
+    beta: `[B, T, HV]`.
+    {common}
+  """
+  kt = _common.times(_common.value_heads(k, v.shape[2]), beta)
+  return delta_template(q, k, kt, _common.times(v, beta), g,
+                        scale=_common.default_scale(scale, q), initial_state=initial_state,
+                        output_final_state=output_final_state, segidx=segidx, valid=valid,
+                        cu_seqlens=cu_seqlens, block_sizes=block_sizes, interpret=interpret,
+                        out_dtype=v.dtype)

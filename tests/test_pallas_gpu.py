@@ -1,0 +1,142 @@
+"""The `pallas_gpu` implementation: Mosaic GPU state-passing kernels and the ops built on them.
+
+On a machine without GPU the kernels run in JAX's Mosaic GPU interpreter (`plgpu.kernel` style
+is what it supports), so this file runs in `make test`; on a Hopper GPU the same tests run the
+compiled kernels. Shapes are small (K = V = 64, C = 64, a few chunks) to keep the interpreter
+within the CPU budget.
+
+Oracles:
+* kernel forward vs the same recurrence as a float32 `lax.scan` with the kernel's bf16 operand
+  rounding emulated (so only accumulation order differs: rel 1e-4);
+* kernel backward vs autodiff of the unrounded float32 recurrence (bf16 operands: rel 2e-2);
+* public ops vs the `scan` reference and the `chunk` form, forward and gradients, with
+  initial/final state, GVA, segment ids and T not a multiple of the chunk (bf16 matmul
+  operands, float32 accumulation and state: rel 2e-2 forward, 3e-2 gradients).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from helpers import assert_close, make_inputs, run
+
+plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
+                            reason="this jax has no Mosaic GPU Pallas backend")
+
+from lineax_attn import ops  # noqa: E402
+from lineax_attn.ops import api  # noqa: E402
+from lineax_attn.ops import pallas_gpu  # noqa: E402
+from pallas_kernels.gpu import state_passing as sp  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+if ON_GPU and not pallas_gpu.is_hopper():
+  pytest.skip(f"the Mosaic GPU kernels need a Hopper GPU (sm_90), got "
+              f"{jax.devices()[0].device_kind}", allow_module_level=True)
+INTERPRET = None if ON_GPU else plgpu.InterpretGPUParams()
+
+FWD_TOL = 2e-2    # bf16 matmul operands (Y, S, E, P, QG, KG), float32 accumulation and state
+GRAD_TOL = 3e-2
+
+
+def _chunk_inputs(seed, b=1, hv=2, nc=3, c=64, dk=64, dv=64):
+  ks = jax.random.split(jax.random.key(seed), 7)
+  n = lambda i, s, sc=1.0: sc * jax.random.normal(ks[i], s, jnp.float32)
+  bf = sp.MM_DTYPE
+  return dict(
+      ny=n(0, (b, hv, nc, c, dk), 0.1).astype(bf), qg=n(1, (b, hv, nc, c, dk), 0.1).astype(bf),
+      p=n(2, (b, hv, nc, c, c), 0.1).astype(bf), u=n(3, (b, hv, nc, c, dv)),
+      kg=n(4, (b, hv, nc, c, dk), 0.1).astype(bf),
+      gc=jax.nn.sigmoid(n(5, (b, hv, nc, dk))), s0=n(6, (b, hv, dk, dv)))
+
+
+# K = 128 (two swizzle groups per row, M = 128 state matmuls) only compiled: the interpreter
+# gains nothing from it but time.
+@pytest.mark.parametrize("dk,dv", [(64, 64)] + ([(128, 64)] if ON_GPU else []))
+def test_state_pass_forward_matches_scan(dk, dv):
+  x = _chunk_inputs(0, dk=dk, dv=dv)
+  o, e, s, h = sp.state_passing_fwd(**x, save_states=True, interpret=INTERPRET)
+  ro, re, rs, rh = sp.state_passing_reference(**x, round_operands=True)
+  for name, got, want in (("o", o, ro), ("e", e, re), ("s_final", s, rs)):
+    assert_close(got, want, 1e-4, name)
+  assert h.dtype == sp.MM_DTYPE
+  assert_close(h.astype(jnp.float32), rh, 1e-2, "h (bf16 chunk-entry states)")
+
+
+def test_state_pass_backward_matches_autodiff():
+  x = _chunk_inputs(1)
+  ks = jax.random.split(jax.random.key(2), 3)
+  do = jax.random.normal(ks[0], x["u"].shape).astype(sp.MM_DTYPE)
+  de_ext = jax.random.normal(ks[1], x["u"].shape)
+  ds_final = jax.random.normal(ks[2], x["s0"].shape)
+  de, dh, ds0 = sp.state_passing_bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, de_ext,
+                                     ds_final, interpret=INTERPRET)
+  f = lambda u, s0: sp.state_passing_reference(
+      x["ny"], x["qg"], x["p"], u, x["kg"], x["gc"], s0)[:3]
+  _, vjp = jax.vjp(f, x["u"], x["s0"])
+  du, d_s0 = vjp((do.astype(jnp.float32), de_ext, ds_final))
+  assert_close(de, du, FWD_TOL, "dE (= dU)")
+  assert_close(ds0, d_s0, FWD_TOL, "d initial_state")
+  # The state cotangent leaving the last chunk is the final-state cotangent itself.
+  assert_close(dh[:, :, -1].astype(jnp.float32), ds_final, 1e-2, "dh of the last chunk")
+
+
+def _segments(b, t):
+  ids = jnp.concatenate([jnp.full((b, 30), 1), jnp.full((b, 50), 2), jnp.full((b, t - 80), 0)], 1)
+  return ids.astype(jnp.int32)
+
+
+@pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule", "linear_attention", "kda",
+                                   "gdn2"])
+def test_op_forward_matches_scan_and_chunk(mixer):
+  # T = 100: two chunks, the second padded; GVA (1 q/k head, 2 value heads); a reset at 30, a
+  # segment crossing the chunk boundary, trailing padding; an initial state.
+  args, kw = make_inputs(mixer, b=1, t=100, h=1, hv=2, dk=64, dv=64, seed=3)
+  kw.update(segment_ids=_segments(1, 100), output_final_state=True, return_residual=True)
+  got = run(mixer, args, **kw, implementation="pallas_gpu")
+  want = run(mixer, args, **kw, implementation="scan")
+  chunk = run(mixer, args, **kw, implementation="chunk")
+  for name, g, w, c in zip(("o", "final_state", "r"), got, want, chunk):
+    assert_close(g, w, FWD_TOL, f"{mixer} {name} vs scan")
+    assert_close(g, c, FWD_TOL, f"{mixer} {name} vs chunk")
+
+
+@pytest.mark.parametrize("mixer", ["gated_delta_rule", "kda"])
+def test_op_gradients_match_scan(mixer):
+  args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=4)
+  s0 = kw["initial_state"]
+  w_o = jax.random.normal(jax.random.key(5), args[2].shape)
+  w_s = jax.random.normal(jax.random.key(6), s0.shape)
+
+  def loss(impl):
+    def f(*a):
+      *xs, s_init = a
+      o, s = run(mixer, xs, initial_state=s_init, output_final_state=True, implementation=impl)
+      return jnp.sum(o * w_o) + jnp.sum(s * w_s)
+    return jax.grad(f, argnums=tuple(range(len(args) + 1)))
+
+  got = loss("pallas_gpu")(*args, s0)
+  want = loss("scan")(*args, s0)
+  names = ["q", "k", "v"] + (["g", "beta"]) + ["initial_state"]
+  for name, g, w in zip(names, got, want):
+    assert_close(g, w, GRAD_TOL, f"{mixer} d{name}")
+
+
+def test_unsupported_shape_falls_back_to_chunk_with_log(caplog):
+  args, kw = make_inputs("gated_delta_rule", b=1, t=20, h=1, dk=16, dv=24, seed=7)
+  with caplog.at_level(logging.WARNING, logger=pallas_gpu.__name__):
+    pallas_gpu._warned.clear()
+    got = run("gated_delta_rule", args, **kw, implementation="pallas_gpu")
+  want = run("gated_delta_rule", args, **kw, implementation="chunk")
+  assert "falls back to implementation='chunk'" in caplog.text
+  assert "K=16" in caplog.text
+  assert_close(got[0], want[0], 1e-6, "fallback o")
+
+
+def test_registered_and_default_implementation():
+  assert "pallas_gpu" in ops.available_implementations()
+  expected = "pallas_gpu" if ON_GPU else "chunk"
+  assert api.default_implementation() == expected
