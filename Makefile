@@ -1,5 +1,5 @@
 # lineax_attn: the two commands a fresh machine needs.
-#   make run   - create .venv if missing, install, run the main job (bench_ops on a small default)
+#   make run   - create .venv if missing, install, run the main job (the tiny mixer comparison on CPU)
 #   make test  - same set-up, then the test suite
 # The venv is rebuilt only when setup.cfg or constraints.txt change (stamp file).
 
@@ -38,7 +38,7 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 venv: $(STAMP)
 
 run: $(STAMP)
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.bench_ops
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m experiments.compare --config=configs/mixers.py:tiny --workdir=runs/default
 
 test: $(STAMP)
 	@JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \

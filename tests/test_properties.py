@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from helpers import assert_close
@@ -117,6 +118,8 @@ def test_kda_chunk_equals_scan(p):
   _check_chunk_equals_scan("kda", p)
 
 
+# Slow: GDN-2's chunk == scan is covered on fixed shapes in test_chunk_vs_scan / test_segments.
+@pytest.mark.slow
 @settings(SETTINGS, max_examples=8)
 @given(problems())
 def test_gdn2_chunk_equals_scan(p):

@@ -1,0 +1,535 @@
+"""The training loop: sharded init, a jitted train step with explicit shardings, evaluation,
+checkpoints with bit-exact resume, NaN/Inf stop, logs.
+
+    from lineax_attn.train import loop
+    result = loop.train(config, workdir)        # config: an ml_collections config (configs/)
+
+Pieces:
+
+* `Trainer(experiment)`: the mesh ("data", "fsdp", "tensor"), the model built abstractly
+  (`nnx.eval_shape`), parameter shardings from the layers' logical axis names
+  (`sharding.DEFAULT_RULES`), optimiser-state shardings that follow the parameters, and three
+  jitted functions with explicit in/out shardings: `init()` (parameters created sharded),
+  `step(params, opt_state, batch)` and `eval_step(params, batch)`; the steps are traced under
+  `jax.set_mesh`, so Pallas kernels shard themselves with `jax.shard_map`. Parameters are a
+  pure dict (`nnx.to_pure_dict`) so the optimiser state and checkpoints are plain pytrees.
+* Loss: masked token cross-entropy, sum(nll · loss_mask) / sum(loss_mask) over the global batch,
+  in float32. With `train.grad_accum_steps` = k the batch is split into k micro-batches whose
+  summed gradients are divided by the batch's token count once, so the step equals the
+  one-shot step. Segment ids go to the model when the data resets at document boundaries;
+  without resets (the paper's setting) the rows are unpadded streams and none are passed.
+* `train(config, workdir)`: resumes from the latest checkpoint in `<workdir>/checkpoints`
+  (params, optimiser state, step, data iterator), so re-running a command continues it and the
+  parameters and losses equal an unbroken run bit for bit. Each step's loss, gradient norm and
+  updated-parameter norm are read back; a NaN or Inf in any of them raises `NonFiniteLossError`
+  before anything of that step is saved, so the last checkpoint on disk is the last good one.
+  Validation runs every `eval_every` steps (and at the start and the end) on a fixed set of
+  `eval_batches` batches.
+  Logs: a progress line, `<workdir>/metrics.jsonl` and TensorBoard scalars (process 0), with
+  tokens/s and the MFU estimate of `metrics.py`.
+
+Multi-host: every process runs the same program; each reads its own shard of the documents
+(the pipeline shards by `jax.process_index()`), global batches are assembled with
+`jax.make_array_from_process_local_data`, orbax saves from all processes, and logs come from
+process 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from lineax_attn.data import pipeline as pipeline_lib
+from lineax_attn.models import LanguageModel
+from lineax_attn.train import checkpoint as checkpoint_lib
+from lineax_attn.train import experiment as experiment_lib
+from lineax_attn.train import metrics as metrics_lib
+from lineax_attn.train import optim as optim_lib
+from lineax_attn.train import progress as progress_lib
+from lineax_attn.train import sharding as sharding_lib
+
+Params = dict
+Batch = Mapping[str, jax.Array]
+
+
+class NonFiniteLossError(FloatingPointError):
+  """Training produced a NaN or Inf loss (or gradient norm); nothing of that step was saved."""
+
+
+# ----------------------------------------------------------------------------------- loss
+
+
+def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+  """(sum of masked token NLL, number of counted tokens), float32.
+
+  logits `[B, T, V]`, targets `[B, T]` int, mask `[B, T]` (1 = counted).
+  """
+  logits = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  mask = mask.astype(jnp.float32)
+  return jnp.sum((log_z - target_logit) * mask), jnp.sum(mask)
+
+
+def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+  """Mean token NLL over the counted tokens (0 when none is counted)."""
+  total, count = cross_entropy_sums(logits, targets, mask)
+  return total / jnp.maximum(count, 1.0)
+
+
+# ----------------------------------------------------------------------------------- shardings
+
+
+def _path_keys(path) -> tuple[str, ...]:
+  return tuple(jax.tree_util.keystr((k,)) for k in path)
+
+
+def follow_param_shardings(abstract_tree, params_shardings, replicated: NamedSharding):
+  """Shardings for a tree that holds copies of the params (an optax state): a leaf whose path
+  ends with a parameter's path and has its shape gets that parameter's sharding; every other
+  leaf (counts, scalars) is replicated. Works through optax's masked (partitioned) states."""
+  by_path = {}
+  for path, sharded in jax.tree_util.tree_flatten_with_path(params_shardings)[0]:
+    by_path[_path_keys(path)] = sharded
+
+  def pick(path, leaf):
+    keys = _path_keys(path)
+    for start in range(len(keys)):
+      hit = by_path.get(keys[start:])
+      if hit is not None and tuple(hit.shape) == tuple(leaf.shape):
+        return hit.sharding
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, abstract_tree)
+
+
+# ----------------------------------------------------------------------------------- trainer
+
+
+class Trainer:
+  """The model, optimiser and jitted steps of one experiment on one mesh (see module doc)."""
+
+  def __init__(self, experiment: experiment_lib.Experiment, *, mesh=None,
+               rules: sharding_lib.LogicalRules = sharding_lib.DEFAULT_RULES,
+               compiler_options: Mapping[str, Any] | None = None):
+    """Args: the experiment; a mesh (default: the config's over all devices); the logical-axis
+    rules; XLA compiler options for the jitted functions (e.g. tests compile CPU code at
+    `{"xla_backend_optimization_level": 0}`)."""
+    self.experiment = experiment
+    self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(*experiment.mesh_shape)
+    self.tx = optim_lib.make_optimizer(experiment.optim)
+    self.use_segment_ids = experiment.train_data.reset_at_document_boundaries
+    self.grad_accum_steps = experiment.train.grad_accum_steps
+
+    model_config, seed = experiment.model, experiment.train.seed
+    abstract_model = nnx.eval_shape(lambda: LanguageModel(model_config, rngs=nnx.Rngs(seed)))
+    self.graphdef, abstract_params, rest = nnx.split(abstract_model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+      raise NotImplementedError("The model has non-parameter state; the trainer keeps only "
+                                "nnx.Param variables.")
+    self._template = abstract_params
+    self.num_params = int(sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params)))
+    self.logical_axes = sharding_lib.nnx_logical_axes(abstract_params)
+    pure = nnx.to_pure_dict(abstract_params)
+    # Checks divisibility of every sharded dimension (ValueError naming the parameter).
+    self.abstract_params = sharding_lib.shard_params(pure, self.logical_axes, self.mesh, rules)
+    self.param_shardings = jax.tree.map(lambda x: x.sharding, self.abstract_params)
+    self.replicated = NamedSharding(self.mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(self.tx.init, pure)
+    self.opt_shardings = follow_param_shardings(abstract_opt, self.abstract_params,
+                                                self.replicated)
+    self.abstract_opt_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_opt,
+        self.opt_shardings)
+    self.batch_sharding = sharding_lib.batch_sharding(self.mesh)
+
+    options = dict(compiler_options or {})
+    # init runs outside jax.set_mesh: under a mesh flax would shard each new variable by its
+    # *logical* names ("vocab" is no mesh axis); out_shardings place the results instead.
+    self.jitted_init = jax.jit(self._init_fn, compiler_options=options,
+                               out_shardings=(self.param_shardings, self.opt_shardings))
+    batch_shardings = self.batch_sharding  # one sharding for every array of the batch dict
+    self.jitted_step = jax.jit(
+        self._train_step,
+        in_shardings=(self.param_shardings, self.opt_shardings, batch_shardings),
+        out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
+        donate_argnums=(0, 1), compiler_options=options)
+    self.jitted_eval_step = jax.jit(
+        self._eval_step, in_shardings=(self.param_shardings, batch_shardings),
+        out_shardings=self.replicated, compiler_options=options)
+
+  # -- model ------------------------------------------------------------------------------
+  def model(self, params: Params) -> LanguageModel:
+    """The NNX model with `params` (a pure dict) as its parameters."""
+    state = jax.tree.map(lambda x: x, self._template)  # a fresh State to fill
+    nnx.replace_by_pure_dict(state, params)
+    return nnx.merge(self.graphdef, state)
+
+  def _init_fn(self):
+    model = LanguageModel(self.experiment.model, rngs=nnx.Rngs(self.experiment.train.seed))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return params, self.tx.init(params)
+
+  def init(self) -> tuple[Params, Any]:
+    """Fresh parameters and optimiser state, created directly in their shardings."""
+    return self.jitted_init()
+
+  def step(self, params: Params, opt_state, batch: Batch):
+    """One training step: (params, opt_state, metrics); params and opt_state are donated.
+
+    Traced under `jax.set_mesh(mesh)` so that kernels without a partitioning rule (the Pallas
+    TPU kernels) wrap themselves in `jax.shard_map` over the batch and head axes.
+    """
+    with jax.set_mesh(self.mesh):
+      return self.jitted_step(params, opt_state, batch)
+
+  def eval_step(self, params: Params, batch: Batch):
+    """{"nll_sum", "tokens"} of one batch."""
+    with jax.set_mesh(self.mesh):
+      return self.jitted_eval_step(params, batch)
+
+  def abstract_state(self) -> dict[str, Any]:
+    """The checkpoint layout with shardings (the restore target)."""
+    return {"params": self.abstract_params, "opt_state": self.abstract_opt_state,
+            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated)}
+
+  # -- steps ------------------------------------------------------------------------------
+  def _loss_sums(self, params: Params, batch: Batch):
+    segment_ids = batch["segment_ids"] if self.use_segment_ids else None
+    logits = self.model(params)(batch["inputs"], segment_ids)
+    return cross_entropy_sums(logits, batch["targets"], batch["loss_mask"])
+
+  def _grads(self, params: Params, batch: Batch):
+    """(sum of NLL, token count, gradient of the sum) over the batch, by micro-batches."""
+    grad_fn = jax.value_and_grad(lambda p, b: self._loss_sums(p, b), has_aux=True)
+    k = self.grad_accum_steps
+    if k == 1:
+      (total, count), grads = grad_fn(params, batch)
+      return total, count, grads
+    # Row i*k + m goes to micro-batch m: each device's rows stay on the device.
+    micro_sharding = NamedSharding(self.mesh, PartitionSpec(None, sharding_lib.BATCH_AXES))
+    micro = jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(
+            jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), micro_sharding),
+        dict(batch))
+
+    def body(carry, mb):
+      (total, count), grads = grad_fn(params, mb)
+      return jax.tree.map(jnp.add, carry, (total, count, grads)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+             jax.tree.map(jnp.zeros_like, params))
+    (total, count, grads), _ = jax.lax.scan(body, zeros, micro)
+    return total, count, grads
+
+  def _train_step(self, params: Params, opt_state, batch: Batch):
+    total, count, grads = self._grads(params, batch)
+    denom = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+    updates, opt_state = self.tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    # The parameter norm catches a bad update (e.g. a NaN learning rate) before it is saved.
+    metrics = {"loss": total / denom, "grad_norm": optax.tree.norm(grads),
+               "param_norm": optax.tree.norm(params), "tokens": count}
+    return params, opt_state, metrics
+
+  def _eval_step(self, params: Params, batch: Batch):
+    total, count = self._loss_sums(params, batch)
+    return {"nll_sum": total, "tokens": count}
+
+  # -- data -------------------------------------------------------------------------------
+  def global_batch(self, local_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This process's rows -> the global batch sharded over ("data", "fsdp")."""
+    keys = ("inputs", "targets", "loss_mask") + (("segment_ids",) if self.use_segment_ids else ())
+    return sharding_lib.shard_batch({k: local_batch[k] for k in keys}, self.mesh)
+
+  def evaluate(self, params: Params, batches) -> float:
+    """Mean token NLL over a list of (global) batches."""
+    sums = [self.eval_step(params, b) for b in batches]
+    total = sum(float(s["nll_sum"]) for s in sums)
+    count = sum(float(s["tokens"]) for s in sums)
+    return total / max(count, 1.0)
+
+  def flops_per_token(self) -> float:
+    return metrics_lib.train_flops_per_token(self.experiment.model, self.num_params,
+                                             self.experiment.train.seq_len)
+
+
+# ----------------------------------------------------------------------------------- driver
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """What one call of `train` did. `losses[i]` is the training loss of step `first_step + i`."""
+
+  name: str
+  first_step: int                    # the step this call started from (0, or a checkpoint's)
+  final_step: int
+  losses: list[float]
+  eval_losses: list[tuple[int, float]]
+  train_loss: float | None           # mean loss of the last log interval
+  eval_loss: float | None            # the last validation loss
+  tokens_per_second: float | None    # steady-state (compile and eval/checkpoint time excluded)
+  num_params: int
+  wall_seconds: float
+  completed: bool                    # reached train.steps
+  stop_reason: str = ""
+
+
+def _config_diff(saved: Mapping[str, Any], current: Mapping[str, Any], prefix="") -> list[str]:
+  out = []
+  for key in sorted(set(saved) | set(current)):
+    a, b = saved.get(key), current.get(key)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+      out += _config_diff(a, b, f"{prefix}{key}.")
+    elif a != b:
+      out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+  return out
+
+
+def _fixed_batches(data_config, count: int) -> list[dict[str, np.ndarray]]:
+  """The first `count` batches of a pipeline (this process's rows): a fixed validation set."""
+  iterator = pipeline_lib.make_iterator(data_config)
+  return [next(iterator) for _ in range(count)]
+
+
+class _StopSignal:
+  """Turns SIGTERM (a preemption notice) into a clean stop with a checkpoint."""
+
+  def __init__(self):
+    self.received = False
+    self._previous = None
+
+  def __enter__(self):
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread: no handler
+      self._previous = None
+    return self
+
+  def _handle(self, signum, frame):  # pylint: disable=unused-argument
+    self.received = True
+
+  def should_stop(self) -> bool:
+    """Whether any process got the signal: all processes must stop at the same step, or the
+    ones that go on wait forever in the next collective."""
+    if jax.process_count() == 1:
+      return self.received
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    flags = multihost_utils.process_allgather(np.asarray(self.received, np.int32))
+    return bool(np.any(flags))
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def train(config: ml_collections.ConfigDict | experiment_lib.Experiment, workdir: str, *,
+          arm: str | None = None, stop_at_step: int | None = None, progress: bool = True,
+          log: Callable[[str], None] | None = None, mesh=None,
+          compiler_options: Mapping[str, Any] | None = None,
+          trainer: Trainer | None = None) -> TrainResult:
+  """Trains (or resumes) the experiment of `config` in `workdir` (see the module docstring).
+
+  Args:
+    config: a config of `configs/` (its arm applied, or `arm`), or a resolved Experiment.
+    workdir: checkpoints (`checkpoints/`), `metrics.jsonl`, `tensorboard/`, `config.json`.
+    arm: the arm to train (default `config.arm`).
+    stop_at_step: stop after this step with a checkpoint, as a preemption would (a later call
+      resumes); None = run to `train.steps`.
+    progress: print the progress line (process 0).
+    log: where one-line messages go (default: the progress stream).
+    mesh: a mesh to use instead of the config's over all devices (e.g. one device in tests).
+    compiler_options: XLA options for the jitted steps (see `Trainer`).
+    trainer: a Trainer of this experiment built beforehand (mesh and compiler_options are then
+      ignored).
+
+  Raises:
+    ValueError: a bad config (before any compute).
+    NonFiniteLossError: a NaN/Inf loss; the last good checkpoint stays.
+  """
+  start_time = time.perf_counter()
+  exp = (config if isinstance(config, experiment_lib.Experiment)
+         else experiment_lib.resolve(config, arm=arm))
+  if trainer is None:
+    trainer = Trainer(exp, mesh=mesh, compiler_options=compiler_options)
+  settings = exp.train
+  is_main = jax.process_index() == 0
+  bar = progress_lib.Progress(exp.run_name, settings.steps, enabled=progress and is_main,
+                              messages=is_main)
+  say = log if log is not None else bar.message
+  if not is_main:
+    say = lambda _: None  # noqa: E731
+
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  config_dict = checkpoint_lib.config_to_dict(exp.config)
+  if is_main:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(config_dict, f, indent=2, sort_keys=True)
+  interval = settings.checkpoint_every or settings.steps
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
+                                     max_to_keep=settings.keep_checkpoints,
+                                     save_interval_steps=interval,
+                                     async_save=settings.async_checkpoint)
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+  try:
+    latest = ckpt.latest_step()
+    if latest is not None and latest >= settings.steps:
+      say(f"already trained: checkpoint at step {latest} >= train.steps={settings.steps}")
+      return TrainResult(
+          name=exp.run_name, first_step=latest, final_step=latest, losses=[], eval_losses=[],
+          train_loss=None, eval_loss=None, tokens_per_second=None,
+          num_params=trainer.num_params, wall_seconds=time.perf_counter() - start_time,
+          completed=True, stop_reason="already completed")
+    train_iterator = pipeline_lib.make_iterator(exp.train_data)
+    if latest is None:
+      params, opt_state = trainer.init()
+      step = 0
+      say(f"{experiment_lib.describe(exp)}; {trainer.num_params:,} parameters")
+    else:
+      saved = ckpt.restore_config(latest)
+      changed = _config_diff(saved, config_dict)
+      if changed:
+        say(f"warning: the config differs from the checkpoint's: {'; '.join(changed)}")
+      state = ckpt.restore(latest, trainer.abstract_state(), data_iterator=train_iterator)
+      params, opt_state, step = state["params"], state["opt_state"], int(state["step"])
+      say(f"resumed from step {step} ({ckpt.directory})")
+
+    eval_batches = []
+    if exp.eval_data is not None and settings.eval_batches > 0:
+      eval_batches = [trainer.global_batch(b)
+                      for b in _fixed_batches(exp.eval_data, settings.eval_batches)]
+
+    return _run(exp, trainer, ckpt, writer, bar, say, train_iterator, eval_batches, params,
+                opt_state, step, stop_at_step, start_time)
+  finally:
+    writer.close()
+    ckpt.close()
+
+
+def _run(exp, trainer, ckpt, writer, bar, say, train_iterator, eval_batches, params, opt_state,
+         step, stop_at_step, start_time) -> TrainResult:
+  settings = exp.train
+  first_step = step
+  last = settings.steps if stop_at_step is None else min(settings.steps, stop_at_step)
+  lr_at = jax.jit(optim_lib.schedules(exp.optim)["lr"])  # one compile, not an eager op each log
+  flops_per_token = trainer.flops_per_token()
+  devices = list(trainer.mesh.devices.flat)
+  tokens_per_step = exp.tokens_per_step
+
+  def save(at_step, force=False):
+    # The step as a replicated global array: every process holds the same value.
+    step_array = jax.make_array_from_callback((), trainer.replicated,
+                                              lambda _: np.asarray(at_step, np.int32))
+    state = {"params": params, "opt_state": opt_state, "step": step_array}
+    return ckpt.save(at_step, state, data_iterator=train_iterator, config=exp.config,
+                     force=force)
+
+  def run_eval(at_step):
+    if not eval_batches:
+      return None
+    value = trainer.evaluate(params, eval_batches)
+    writer.write(at_step, "eval", {"loss": value, "tokens": at_step * tokens_per_step})
+    return value
+
+  losses: list[float] = []
+  eval_losses: list[tuple[int, float]] = []
+  step_times: list[float] = []       # seconds per step, this process run
+  interval_losses: list[float] = []
+  val_loss = None
+  train_loss = None
+  stop_reason = ""
+
+  if step == 0 and eval_batches:
+    val_loss = run_eval(0)
+    eval_losses.append((0, val_loss))
+
+  with _StopSignal() as stop:
+    while step < last:
+      t0 = time.perf_counter()
+      batch = trainer.global_batch(next(train_iterator))
+      params, opt_state, metrics = trainer.step(params, opt_state, batch)
+      metrics = jax.device_get(metrics)
+      step += 1
+      step_times.append(time.perf_counter() - t0)
+      loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+      param_norm = float(metrics["param_norm"])
+      if not all(map(math.isfinite, (loss, grad_norm, param_norm))):
+        ckpt.wait_until_finished()
+        good = ckpt.latest_step()
+        where = (f"the last good checkpoint is step {good} in {ckpt.directory}" if good is not None
+                 else "no checkpoint was saved yet")
+        message = (f"{exp.run_name}: non-finite training loss at step {step} (loss {loss}, "
+                   f"gradient norm {grad_norm}, parameter norm after the update {param_norm}); "
+                   f"training stopped and nothing of step {step} was saved; {where}. Lower "
+                   f"optim.learning_rate or check the data.")
+        writer.write(step, "error", {"loss": loss, "grad_norm": grad_norm,
+                                     "param_norm": param_norm, "last_good_checkpoint": good})
+        say(message)
+        raise NonFiniteLossError(message)
+      losses.append(loss)
+      interval_losses.append(loss)
+
+      evaluated = False
+      if eval_batches and ((settings.eval_every and step % settings.eval_every == 0)
+                           or step == settings.steps):
+        val_loss = run_eval(step)
+        eval_losses.append((step, val_loss))
+        evaluated = True
+
+      steady = step_times[2:] if len(step_times) > 2 else step_times[1:]
+      tokens_per_s = tokens_per_step / float(np.median(steady)) if steady else None
+      eta = None if not steady else float(np.median(steady)) * (last - step)
+      logged = step % settings.log_every == 0 or step == last
+      if logged:
+        train_loss = float(np.mean(interval_losses))
+        interval_losses = []
+        mfu = (metrics_lib.mfu(flops_per_token, tokens_per_s, devices)
+               if tokens_per_s else None)
+        writer.write(step, "train", {
+            "loss": train_loss, "grad_norm": grad_norm, "param_norm": param_norm,
+            "lr": float(lr_at(step - 1)),
+            "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": step_times[-1],
+            "tokens": step * tokens_per_step})
+        bar.update(step, train_loss, keep=True, val_loss=val_loss if evaluated else None,
+                   tokens_per_s=tokens_per_s, mfu=mfu, eta_s=eta)
+      else:
+        bar.update(step, loss, tokens_per_s=tokens_per_s, eta_s=eta)
+
+      if step == last or step % ckpt.save_interval_steps == 0:  # no directory listing per step
+        save(step, force=step == last)
+      if stop.should_stop() and step < last:
+        save(step, force=True)
+        stop_reason = "SIGTERM"
+        say(f"SIGTERM: stopped at step {step} with a checkpoint; re-run to resume")
+        break
+
+  ckpt.wait_until_finished()
+  writer.flush()
+  steady = step_times[2:] if len(step_times) > 2 else step_times[1:]
+  completed = step >= settings.steps
+  if not completed and not stop_reason:
+    stop_reason = f"stop_at_step={stop_at_step}"
+  return TrainResult(
+      name=exp.run_name, first_step=first_step, final_step=step, losses=losses,
+      eval_losses=eval_losses, train_loss=train_loss,
+      eval_loss=eval_losses[-1][1] if eval_losses else None,
+      tokens_per_second=tokens_per_step / float(np.median(steady)) if steady else None,
+      num_params=trainer.num_params, wall_seconds=time.perf_counter() - start_time,
+      completed=completed, stop_reason=stop_reason)

@@ -1,0 +1,174 @@
+"""Experiment configs (configs/*.py, lineax_attn.train.experiment): every comparison file at
+every size resolves every arm into valid Model/Data/Optimizer configs; the paper size carries
+SPEC.md §6 numbers; bad configs (unknown field, unknown arm, impossible mesh, a batch that does
+not split over the mesh) fail before any compute with a message naming the culprit, in the
+library and through the `experiments/train.py` command line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from configs import base
+from configs import hybrids, mixers, optimizers, routing
+from lineax_attn.models import abstract_model, count_params, get_config
+from lineax_attn.train import experiment
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = {"mixers": mixers, "hybrids": hybrids, "routing": routing, "optimizers": optimizers}
+SIZES = ("tiny", "small", "paper")
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_every_arm_resolves(name, size):
+  config = FILES[name].get_config(size)
+  arms = experiment.arm_names(config)
+  assert len(arms) >= 2
+  layer_sets = set()
+  for arm in arms:
+    exp = experiment.resolve(config, arm=arm, device_count=8, process_count=1)
+    assert exp.arm == arm and exp.run_name == f"{name}_{size}/{arm}"
+    assert exp.optim.total_steps == exp.train.steps
+    assert exp.train_data.seq_len == exp.train.seq_len
+    assert exp.eval_data is not None and exp.eval_data.split == "validation"
+    layer_sets.add((exp.model.layer_types, exp.model.routing, exp.optim.name))
+  assert len(layer_sets) == len(arms)  # the arms really differ
+
+
+def test_arms_change_what_they_name():
+  config = mixers.get_config("tiny")
+  assert experiment.arm_names(config) == ["softmax", "deltanet", "gdn", "kda", "gdn2"]
+  kinds = {arm: experiment.resolve(config, arm=arm, device_count=1, process_count=1
+                                   ).model.layer_types for arm in experiment.arm_names(config)}
+  assert kinds["kda"] == ("kda", "kda") and kinds["softmax"] == ("softmax", "softmax")
+  # Hybrids follow the repo's rule (i + 1) mod N == 0 on the same depth.
+  config = hybrids.get_config("tiny")
+  stack = lambda arm: "".join(  # noqa: E731
+      "S" if k == "softmax" else "L"
+      for k in experiment.resolve(config, arm=arm, device_count=1, process_count=1
+                                  ).model.layer_types)
+  assert (stack("pure"), stack("hybrid_2to1"), stack("hybrid_3to1")) == (
+      "LLLLLL", "LLSLLS", "LLLSLL")
+  # The Muon arm carries the size's Muon learning rates.
+  paper = optimizers.get_config("paper")
+  muon = experiment.resolve(paper, arm="gdn_muon", device_count=8, process_count=1).optim
+  assert (muon.name, muon.learning_rate, muon.adam_learning_rate) == ("muon", 3.6e-4, 1.5e-3)
+  assert routing.get_config("paper").paper.gdn_clvr == pytest.approx(2.335839)
+
+
+def test_paper_size_matches_spec():
+  exp = experiment.resolve(routing.get_config("paper"), arm="gdn", device_count=8,
+                           process_count=1)
+  t, o, d = exp.train, exp.optim, exp.train_data
+  assert (t.seq_len, t.global_batch_size, t.steps) == (4096, 128, 28_610)  # SPEC §6.4: 15B
+  assert t.steps * t.global_batch_size * t.seq_len == pytest.approx(15.0e9, rel=1e-3)
+  assert (o.warmup_steps, o.decay_fraction, o.decay_shape) == (200, 0.2, "minus_sqrt")
+  assert (o.clip_norm, o.weight_decay, o.b1, o.b2) == (1.0, 0.1, 0.9, 0.95)
+  assert (t.eval_every, t.eval_batches) == (500, 10)                      # SPEC §6.6
+  assert not d.reset_at_document_boundaries and d.seed == 42
+  adamw = experiment.resolve(mixers.get_config("paper"), arm="gdn", device_count=8,
+                             process_count=1).optim
+  assert (adamw.name, adamw.learning_rate, adamw.min_learning_rate) == ("adamw", 3e-4, 3e-5)
+  # The GDN arm is the gdn_350m preset: its parameter count is the preset's (SPEC §4.5).
+  preset = get_config("gdn_350m", dtype="bfloat16")
+  assert exp.model.layer_types == preset.layer_types
+  assert count_params(abstract_model(exp.model)) == count_params(abstract_model(preset))
+  softmax = experiment.resolve(mixers.get_config("paper"), arm="softmax", device_count=8,
+                               process_count=1).model
+  assert softmax.layer_types == get_config("softmax_350m").layer_types
+  assert softmax.mlp_dim == 2560 and not softmax.attention_output_gate
+
+
+def test_small_size_is_20_to_60m_parameters():
+  for arm in ("gdn", "softmax", "kda", "gdn2", "deltanet"):
+    exp = experiment.resolve(mixers.get_config("small"), arm=arm, device_count=1,
+                             process_count=1)
+    n = count_params(abstract_model(exp.model))
+    assert 20e6 <= n <= 60e6, (arm, n)
+
+
+def _parse(argv):
+  """Parses argv as experiments/train.py does (overrides are read from sys_argv)."""
+  values = flags.FlagValues()
+  argv = ["prog"] + argv
+  config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True,
+                                  sys_argv=argv)
+  values(argv)
+  return values.config
+
+
+def test_command_line_overrides_and_unknown_fields():
+  path = os.path.join(ROOT, "configs", "mixers.py")
+  config = _parse([f"--config={path}:tiny", "--config.model.num_v_heads=4",
+                   "--config.train.steps=60", "--config.arm=kda", "--config.optim.name=muon"])
+  exp = experiment.resolve(config, device_count=1, process_count=1)
+  assert exp.model.mixer == "kda" and exp.model.v_heads == 4 and exp.train.steps == 60
+  assert exp.optim.name == "muon"
+  with pytest.raises(Exception, match="not_a_field"):
+    _parse([f"--config={path}:tiny", "--config.model.not_a_field=1"])
+  with pytest.raises(Exception, match="d_model"):
+    _parse([f"--config={path}:tiny", "--config.model.d_model=wide"])
+
+
+def _add_arm(config, name, overrides):
+  config.arms[name] = overrides
+  config.arm = name
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda c: setattr(c, "arm", "mamba"), r"Unknown arm 'mamba'.*arms: \["),
+    (lambda c: _add_arm(c, "bad", {"model": {"moe_experts": 4}}),
+     r"Unknown config field 'model.moe_experts'"),
+    (lambda c: c.mesh.update(data=3), r"Impossible mesh \(data=3, fsdp=1, tensor=1\)"),
+    (lambda c: c.mesh.update(data=-1, fsdp=-1), r"at most one may be -1"),
+    (lambda c: c.train.update(global_batch_size=6), r"global_batch_size=6 does not split"),
+    (lambda c: c.model.update(vocab_size=100), r"vocab_size=100 is smaller"),
+    (lambda c: c.optim.update(warmup_steps=500), r"warmup_steps \(500\)"),
+    (lambda c: c.data.update(format="parquet"), r"data.format='parquet'"),
+    (lambda c: c.model.update(mixer="mamba"), r"unknown mixer 'mamba'"),
+])
+def test_bad_configs_fail_naming_the_field(mutate, match):
+  config = mixers.get_config("tiny")
+  with config.unlocked():
+    mutate(config)
+  with pytest.raises(ValueError, match=match):
+    experiment.resolve(config, device_count=8, process_count=1)
+
+
+def _train_cli(args, workdir, devices=1):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *args],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("override, devices, match", [
+    ("--config.model.n_layrs=4", 1, "'n_layrs' Did you mean \"n_layers\""),
+    ("--config.mesh.tensor=2", 1, "Impossible mesh (data=-1, fsdp=1, tensor=2)"),
+    # 8 devices, tensor=8: GDN's fused in-projection (width 260) does not split 8 ways.
+    ("--config.mesh.tensor=8", 8, "['in_proj']['kernel'] of shape (64, 260): dimension 1"),
+])
+def test_train_cli_fails_before_compute(tmp_path, override, devices, match):
+  workdir = tmp_path / "run"
+  proc = _train_cli(["--config=configs/mixers.py:tiny", "--config.arm=gdn", "--config.mesh.data=-1",
+                     override], workdir, devices)
+  assert proc.returncode != 0
+  assert match in proc.stderr, proc.stderr[-2000:]
+  assert not workdir.exists()  # nothing was written: it failed before any training set-up
+
+
+def test_base_sizes_and_unknown_size():
+  assert base.get_config("tiny").train.steps == 250
+  with pytest.raises(ValueError, match="Unknown config size 'huge'"):
+    base.get_config("huge")
+  assert jax.device_count() == 8  # the conftest's fake devices; resolve() defaults to them
+  exp = experiment.resolve(base.get_config("tiny"))
+  assert exp.mesh_shape == (8, 1, 1)
