@@ -194,7 +194,8 @@ def _state_passing(QG, P, Y, U, KG, gC, S0, starts=None, keep_states=False):
   return O, E, S, states
 
 
-def _pad_time(x, t_pad, mode="constant"):
+def pad_time(x, t_pad, mode="constant"):
+  """Pads axis 1 (time) of x to t_pad; None passes through. Shared with the kernel glue."""
   if x is None or x.shape[1] == t_pad:
     return x
   pad = [(0, 0)] * x.ndim
@@ -297,8 +298,8 @@ def chunk_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, c
     kt = None if kt is None else kt * m
     g = None if g is None else g * (m if g.ndim == 4 else m[..., 0])
   t_pad = -(-t // c) * c
-  pad = functools.partial(_pad_time, t_pad=t_pad)
-  segidx = None if layout.segidx is None else _pad_time(layout.segidx, t_pad, mode="edge")
+  pad = functools.partial(pad_time, t_pad=t_pad)
+  segidx = None if layout.segidx is None else pad_time(layout.segidx, t_pad, mode="edge")
   S0 = jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None else initial_state
   O, E, S, _ = _chunk_core(pad(q), pad(k), pad(kt), pad(vt), pad(g), S0, chunk_size=c,
                            segidx=segidx)

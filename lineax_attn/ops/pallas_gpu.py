@@ -215,14 +215,6 @@ def _from_chunks(x):
   return jnp.moveaxis(x, 1, 3).reshape(b, nc * c, hv, d)
 
 
-def _pad_time(x, t_pad, mode="constant"):
-  if x is None or x.shape[1] == t_pad:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[1] = (0, t_pad - x.shape[1])
-  return jnp.pad(x, pad, mode=mode)
-
-
 def _segment_masks(segidx, c):
   """segidx [B, T] -> same [B, 1, Nc, C, C], cont and keep [B, 1, Nc, C] (SPEC.md §3.5)."""
   b, t = segidx.shape
@@ -296,8 +288,8 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
     g = None if g is None else g * (m if g.ndim == 4 else m[..., 0])
   c = chunk_size
   t_pad = -(-t // c) * c
-  pad = functools.partial(_pad_time, t_pad=t_pad)
-  segidx = None if layout.segidx is None else _pad_time(layout.segidx, t_pad, mode="edge")
+  pad = functools.partial(chunked.pad_time, t_pad=t_pad)
+  segidx = None if layout.segidx is None else chunked.pad_time(layout.segidx, t_pad, mode="edge")
   s0 = jnp.zeros((b, hv, dk, dv), _F32) if initial_state is None else initial_state
   o, e, s_final = _core(pad(q), pad(k), pad(kt), pad(vt), pad(g), s0, segidx, c=c,
                         interpret=_interpret_params())
