@@ -36,6 +36,9 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of pr
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id.")
 _PROGRESS = flags.DEFINE_boolean("progress", True, "Print the progress lines.")
+_REPORT_ONLY = flags.DEFINE_boolean(
+    "report_only", False, "Train nothing: write the table and plot from the arms' metrics as "
+    "they are (an arm cut short by a time limit reports its last step, status 'partial').")
 
 COLUMNS = (("arm", "arm"), ("stack", "stack"), ("optimizer", "optimizer"), ("params", "params"),
            ("train_loss", "train loss"), ("val_loss", "val loss"), ("paper", "paper val loss"),
@@ -150,6 +153,12 @@ def main(argv):
   rows = []
   for arm, exp in experiments.items():
     arm_dir = os.path.join(workdir, arm)
+    if _REPORT_ONLY.value:
+      row = summarize(arm, exp, arm_dir, "", trainers[arm].num_params, paper.get(arm))
+      done = row["steps"] >= exp.train.steps
+      row["status"] = "completed" if done else f"partial ({row['steps']}/{exp.train.steps})"
+      rows.append(row)
+      continue
     try:
       result = loop.train(exp, arm_dir, progress=_PROGRESS.value, trainer=trainers[arm])
       status = "completed" if result.completed else f"stopped ({result.stop_reason})"

@@ -1,0 +1,47 @@
+#!/bin/bash
+# Device-side runner for the training runs of issue #4 on one H200 (wheels carried in .whl/train).
+#
+#   bash experiments/run_gpu_train.sh compare STEPS [--config.x=y ...]  # every arm of configs/mixers.py:small
+#   bash experiments/run_gpu_train.sh seq LENGTHS STEPS  # bench_seq_scaling --preset=paper
+#
+# `compare` trains the arms as concurrent processes on the one GPU (a 26M-parameter model keeps an
+# H200 mostly idle, so concurrent arms overlap one another's host work; each process gets a fifth
+# of the GPU memory; tokens/s are therefore per arm under sharing), stops each arm cleanly after
+# ARM_TIMEOUT seconds (SIGTERM: the trainer saves and stops), then runs
+# `experiments.compare --report_only`, which writes the table and plot (an arm cut short is
+# marked partial). Checkpoints stay in /tmp (too big to bring back); metrics, tables and plots
+# go to $OUT.
+set -u
+MODE=$1; shift
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .whl/train/*.whl > $OUT/pip.log 2>&1 || { cat $OUT/pip.log; exit 1; }
+export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > $OUT/gpu.txt
+python3 -c "import jax, flax, optax, orbax.checkpoint as o, grain; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__, 'grain', grain.__version__)" > $OUT/versions.txt 2>&1
+date -u +%FT%TZ > $OUT/date.txt
+case $MODE in
+compare)
+  STEPS=${1:-1000}; shift; LIMIT=${ARM_TIMEOUT:-480}; WD=/tmp/small; CFG=${CFG:-configs/mixers.py:small}
+  ARMS=$(python3 -c "from configs import mixers; print(' '.join(mixers.MIXERS))")
+  for arm in $ARMS; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.18 timeout $LIMIT python3 -u -m experiments.compare --config=$CFG \
+      --arms=$arm --workdir=$WD --config.train.steps=$STEPS "$@" > $OUT/arm_$arm.log 2>&1 &
+  done
+  wait
+  python3 -u -m experiments.compare --config=$CFG --workdir=$WD --config.train.steps=$STEPS "$@" --report_only \
+    > $OUT/compare.log 2>&1
+  echo "compare rc=$?"
+  tail -n 12 $OUT/compare.log
+  # The device tool brings back only a few files: one archive holds them all.
+  mkdir -p /tmp/keep && cp $WD/results.md $WD/results.json $WD/*.png $OUT/*.log /tmp/keep/
+  for arm in $ARMS; do mkdir -p /tmp/keep/$arm && cp $WD/$arm/*.jsonl /tmp/keep/$arm/; done
+  tar czf $OUT/compare.tgz -C /tmp/keep .
+  ;;
+seq)
+  LENGTHS=${1:-1024,4096,16384,32768,65536}; STEPS=${2:-10}
+  python3 -u -m experiments.bench_seq_scaling --preset=paper --lengths=$LENGTHS --steps=$STEPS \
+    --warmup=3 --out=$OUT/seq > $OUT/seq.log 2>&1
+  echo "seq rc=$?"; tail -n 20 $OUT/seq.log
+  tar czf $OUT/seq.tgz -C $OUT seq seq.log && rm -r $OUT/seq
+  ;;
+esac
