@@ -60,6 +60,13 @@ _SKIP = flags.DEFINE_list("skip", "", "mixer:impl[:T] not to time (impl may be *
                           "what an earlier run measured.")
 _MERGE = flags.DEFINE_list("merge_json", "",
                            "Earlier --out_json files whose results fill what this run skips.")
+_SWEEP_TOKENS = flags.DEFINE_integer(
+    "sweep_tokens", 0, "T sweep at fixed tokens per batch: adds the shapes (tokens / T, T, H, D) "
+    "for T in --sweep_lengths (0: no sweep).")
+_SWEEP_LENGTHS = flags.DEFINE_list("sweep_lengths", "1024,4096,16384,65536", "T of the sweep.")
+_SWEEP_HD = flags.DEFINE_string("sweep_hd", "16,128", "H,D of the sweep shapes.")
+_OUT_PNG = flags.DEFINE_string("out_png", "", "Plot of the sweep: time against T per mixer and "
+                               "implementation, one panel per mode.")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False,
                                "Also time the parts of pallas_gpu GDN at the first shape.")
 
@@ -376,6 +383,48 @@ def to_markdown(results, meta):
   return "\n".join(lines) + "\n"
 
 
+def sweep_shapes() -> list[tuple]:
+  if not _SWEEP_TOKENS.value:
+    return []
+  h, d = (int(x) for x in _SWEEP_HD.value.split(","))
+  lengths = [int(t) for t in _SWEEP_LENGTHS.value]
+  bad = [t for t in lengths if _SWEEP_TOKENS.value % t]
+  if bad:
+    raise ValueError(f"--sweep_lengths {bad} do not divide --sweep_tokens={_SWEEP_TOKENS.value}")
+  return [(_SWEEP_TOKENS.value // t, t, h, d) for t in lengths]
+
+
+def plot_sweep(results, path, meta):
+  """Time against T at fixed tokens per batch (log-log), one line per mixer x implementation."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  shapes = set(sweep_shapes())
+  rows = [r for r in results if r.shape in shapes and r.ms is not None]
+  modes = [m for m in _MODES.value if any(r.mode == m for r in rows)]
+  if not modes:
+    return
+  fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False)
+  for ax, mode in zip(axes[0], modes):
+    lines = sorted({(r.mixer, r.impl) for r in rows if r.mode == mode})
+    for mixer, impl in lines:
+      pts = sorted((r.shape[1], r.ms) for r in rows
+                   if (r.mixer, r.impl, r.mode) == (mixer, impl, mode))
+      label = "causal softmax (" + impl + ")" if mixer == "attention" else f"{mixer} {impl}"
+      style = "--" if mixer == "attention" else ("-" if impl == "pallas_gpu" else ":")
+      ax.plot(*zip(*pts), style, marker="o", markersize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"T (B x T = {_SWEEP_TOKENS.value:,} tokens, H,D = {_SWEEP_HD.value})")
+    ax.set_ylabel(f"{mode} time (ms)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+  fig.suptitle(f"{meta['device']}, jax {meta['jax']}, {meta['date']}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
 def write_markdown(path, text):
   body = f"{BEGIN}\n{text}{END}\n"
   if os.path.exists(path):
@@ -414,6 +463,7 @@ def main(argv):
 
   results: list[Result] = []
   shapes = [tuple(int(x) for x in s.split(",")) for s in _SHAPES.value.split(";") if s]
+  shapes += [s for s in sweep_shapes() if s not in shapes]
 
   skip = [x.split(":") for x in _SKIP.value]
 
@@ -474,6 +524,8 @@ def main(argv):
       with open(_OUT_JSON.value, "w") as f:
         json.dump({"meta": meta, "results": [dataclasses.asdict(r) for r in results]}, f,
                   indent=1)
+    if _OUT_PNG.value:
+      plot_sweep(keep + now, _OUT_PNG.value, meta)
     return text
 
   for shape in shapes:  # attention first: cheap, and every row's ours/cuDNN needs it

@@ -94,3 +94,28 @@ def test_max_rel_err_and_timing_helpers():
   assert bench.max_rel_err(np.array([np.nan, 0, 0]), ref) == float("inf")
   timing = bench.measure(lambda x: x * 2, jnp.ones(4), repeats=3, warmup=1)
   assert 0 < timing.p20_ms <= timing.median_ms <= timing.p80_ms
+
+
+def test_bench_kernels_sweep_writes_table_json_and_plot(tmp_path):
+  # experiments/bench_kernels.py on CPU (no peers, no kernels): the T sweep at fixed tokens
+  # adds one row per length, the table/JSON/plot are written, and the err column compares the
+  # chunk form to itself only when pallas_gpu ran (not here).
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  md, js, png = (str(tmp_path / n) for n in ("b.md", "b.json", "b.png"))
+  cmd = [sys.executable, "-m", "experiments.bench_kernels", "--shapes=", "--sweep_tokens=256",
+         "--sweep_lengths=64,256", "--sweep_hd=2,32", "--impls=chunk", "--modes=fwd",
+         "--mixers=gated_delta_rule", "--iters=2", "--warmup=0", f"--out_md={md}",
+         f"--out_json={js}", f"--out_png={png}"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  rows = json.load(open(js))["results"]
+  assert sorted(tuple(r["shape"]) for r in rows) == [(1, 256, 2, 32), (4, 64, 2, 32)]
+  assert all(r["ms"] > 0 and r["impl"] == "chunk" for r in rows)
+  text = open(md).read()
+  assert "| 4,64,2,32 | gated_delta_rule | fwd |" in text
+  assert "| 1,256,2,32 | gated_delta_rule | fwd |" in text
+  assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -5,9 +5,10 @@ Split of the chunk form (SPEC.md §3.2):
 * **Intra-chunk, all chunks in parallel (XLA, differentiated by autodiff):** the masked
   intra-chunk attention P, the WY/UT solve Y = Z(K̃⊙Γ), U = ZṼ, the gated queries/keys QG, KG
   and the chunk decay gc. For scalar gates (GDN) and no gate (DeltaNet, linear attention) the
-  C×C products take bf16 operands with float32 accumulation and the unit-lower-triangular
-  systems are solved in float32 (blocked inverse by matmuls); per-channel gates (KDA, GDN-2)
-  reuse the overflow-free sub-chunk form of `chunked._intra_chunk` (float32).
+  C×C products take bf16 operands with float32 accumulation; the unit-lower-triangular
+  systems are inverted in float32 (blocked inverse by matmuls, closed-form VJP) and the inverse
+  is applied with bf16 operands; per-channel gates (KDA, GDN-2) reuse the overflow-free
+  sub-chunk form of `chunked._intra_chunk` (float32).
 * **Sequential state pass (Mosaic GPU kernels, `pallas_kernels.gpu.state_passing`):**
   E = U − Y·S, O = QG·S + P·E, S' = gc⊙S + KGᵀ·E with the float32 state on chip; its backward is
   a reverse kernel for the state cotangent (SPEC.md §3.6 steps 1-2) plus batched matmuls, wired
@@ -161,13 +162,15 @@ def _intra_scalar(Q, K, Kt, Vt, G, same, cont, keep):
       sol = jax.lax.linalg.triangular_solve(eye + L, rhs, left_side=True, lower=True,
                                             unit_diagonal=True)
   else:
-    sol = jnp.einsum("...ij,...jd->...id", unit_lower_inverse(L), rhs, precision=_HI)
+    # bf16 operands, float32 accumulation (as for every other C×C product here): the
+    # inverse itself is computed in float32, only its application is rounded.
+    sol = _mm("...ij,...jd->...id", unit_lower_inverse(L), rhs)
   dk = Kt.shape[-1]
   return QG, P, sol[..., :dk], sol[..., dk:], KG, gC
 
 
-def unit_lower_inverse(L, block=16):
-  """(I + L)^{-1} for strictly lower-triangular L `[..., C, C]` (C a multiple of 16), float32.
+def _unit_lower_inverse_fwd_math(L, block=16):
+  """(I + L)^{-1} by matmuls only (see `unit_lower_inverse`).
 
   Matmuls only (a batched `triangular_solve` of many 64×64 systems is slow on GPU). Each 16×16
   diagonal block N = −L_bb is nilpotent, so (I − N)^{-1} = Σ_{j<16} N^j
@@ -198,6 +201,33 @@ def unit_lower_inverse(L, block=16):
       merged.append(jnp.concatenate([top, bottom], axis=-2))
     invs = merged
   return invs[0]
+
+
+@jax.custom_vjp
+def unit_lower_inverse(L):
+  """(I + L)^{-1} for strictly lower-triangular L `[..., C, C]` (C a multiple of 16), float32.
+
+  Forward: blocked nilpotent series by matmuls (`_unit_lower_inverse_fwd_math`). Backward by the
+  closed form instead of autodiff through the ~30 small matmuls of the forward: with
+  X = (I + L)^{-1}, dX = −X dL X, so L̄ = −Xᵀ X̄ Xᵀ restricted to the strictly lower triangle
+  (L's other entries are structurally zero). Two C×C matmuls per chunk.
+  """
+  return _unit_lower_inverse_fwd_math(L)
+
+
+def _unit_lower_inverse_fwd(L):
+  x = _unit_lower_inverse_fwd_math(L)
+  return x, x
+
+
+def _unit_lower_inverse_bwd(x, x_bar):
+  c = x.shape[-1]
+  xt = jnp.swapaxes(x, -1, -2)
+  l_bar = -jnp.einsum("...ij,...jk,...kl->...il", xt, x_bar, xt, precision=_HI)
+  return (jnp.where(jnp.tril(jnp.ones((c, c), bool), k=-1), l_bar, 0.0),)
+
+
+unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
 def _to_chunks(x, c):
