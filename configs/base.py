@@ -2,6 +2,11 @@
 
     python -m experiments.train --config=configs/base.py:tiny --workdir=runs/base
 
+Mesh (`config.mesh`): `data` (-1: all remaining devices), `fsdp`, `tensor`, and `sequence`
+(context parallelism, default 1): `--config.mesh.sequence=2 --config.mesh.data=-1` splits every
+row's time axis over 2 devices (train.seq_len must divide; see docs/CONTEXT_PARALLEL.md).
+`experiment.resolve` validates the sizes against the device count.
+
 Sizes:
 
 * `tiny`: CPU, minutes. d 64, 2 layers, byte tokens, T 128, batch 8, 250 steps.

@@ -67,6 +67,9 @@ _SWEEP_LENGTHS = flags.DEFINE_list("sweep_lengths", "1024,4096,16384,65536", "T 
 _SWEEP_HD = flags.DEFINE_string("sweep_hd", "16,128", "H,D of the sweep shapes.")
 _OUT_PNG = flags.DEFINE_string("out_png", "", "Plot of the sweep: time against T per mixer and "
                                "implementation, one panel per mode.")
+_REMAT_INTRA = flags.DEFINE_bool("remat_intra", True, "pallas_gpu: recompute the XLA "
+                                  "intra-chunk part in the backward (lineax_attn.ops.pallas_gpu."
+                                  "REMAT_INTRA).")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False,
                                "Also time the parts of pallas_gpu GDN at the first shape.")
 
@@ -441,8 +444,11 @@ def write_markdown(path, text):
 def main(argv):
   del argv
   start = time.time()
+  from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
+  pallas_gpu.REMAT_INTRA = _REMAT_INTRA.value
   dev = jax.devices()[0]
-  meta = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__}
+  meta = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
+          "remat_intra": _REMAT_INTRA.value}
   impls = list(_IMPLS.value)
   on_gpu = dev.platform == "gpu"
   have = {}

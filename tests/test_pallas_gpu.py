@@ -164,3 +164,23 @@ def test_unit_lower_inverse_and_its_closed_form_vjp():
   ref = jax.grad(lambda l: jnp.sum(by_solve(l) * w))(L)
   ref = jnp.where(lower, ref, 0.0)   # L's upper triangle and diagonal are structurally zero
   assert_close(got, ref, 1e-4, "d(I + L)^-1 / dL")
+
+
+def test_gradients_under_shard_map_with_varying_axes_check():
+  # Context parallelism (lineax_attn.parallel) calls the op inside jax.shard_map with
+  # check_vma=True: the custom VJP must type its kernel outputs and cotangents with the inputs'
+  # varying mesh axes (a one-device mesh checks the typing; values vs the scan reference).
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  args, _ = make_inputs("gated_delta_rule", b=1, t=64, h=1, hv=1, dk=64, dv=64, seed=8)
+  mesh = jax.make_mesh((1,), ("sequence",), devices=jax.devices()[:1])
+  spec = P(None, "sequence")
+  sharded = [jax.device_put(a, NamedSharding(mesh, spec)) for a in args]
+  op = lambda impl: lambda *a: ops.gated_delta_rule(*a, implementation=impl)[0]
+  inner = jax.shard_map(op("pallas_gpu"), mesh=mesh, in_specs=(spec,) * len(args),
+                        out_specs=spec, check_vma=True)
+  w = jax.random.normal(jax.random.key(9), args[2].shape)
+  argnums = tuple(range(len(args)))
+  got = jax.grad(lambda *a: jnp.sum(inner(*a) * w), argnums=argnums)(*sharded)
+  want = jax.grad(lambda *a: jnp.sum(op("scan")(*a) * w), argnums=argnums)(*args)
+  for name, g, r in zip(("q", "k", "v", "g", "beta"), got, want):
+    assert_close(g, r, GRAD_TOL, f"d{name} under shard_map")

@@ -18,6 +18,8 @@ the keys a future query can see.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,6 +28,8 @@ from lineax_attn import ops
 from lineax_attn.layers import partition
 from lineax_attn.layers.linear_mixer import MixerOutput
 from lineax_attn.ops import segments as seg_lib
+from lineax_attn.parallel import attention as parallel_attention
+from lineax_attn.parallel import context as context_parallel
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, as in SPEC.md §2.1
 
@@ -108,15 +112,20 @@ class SoftmaxAttention(nnx.Module):
     window: sliding window W (query t sees keys t − W < s ≤ t), or None.
     output_gate: multiply by σ(x W_g) before the output projection (the repo's GDN/KDA/GDN-2 runs).
     implementation: `ops.softmax_attention` implementation ("reference", "xla", "cudnn", None).
+    context_axis: mesh axis of context parallelism: when the current mesh has it with size
+      P > 1 dividing T, attention runs under `jax.shard_map` over it, each device with its query
+      shard and all-gathered K/V (`lineax_attn.parallel.sharded_attention`); None turns it off.
+      Positions (RoPE) are computed on the global time axis before, so they need no offset.
     init_std, out_init_std, dtype, param_dtype: as for `LinearMixer`.
   """
 
   def __init__(self, d_model: int, *, num_heads: int, num_kv_heads: int | None = None,
                head_dim: int | None = None, rope_base: float = 500000.0,
                window: int | None = None, output_gate: bool = False,
-               implementation: str | None = None, init_std: float = 0.02,
-               out_init_std: float | None = None, dtype=jnp.float32, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+               implementation: str | None = None,
+               context_axis: str | None = context_parallel.SEQUENCE_AXIS,
+               init_std: float = 0.02, out_init_std: float | None = None, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
     if num_heads <= 0:
       raise ValueError(f"num_heads must be positive, got {num_heads}.")
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -137,6 +146,7 @@ class SoftmaxAttention(nnx.Module):
     self.rope_base = float(rope_base)
     self.window = window
     self.implementation = implementation
+    self.context_axis = context_axis
     self.dtype = dtype
     normal = nnx.initializers.normal
     out_init_std = init_std if out_init_std is None else out_init_std
@@ -208,8 +218,12 @@ class SoftmaxAttention(nnx.Module):
       pos = (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)) if segment_ids is None
              else segment_positions(valid, segidx))
       q, k = rope(q, pos, self.rope_base), rope(k, pos, self.rope_base)
-      o = ops.softmax_attention(q, k, v, scale=scale, causal=True, window=self.window,
-                                segment_ids=segment_ids, implementation=self.implementation)
+      shards = context_parallel.active_axis_size(self.context_axis)
+      attend = ops.softmax_attention
+      if shards > 1 and t % shards == 0:
+        attend = functools.partial(parallel_attention.sharded_attention, axis=self.context_axis)
+      o = attend(q, k, v, scale=scale, causal=True, window=self.window,
+                 segment_ids=segment_ids, implementation=self.implementation)
       if max_len is not None:
         keep = valid & (segidx == segidx[:, -1:])
         new_cache = cache_from_entries(k, v, jnp.where(valid, pos, -1), keep,

@@ -42,6 +42,10 @@ _HI = jax.lax.Precision.HIGHEST
 # matmuls, `unit_lower_inverse`) or "trsm" (`lax.linalg.triangular_solve`). Module-level so
 # experiments/bench_kernels.py can time both.
 SOLVE = "inverse"
+# Whether the backward recomputes the intra-chunk part (jax.checkpoint: less memory) or keeps its
+# residuals (the C×C products and the inverse per chunk: faster backward). Module-level so
+# experiments/bench_kernels.py (--remat_intra) can time both.
+REMAT_INTRA = True
 
 
 def is_hopper(device=None) -> bool:
@@ -85,15 +89,45 @@ def _fallback(reason: str, mixer: str):
 # ----------------------------------------------------------------------------- state pass
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _vma(*xs) -> frozenset:
+  """The manual mesh axes these values vary over (inside `jax.shard_map`; empty outside)."""
+  out = frozenset()
+  for x in xs:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)     # jax 0.11: ManualAxisType(varying=...)
+    out |= mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+  return out
+
+
+def _vary(x, axes: frozenset):
+  """x typed as varying over `axes` (Pallas kernel outputs carry no varying-axes type)."""
+  missing = tuple(sorted(axes - _vma(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _state_pass(ny, qg, p, u, kg, gc, s0, interpret):
-  o, e, s_final = sp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, interpret=interpret)
-  return o, e, s_final
+  # Under shard_map(check_vma=True) (context parallelism, lineax_attn.parallel) every input,
+  # output and cotangent must carry the varying axes its values have; the kernels' outputs carry
+  # none. So the inputs are all cast to the union here, and inside the custom VJP (where no
+  # transpose of the cast is ever taken: a cast outside it would transpose to a psum and sum
+  # per-device cotangents) the kernels' outputs and the cotangents are typed with that union.
+  axes = _vma(ny, qg, p, u, kg, gc, s0)
+  args = [_vary(x, axes) for x in (ny, qg, p, u, kg, gc, s0)]
+  return _state_pass_vjp(*args, interpret, tuple(sorted(axes)))
 
 
-def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret):
-  o, e, s_final, h = sp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True,
-                                          interpret=interpret)
+# `axes` is static: the backward is traced without the primal's varying-axes types.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes):
+  axes = frozenset(axes)
+  outs = sp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, interpret=interpret)
+  return tuple(_vary(x, axes) for x in outs)
+
+
+def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes):
+  axes = frozenset(axes)
+  outs = sp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True, interpret=interpret)
+  o, e, s_final, h = (_vary(x, axes) for x in outs)
   return (o, e, s_final), (ny, qg, p, kg, gc, h, e)
 
 
@@ -102,7 +136,7 @@ def _mm(spec, a, b):
   return jnp.einsum(spec, a.astype(_MM), b.astype(_MM), preferred_element_type=_F32)
 
 
-def _state_pass_bwd(interpret, res, cts):
+def _state_pass_bwd(interpret, axes, res, cts):
   ny, qg, p, kg, gc, h, e = res
   do, de_ext, ds_final = cts
   de, dh, ds0 = sp.state_passing_bwd(ny, qg, p, kg, gc, do.astype(_MM), de_ext.astype(_F32),
@@ -113,11 +147,13 @@ def _state_pass_bwd(interpret, res, cts):
   d_p = _mm("...iv,...jv->...ij", do, e)
   d_kg = _mm("...cv,...kv->...ck", e, dh)           # S' = gc⊙S + KGᵀ·E
   d_gc = jnp.sum(dh.astype(_F32) * h.astype(_F32), axis=-1)
-  return (d_ny.astype(ny.dtype), d_qg.astype(qg.dtype), d_p.astype(p.dtype), de,
-          d_kg.astype(kg.dtype), d_gc, ds0)
+  axes = frozenset(axes)
+  cts = (d_ny.astype(ny.dtype), d_qg.astype(qg.dtype), d_p.astype(p.dtype), de,
+         d_kg.astype(kg.dtype), d_gc, ds0)
+  return tuple(_vary(ct, axes) for ct in cts)
 
 
-_state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
+_state_pass_vjp.defvjp(_state_pass_fwd, _state_pass_bwd)
 
 
 # ----------------------------------------------------------------------------- intra-chunk
@@ -273,9 +309,11 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c):
     same, cont, keep = _segment_masks(segidx, c)
   chunks = (_to_chunks(q, c), _to_chunks(k, c), _to_chunks(kt, c), _to_chunks(vt, c), G)
   if gate_kind == "channel":
-    intra = jax.checkpoint(functools.partial(chunked._intra_chunk, gate_kind="channel"))
+    intra = functools.partial(chunked._intra_chunk, gate_kind="channel")
   else:
-    intra = jax.checkpoint(_intra_scalar)
+    intra = _intra_scalar
+  if REMAT_INTRA:
+    intra = jax.checkpoint(intra)
   QG, P, Y, U, KG, gC = intra(*chunks, same=same, cont=cont, keep=keep)
   dk = q.shape[-1]
   lead = QG.shape[:3]

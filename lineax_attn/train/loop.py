@@ -6,7 +6,9 @@ checkpoints with bit-exact resume, NaN/Inf stop, logs.
 
 Pieces:
 
-* `Trainer(experiment)`: the mesh ("data", "fsdp", "tensor"), the model built abstractly
+* `Trainer(experiment)`: the mesh ("data", "fsdp", "tensor"; with `mesh.sequence > 1` also
+  "sequence": the batch's time axis is split over it and the mixers run context parallel,
+  docs/CONTEXT_PARALLEL.md), the model built abstractly
   (`nnx.eval_shape`), parameter shardings from the layers' logical axis names
   (`sharding.DEFAULT_RULES`), optimiser-state shardings that follow the parameters, and three
   jitted functions with explicit in/out shardings: `init()` (parameters created sharded),
@@ -131,7 +133,8 @@ class Trainer:
     rules; XLA compiler options for the jitted functions (e.g. tests compile CPU code at
     `{"xla_backend_optimization_level": 0}`)."""
     self.experiment = experiment
-    self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(*experiment.mesh_shape)
+    self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(
+        *experiment.mesh_shape, sequence=experiment.mesh.sequence)
     self.tx = optim_lib.make_optimizer(experiment.optim)
     self.use_segment_ids = experiment.train_data.reset_at_document_boundaries
     self.grad_accum_steps = experiment.train.grad_accum_steps
@@ -222,7 +225,7 @@ class Trainer:
       (total, count), grads = grad_fn(params, batch)
       return total, count, grads
     # Row i*k + m goes to micro-batch m: each device's rows stay on the device.
-    micro_sharding = NamedSharding(self.mesh, PartitionSpec(None, sharding_lib.BATCH_AXES))
+    micro_sharding = NamedSharding(self.mesh, PartitionSpec(None, *self.batch_sharding.spec))
     micro = jax.tree.map(
         lambda x: jax.lax.with_sharding_constraint(
             jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1), micro_sharding),
@@ -254,7 +257,8 @@ class Trainer:
 
   # -- data -------------------------------------------------------------------------------
   def global_batch(self, local_batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
-    """This process's rows -> the global batch sharded over ("data", "fsdp")."""
+    """This process's rows -> the global batch sharded over ("data", "fsdp") (and its time
+    axis over "sequence" when the mesh has it)."""
     keys = ("inputs", "targets", "loss_mask") + (("segment_ids",) if self.use_segment_ids else ())
     return sharding_lib.shard_batch({k: local_batch[k] for k in keys}, self.mesh)
 

@@ -1,16 +1,21 @@
 """Device mesh and logical-axis sharding rules (the pjit way).
 
 The mesh has three axes, `("data", "fsdp", "tensor")` (`MESH_AXES`), all of type Auto (so
-`with_sharding_constraint` constrains instead of asserting; see INSTALL.md). Parameters and
-activations are annotated with *logical* axis names, one per array dimension, and a rule table
-maps each logical name to mesh axes:
+`with_sharding_constraint` constrains instead of asserting; see INSTALL.md). With context
+parallelism (`sequence > 1`) it has four, `("data", "fsdp", "sequence", "tensor")`
+(`MESH_AXES_WITH_SEQUENCE`): the batch's time axis is split over "sequence", and the linear
+mixers and softmax layers run under `jax.shard_map` over it (`lineax_attn.parallel`,
+docs/CONTEXT_PARALLEL.md). A size-1 sequence axis is left out, so meshes without context
+parallelism are unchanged. Parameters and activations are annotated with *logical* axis names,
+one per array dimension, and a rule table maps each logical name to mesh axes:
 
 | logical name | mesh axes | what |
 |---|---|---|
 | batch | ("data", "fsdp") | examples of a batch: data parallel over data and fsdp |
 | embed | "fsdp" | the model width d: parameters sharded ZeRO-3 style |
 | vocab, mlp, heads, kv_heads | "tensor" | Megatron-style tensor parallel dimensions |
-| length, kv, head_dim, conv, layers, norm | None | sequence, per-head widths, conv taps, ... |
+| length | "sequence" | the time axis (context parallel; dropped on meshes without it) |
+| kv, head_dim, conv, layers, norm | None | per-head widths, conv taps, ... |
 
 Resolution of one array's logical axes (`logical_to_pspec`):
 
@@ -35,6 +40,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
+SEQUENCE_AXIS = "sequence"
+MESH_AXES_WITH_SEQUENCE = ("data", "fsdp", SEQUENCE_AXIS, "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
@@ -46,7 +53,7 @@ DEFAULT_RULES: LogicalRules = (
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
-    ("length", None),
+    ("length", SEQUENCE_AXIS),
     ("kv", None),
     ("head_dim", None),
     ("conv", None),
@@ -55,9 +62,19 @@ DEFAULT_RULES: LogicalRules = (
 )
 
 
-def resolve_mesh_shape(data: int, fsdp: int, tensor: int, device_count: int) -> tuple[int, int, int]:
-  """Replaces one -1 by what fills device_count; checks the product (ValueError names axes)."""
+def resolve_mesh_shape(data: int, fsdp: int, tensor: int, device_count: int, *,
+                       sequence: int = 1) -> tuple[int, int, int]:
+  """Replaces one -1 by what fills device_count; checks the product (ValueError names axes).
+
+  Returns (data, fsdp, tensor); `sequence` (the context-parallel axis, >= 1, never -1) counts
+  in the product and must be given again to `make_mesh`.
+  """
+  if not isinstance(sequence, int) or isinstance(sequence, bool) or sequence < 1:
+    raise ValueError(f"Impossible mesh: the sequence (context parallel) axis size must be an "
+                     f"int >= 1, got sequence={sequence!r}")
   shape = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  if sequence > 1:
+    shape = {"data": data, "fsdp": fsdp, "sequence": sequence, "tensor": tensor}
   desc = ", ".join(f"{k}={v}" for k, v in shape.items())
   fill = [k for k, v in shape.items() if v == -1]
   bad = [k for k, v in shape.items() if v != -1 and v < 1]
@@ -71,16 +88,25 @@ def resolve_mesh_shape(data: int, fsdp: int, tensor: int, device_count: int) -> 
                        f"devices but {device_count} devices are available")
     shape[fill[0]] = device_count // fixed
   elif fixed != device_count:
-    raise ValueError(f"Impossible mesh ({desc}): data*fsdp*tensor = {fixed} but "
+    raise ValueError(f"Impossible mesh ({desc}): {'*'.join(shape)} = {fixed} but "
                      f"{device_count} devices are available")
   return shape["data"], shape["fsdp"], shape["tensor"]
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, *, devices=None) -> Mesh:
-  """A ("data", "fsdp", "tensor") mesh over all devices; one size may be -1 (fill the rest)."""
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, *, sequence: int = 1,
+              devices=None) -> Mesh:
+  """A ("data", "fsdp", "tensor") mesh over all devices; one size may be -1 (fill the rest).
+
+  With `sequence > 1` the mesh is ("data", "fsdp", "sequence", "tensor"): the time axis of the
+  batch and of the activations is split over "sequence" (context parallelism).
+  """
   devices = jax.devices() if devices is None else list(devices)
-  shape = resolve_mesh_shape(data, fsdp, tensor, len(devices))
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+  data, fsdp, tensor = resolve_mesh_shape(data, fsdp, tensor, len(devices), sequence=sequence)
+  if sequence == 1:
+    shape, names = (data, fsdp, tensor), MESH_AXES
+  else:
+    shape, names = (data, fsdp, sequence, tensor), MESH_AXES_WITH_SEQUENCE
+  return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names),
                        devices=devices)
 
 
@@ -173,7 +199,9 @@ def nnx_logical_axes(state) -> dict:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batches `[B, ...]`: B over ("data", "fsdp"), the rest replicated."""
+  """Batches `[B, T, ...]`: B over ("data", "fsdp"), T over "sequence" if the mesh has it."""
+  if SEQUENCE_AXIS in mesh.axis_names:
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, SEQUENCE_AXIS))
   return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
@@ -181,7 +209,9 @@ def shard_batch(local_batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict[str, 
   """This process's rows -> global arrays sharded over the batch axes.
 
   Each process passes its own `global_batch / process_count` rows (the data pipeline's
-  shard); the global batch dimension must divide by data * fsdp.
+  shard); the global batch dimension must divide by data * fsdp (and T by the sequence axis).
+  With a sequence axis, every process must hold whole rows: the sequence axis may not span
+  processes (not supported).
   """
   sharding = batch_sharding(mesh)
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
