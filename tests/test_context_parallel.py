@@ -181,8 +181,10 @@ def test_varlen_and_bad_axis_are_rejected():
     parallel.context_parallel("delta_rule", *args, axis_name="sequence")
 
 
-@pytest.mark.parametrize("window, impl", [(None, "xla"), (24, "reference")])
-def test_softmax_attention_matches_unsharded(window, impl):
+@pytest.mark.parametrize("window, impl, strategy", [(None, "xla", "offset_mask"),
+                                                     (24, "reference", "offset_mask"),
+                                                     (24, "xla", "padded_queries")])
+def test_softmax_attention_matches_unsharded(window, impl, strategy):
   """K/V all-gathered, causal mask offset by the shard position; segments cross shards."""
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((2, T, 4, 16)), jnp.float32)
@@ -191,6 +193,8 @@ def test_softmax_attention_matches_unsharded(window, impl):
   seg = _segment_ids()
   cot = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
   mesh = _mesh(4, data=2) if impl == "xla" else _mesh(4, tensor=2)
+  if strategy == "padded_queries":   # the cuDNN route on GPU; its arithmetic on CPU with XLA
+    mesh = _mesh(4, tensor=2)
 
   def values_and_grads(attend):
     loss = lambda q, k, v: jnp.sum(attend(q, k, v) * cot)  # noqa: E731
@@ -200,10 +204,11 @@ def test_softmax_attention_matches_unsharded(window, impl):
   want = values_and_grads(lambda q, k, v: ops.softmax_attention(
       q, k, v, window=window, segment_ids=seg, implementation="reference"))
   got = values_and_grads(lambda q, k, v: parallel.sharded_attention(
-      q, k, v, mesh=mesh, window=window, segment_ids=seg, implementation=impl))
+      q, k, v, mesh=mesh, window=window, segment_ids=seg, implementation=impl,
+      strategy=strategy))
   for name, a, b in zip(("o", "dq", "dk", "dv"), jax.tree.leaves(got), jax.tree.leaves(want)):
     err = rel_err(a, b)
-    assert err <= 1e-5, f"{impl} window={window} {name}: rel_err {err:.2e}"
+    assert err <= 1e-5, f"{impl} {strategy} window={window} {name}: rel_err {err:.2e}"
 
 
 # ----------------------------------------------------------------------------- train step
@@ -313,3 +318,10 @@ def test_bench_parallel_smoke():
     assert row["matches"] == "yes", row
   table = bench_parallel._markdown(rows)  # pylint: disable=protected-access
   assert table.count("\n") == len(rows) + 1
+
+
+def test_unknown_attention_strategy_is_a_value_error():
+  q = jnp.zeros((2, T, 4, 16), jnp.float32)
+  kv = jnp.zeros((2, T, 2, 16), jnp.float32)
+  with pytest.raises(ValueError, match="strategy='ring'"):
+    parallel.sharded_attention(q, kv, kv, mesh=_mesh(4, tensor=2), strategy="ring")

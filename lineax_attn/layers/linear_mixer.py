@@ -48,6 +48,7 @@ from lineax_attn.layers import conv as conv_lib
 from lineax_attn.layers import gates as gates_lib
 from lineax_attn.layers import norm as norm_lib
 from lineax_attn.layers import partition
+from lineax_attn.parallel import context as context_parallel
 
 LINEAR_MIXERS = ("linear_attention", "deltanet", "gdn", "kda", "gdn2")
 
@@ -126,6 +127,10 @@ class LinearMixer(nnx.Module):
     chunk_size: chunk size passed to the op.
     implementation: op implementation for sequences ("scan", "chunk", a kernel, None = best).
     decode_implementation: op implementation for one-token steps ("scan").
+    context_axis: mesh axis of context parallelism: when the current mesh (`jax.set_mesh`) has
+      it with size P > 1 and P divides T, the op runs under `jax.shard_map` over it with the
+      time axis split P ways (`lineax_attn.parallel.sharded_mixer`); None turns this off. The
+      short conv stays plain jnp on the auto-sharded time axis (XLA exchanges the W−1 halo).
     init_std: std of the in-projections (N(0, 0.02)); out_init_std: of W_out (default init_std).
     dtype: compute dtype; param_dtype: parameter dtype (A_log, dt_bias stay float32).
   """
@@ -136,6 +141,7 @@ class LinearMixer(nnx.Module):
                gate_init: str = "repo", gate_lower_bound: float | None = None,
                allow_neg_eigval: bool = False, norm_eps: float = 1e-5, chunk_size: int = 64,
                implementation: str | None = None, decode_implementation: str = "scan",
+               context_axis: str | None = context_parallel.SEQUENCE_AXIS,
                init_std: float = 0.02, out_init_std: float | None = None, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     kind = canonical_linear_mixer(kind)
@@ -176,6 +182,7 @@ class LinearMixer(nnx.Module):
     self.chunk_size = chunk_size
     self.implementation = implementation
     self.decode_implementation = decode_implementation
+    self.context_axis = context_axis
     self.dtype = dtype
     gate_rank = head_dim_v if gate_rank is None else gate_rank
 
@@ -320,10 +327,18 @@ class LinearMixer(nnx.Module):
     gate_args, z = self._gates(x, parts)
     want_cache = cache is not None or max_len is not None
     impl = self.decode_implementation if (want_cache and t == 1) else self.implementation
-    results = _OPS[self.kind](
-        q, k, v, *gate_args, initial_state=None if cache is None else cache["state"],
-        output_final_state=want_cache, segment_ids=segment_ids, chunk_size=self.chunk_size,
-        return_residual=with_residual, implementation=impl)
+    if hasattr(self, "__captures__"):  # only under nnx.capture (lineax_attn.inspect): op inputs
+      self.sow(nnx.Intermediate, "op_inputs", dict(q=q, k=k, v=v, gates=gate_args, z=z))
+    op_kwargs = dict(initial_state=None if cache is None else cache["state"],
+                     output_final_state=want_cache, segment_ids=segment_ids,
+                     chunk_size=self.chunk_size, return_residual=with_residual,
+                     implementation=impl)
+    shards = context_parallel.active_axis_size(self.context_axis)
+    if shards > 1 and t % shards == 0:
+      results = context_parallel.sharded_mixer(self.kind, q, k, v, *gate_args,
+                                               axis=self.context_axis, **op_kwargs)
+    else:
+      results = _OPS[self.kind](q, k, v, *gate_args, **op_kwargs)
     o, state = results[0], results[1]
     r = results[2] if with_residual else None
     if z is not None:

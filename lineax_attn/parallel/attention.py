@@ -55,8 +55,25 @@ def _dense(q, k, v, scale, mask):
   return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, axis=-1), v, precision=_HI)
 
 
+STRATEGIES = ("offset_mask", "padded_queries")
+
+
+def _padded_queries(q, k_all, v_all, offset, t_global, segment_ids_all, **kwargs):
+  """This shard's queries placed at their global rows of an otherwise zero `[B, T, H, D]` query
+  array, then the unsharded op (so cuDNN's fused kernel runs: it takes no offset mask), and this
+  shard's rows sliced back out. Rows of other shards get zero cotangents, so the gradients
+  (through the all_gather's transpose) are exact; the price is attention compute of the whole
+  sequence on every device."""
+  b, t_local, h, d = q.shape
+  q_full = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((b, t_global, h, d), q.dtype), q,
+                                               offset, axis=1)
+  o_full = ops.softmax_attention(q_full, k_all, v_all, segment_ids=segment_ids_all, **kwargs)
+  return jax.lax.dynamic_slice_in_dim(o_full, offset, t_local, axis=1)
+
+
 def context_parallel_attention(q, k, v, *, axis_name: str = context.SEQUENCE_AXIS, scale=None,
-                               causal=True, window=None, segment_ids=None, implementation=None):
+                               causal=True, window=None, segment_ids=None, implementation=None,
+                               strategy: str | None = None):
   """Softmax attention over a sequence sharded along `axis_name`; call inside `jax.shard_map`.
 
   Args:
@@ -65,10 +82,14 @@ def context_parallel_attention(q, k, v, *, axis_name: str = context.SEQUENCE_AXI
     axis_name: the manual mesh axis the time axis is split over.
     scale, causal, window: as `ops.softmax_attention`.
     segment_ids: `[B, T_local]` int, this shard's ids (segments may cross shard boundaries).
-    implementation: "reference" (dense float32 here) or "xla" / "cudnn" / None, which run
-      `jax.nn.dot_product_attention(implementation="xla")` with the explicit offset mask (the
-      cuDNN path takes no arbitrary mask with T_q != T_k, so it is not used under context
-      parallelism).
+    implementation: "reference" (dense float32 here), "xla", "cudnn" or None (as
+      `ops.softmax_attention`: cuDNN on GPU for bf16/fp16).
+    strategy: "offset_mask": `[T_local, T]` scores with the offset causal mask (XLA; compute
+      and memory split over the shards, but materialised scores, fine for short T);
+      "padded_queries": the unsharded op on zero-padded queries (`_padded_queries`; cuDNN's
+      fused kernel, whole-sequence attention compute per device). None: padded_queries when
+      the implementation resolves to cuDNN, else offset_mask. Measured on 2 H200s at T = 16K
+      (docs/BENCHMARKS.md), the offset mask made the hybrid's step 14x slower than one GPU.
 
   Returns:
     `[B, T_local, H, D]` in q's dtype; outputs at padding queries are 0.
@@ -80,11 +101,21 @@ def context_parallel_attention(q, k, v, *, axis_name: str = context.SEQUENCE_AXI
                      f"'xla', 'cudnn' or None.")
   if segment_ids is not None:
     api.check_segments(segment_ids, None, api.Dims(b, t_local, 1, 1, d, d))
+  if strategy is None:
+    on_gpu = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    cudnn = implementation == "cudnn" or (implementation is None and on_gpu)
+    strategy = "padded_queries" if cudnn else "offset_mask"
+  if strategy not in STRATEGIES:
+    raise ValueError(f"unknown `strategy={strategy!r}`; expected one of {STRATEGIES} or None.")
   n_shards = jax.lax.axis_size(axis_name)
   offset = jax.lax.axis_index(axis_name) * t_local
   gather = lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
   k_all, v_all = gather(k), gather(v)
   t_global = t_local * n_shards
+  if strategy == "padded_queries":
+    ids = None if segment_ids is None else gather(segment_ids.astype(jnp.int32))
+    return _padded_queries(q, k_all, v_all, offset, t_global, ids, scale=scale, causal=causal,
+                           window=window, implementation=implementation).astype(q.dtype)
   layout = None
   if segment_ids is not None:
     layout = seg_lib.layout_from_segment_ids(gather(segment_ids.astype(jnp.int32)))
@@ -102,6 +133,7 @@ def context_parallel_attention(q, k, v, *, axis_name: str = context.SEQUENCE_AXI
 
 def sharded_attention(q, k, v, *, mesh=None, axis: str = context.SEQUENCE_AXIS, scale=None,
                       causal=True, window=None, segment_ids=None, implementation=None,
+                      strategy: str | None = None,
                       batch_axes=context.DEFAULT_BATCH_AXES, head_axes=context.DEFAULT_HEAD_AXES):
   """`context_parallel_attention` in a `jax.shard_map` manual over `axis` (and over those of
   `batch_axes` / `head_axes` in the mesh that divide B / both head counts, as
@@ -129,7 +161,8 @@ def sharded_attention(q, k, v, *, mesh=None, axis: str = context.SEQUENCE_AXIS, 
     arrays["segment_ids"], specs["segment_ids"] = segment_ids, context.spec(rows, (axis,))
   fn = jax.shard_map(
       lambda a: context_parallel_attention(a["q"], a["k"], a["v"], axis_name=axis,
-                                           segment_ids=a.get("segment_ids"), **kwargs),
+                                           segment_ids=a.get("segment_ids"), strategy=strategy,
+                                           **kwargs),
       mesh=mesh, in_specs=(specs,), out_specs=time_spec,
       axis_names=context.manual_axes(mesh_, axis, rows, heads))
   return fn(arrays)

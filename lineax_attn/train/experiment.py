@@ -8,7 +8,8 @@ A config (see `configs/base.py`) has five sections and up to four top-level fiel
   (training, and validation: the embedded corpus's validation split, or `validation_path`).
 * `optim`: the `OptimizerConfig` fields less `total_steps` (= `train.steps`).
 * `train`: `TrainSettings` (steps, batch, length, micro-batches, intervals, seed, keep).
-* `mesh`: `MeshSettings`, the `data`, `fsdp`, `tensor` sizes (one may be -1: fill).
+* `mesh`: `MeshSettings`, the `data`, `fsdp`, `tensor` sizes (one may be -1: fill) and the
+  `sequence` (context parallel) size, 1 by default (docs/CONTEXT_PARALLEL.md).
 
 `name` names the comparison, `paper` (optional) maps arms to the paper's reported validation
 loss for compare.py's table, `arms` maps an arm name to overrides (a nested dict of the same
@@ -34,6 +35,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from lineax_attn.data import pipeline as pipeline_lib
+from lineax_attn.data import synthetic as synthetic_lib
 from lineax_attn.data import tokenizers as tokenizers_lib
 from lineax_attn.models.config import ModelConfig
 from lineax_attn.train import optim as optim_lib
@@ -82,6 +84,7 @@ class MeshSettings:
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  sequence: int = 1                   # context parallel: the time axis split over this many
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +240,7 @@ def _data_configs(config, train: TrainSettings):
   if train.eval_batches > 0:
     if validation_path:
       eval_data = dataclasses.replace(train_data, source=validation_path)
-    elif train_data.source == "embedded":
+    elif train_data.source == "embedded" or synthetic_lib.is_mqar_source(train_data.source):
       eval_data = dataclasses.replace(train_data, split="validation")
     else:
       raise ValueError("train.eval_batches > 0 needs data.validation_path for a corpus given by "
@@ -269,9 +272,9 @@ def resolve(config: ml_collections.ConfigDict, *, arm: str | None = None,
   except TypeError as e:
     raise ValueError(f"train section: {e}") from e
   mesh_values = _section_dict(resolved, "mesh")
-  unknown = sorted(set(mesh_values) - {"data", "fsdp", "tensor"})
+  unknown = sorted(set(mesh_values) - {"data", "fsdp", "tensor", "sequence"})
   if unknown:
-    raise ValueError(f"Unknown mesh field(s) {unknown}; expected data, fsdp, tensor")
+    raise ValueError(f"Unknown mesh field(s) {unknown}; expected data, fsdp, tensor, sequence")
   mesh = MeshSettings(**mesh_values)
 
   optim_values = _section_dict(resolved, "optim")
@@ -288,18 +291,27 @@ def resolve(config: ml_collections.ConfigDict, *, arm: str | None = None,
   unknown = sorted(set(model_values) - known)
   if unknown:
     raise ValueError(f"Unknown model config field(s) {unknown}")
+  data_vocab = tokenizer.vocab_size
+  if synthetic_lib.is_mqar_source(train_data.source):  # MQAR tokens are its own vocabulary
+    data_vocab = synthetic_lib.mqar_config_from_source(train_data.source, train.seq_len).vocab
   if model_values.get("vocab_size") is None:
-    model_values["vocab_size"] = tokenizers_lib.padded_vocab_size(tokenizer.vocab_size)
-  if model_values["vocab_size"] < tokenizer.vocab_size:
+    model_values["vocab_size"] = tokenizers_lib.padded_vocab_size(data_vocab)
+  if model_values["vocab_size"] < data_vocab:
     raise ValueError(f"model.vocab_size={model_values['vocab_size']} is smaller than the "
-                     f"tokenizer's vocabulary ({tokenizer.vocab_size}, {train_data.tokenizer!r})")
+                     f"data's vocabulary ({data_vocab}: tokenizer {train_data.tokenizer!r}, "
+                     f"source {train_data.source!r})")
   model = ModelConfig(**model_values)
 
   if device_count is None or process_count is None:
     import jax  # pylint: disable=g-import-not-at-top
     device_count = jax.device_count() if device_count is None else device_count
     process_count = jax.process_count() if process_count is None else process_count
-  shape = sharding_lib.resolve_mesh_shape(mesh.data, mesh.fsdp, mesh.tensor, device_count)
+  shape = sharding_lib.resolve_mesh_shape(mesh.data, mesh.fsdp, mesh.tensor, device_count,
+                                          sequence=mesh.sequence)
+  if train.seq_len % mesh.sequence:
+    raise ValueError(f"train.seq_len={train.seq_len} must be a multiple of mesh.sequence="
+                     f"{mesh.sequence} (context parallel: each device takes an equal slice of "
+                     f"the time axis)")
   batch_shards = shape[0] * shape[1]
   rows = train.global_batch_size // train.grad_accum_steps
   if train.global_batch_size % train.grad_accum_steps or rows % batch_shards:
@@ -329,8 +341,15 @@ def describe(experiment: Experiment) -> str:
           f"{' routing=' + m.routing if m.routing else ''}, {experiment.optim.name} "
           f"lr={experiment.optim.learning_rate:g}, {experiment.train.steps} steps x "
           f"{experiment.train.global_batch_size}x{experiment.train.seq_len} tokens, mesh "
-          f"{dict(zip(sharding_lib.MESH_AXES, experiment.mesh_shape))}, "
-          f"{math.prod(experiment.mesh_shape)} devices")
+          f"{_mesh_desc(experiment)}, "
+          f"{math.prod(experiment.mesh_shape) * experiment.mesh.sequence} devices")
+
+
+def _mesh_desc(experiment: Experiment) -> dict[str, int]:
+  sizes = dict(zip(sharding_lib.MESH_AXES, experiment.mesh_shape))
+  if experiment.mesh.sequence > 1:
+    sizes["sequence"] = experiment.mesh.sequence
+  return sizes
 
 
 __all__ = ["TrainSettings", "MeshSettings", "Experiment", "base_config", "dataclass_section",

@@ -1,0 +1,97 @@
+"""MQAR sweeps (SPEC.md §7.1) and NIAH settings (§7.2) for `experiments/eval_recall.py`.
+
+    python -m experiments.eval_recall --config=configs/mqar.py:cpu --workdir=runs/mqar_cpu
+    python -m experiments.eval_recall --config=configs/mqar.py:gpu --workdir=runs/mqar_gpu
+    python -m experiments.eval_recall --config=configs/mqar.py:cpu --checkpoint=runs/base \
+        --workdir=runs/niah                                          # NIAH of a trained LM
+
+Sizes:
+
+* `cpu`: all six mixers, 2 layers, d_model 64, V 128, T 64, N in {4, 8, 16}, one LR (1e-2),
+  100 steps of 32 examples; the linear mixers run their `lax.scan` form (at T = 64 it compiles
+  and runs faster on a CPU than the chunked form). A smoke run of the whole program: the numbers
+  are far from converged (MQAR has a long plateau before the linear mixers pick it up).
+* `gpu`: V 8192, T in {128, 256, 512}, N in {8, 16, 32, 64} with 4N <= T (11 (T, N) cells),
+  d_model in {64, 128}, LRs {3e-4, 1e-3, 3e-3} trained together (vmapped), 200 steps of 64
+  examples, chunked pure-JAX mixers in bf16 (`implementation="chunk"`: the vmapped loop
+  should not depend on the Pallas kernels), XLA softmax attention. 6 mixers x 2 widths x 3
+  lengths = 36 compiles; 132 runs of 3 x 200 x 64 sequences = 1.59e9 tokens. Estimate: at
+  1-2M tokens/s per model (the chunk form, one LR, batch 64) and about 3x that with three LRs
+  in one vmapped step, about 4-6 minutes of training plus about 2-3 minutes of compiling. The
+  `max_minutes` guard (7, under the 10-minute command limit) stops the sweep cleanly and writes
+  the finished cells; cells run in the order T, N, d_model, mixer, so a cut-off sweep still
+  compares every mixer on the shorter lengths. More steps: `--config.steps=1000` (and a larger
+  `max_minutes` where the machine allows).
+
+`max_minutes` (None = no limit) applies to the MQAR sweep; `niah` is used with `--checkpoint`.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+MIXERS = ("softmax", "linear_attention", "deltanet", "gdn", "kda", "gdn2")
+SIZES = ("cpu", "gpu")
+
+
+def _niah() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      tasks=("s_niah_1", "s_niah_2", "s_niah_3", "mk_niah_1"),
+      lengths=(1024, 2048, 4096, 8192),
+      num_depths=5,
+      samples_per_depth=2,
+      max_new_tokens=48,          # a UUID is 36 characters (byte tokens)
+      batch_size=8,
+      template="ruler",           # or "short" (a one-line question)
+      seed=0,
+  ))
+
+
+def get_config(size: str = "cpu") -> ml_collections.ConfigDict:
+  size = size or "cpu"
+  if size not in SIZES:
+    raise ValueError(f"Unknown config size {size!r}; expected one of {SIZES}")
+  c = ml_collections.ConfigDict()
+  c.name = f"mqar_{size}"
+  c.mixers = MIXERS
+  c.power = 0.01
+  c.seed = 0
+  c.test_examples = 3000
+  c.train_examples = 100_000
+  c.warmup_fraction = 0.1
+  c.weight_decay = 0.1
+  c.steps_per_call = 25
+  c.vmap_lrs = True
+  c.max_minutes = ml_collections.config_dict.placeholder(float)
+  # ModelConfig overrides for every mixer (2 layers of mixer + SwiGLU).
+  c.model = ml_collections.ConfigDict(dict(
+      n_layers=2, num_heads=2, attn_heads=2, chunk_size=64, implementation="chunk",
+      attn_implementation="xla", dtype="float32", param_dtype="float32",
+      # FLA's gate init (dt log-uniform in [1e-3, 0.1]): with the repo's dt_bias = 1 GDN and
+      # GDN-2 start with a per-token decay exp(g) <= 0.27 and sit at the value-marginal loss
+      # for hundreds of steps on MQAR (measured: T=32, N=4, 600 steps: GDN-2 repo 0.03 vs KDA
+      # 0.98 accuracy).
+      gate_init="fla"))
+  if size == "cpu":
+    c.vocab = 128
+    c.seq_lens = (64,)
+    c.num_pairs = (4, 8, 16)
+    c.d_models = (64,)
+    c.lrs = (1e-2,)                   # the fastest-learning LR in a short CPU run
+    c.steps, c.batch_size = 100, 32
+    c.test_examples = 512
+    c.model.implementation = "scan"   # T = 64 on a CPU: the scan beats the chunked form
+    c.model.chunk_size = 32
+    c.max_minutes = 10.0
+  else:
+    c.vocab = 8192
+    c.seq_lens = (128, 256, 512)
+    c.num_pairs = (8, 16, 32, 64)
+    c.d_models = (64, 128)
+    c.lrs = (3e-4, 1e-3, 3e-3)
+    c.steps, c.batch_size = 200, 64
+    c.model.dtype = "bfloat16"
+    c.max_minutes = 7.0
+  c.niah = _niah()
+  c.lock()
+  return c

@@ -1,0 +1,272 @@
+"""Recall evaluations: the MQAR sweep (SPEC.md §7.1), or NIAH on a trained LM (§7.2).
+
+    python -m experiments.eval_recall --config=configs/mqar.py:cpu --workdir=runs/mqar_cpu
+    python -m experiments.eval_recall --config=configs/mqar.py:gpu --workdir=runs/mqar_gpu \
+        --config.max_minutes=7
+    python -m experiments.eval_recall --config=configs/mqar.py:cpu --checkpoint=runs/base_tiny \
+        --config.niah.lengths=512,1024 --workdir=runs/niah_base_tiny
+
+MQAR (no --checkpoint): trains every (T, N, d_model, mixer) cell at every LR
+(`lineax_attn.evals.recall.sweep_mqar`), keeps the best LR per cell, prints a Markdown table
+(rows d_model x T x N, a column per mixer: test accuracy and its LR) and writes, into
+--workdir, `mqar.md`, `mqar.json` (every (cell, LR) row and whether the sweep finished) and
+`mqar.png` (accuracy against N per mixer, one panel per (d_model, T)). Rows are appended to
+`mqar_rows.jsonl` as they finish, so a cut-off run leaves what it has; `config.max_minutes`
+stops the sweep cleanly and the table says which cells did not run.
+
+NIAH (--checkpoint=<workdir of experiments.train>): restores the latest checkpoint with its
+saved config, builds `config.niah` tasks with the model's tokenizer, decodes greedily with the
+recurrent cache and prints the mean RULER score per task x length (`niah.md`, `niah.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+# The program's own flag set (not absl's global one): tests call `parse_flags` and `main` in
+# the same process as other programs that also define --config.
+FLAGS = flags.FlagValues()
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "configs/mqar.py:cpu or :gpu.", flag_values=FLAGS, lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Tables, JSON and plots go here.",
+                               flag_values=FLAGS)
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", None, "Workdir of experiments.train: evaluate that LM on NIAH instead.",
+    flag_values=FLAGS)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """Parses this program's flags (an unknown or ill-typed `--config.*` exits with one line
+  naming it); absl's own flags (which app.run needs parsed) keep their defaults. Returns the
+  remaining arguments."""
+  try:
+    rest = FLAGS(argv)
+  except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
+    message = str(e).strip().strip("'\"").replace("\\n", " ")
+    print(f"error: invalid command line: {message}", file=sys.stderr)
+    sys.exit(2)
+  flags.FLAGS(rest[:1])
+  return rest
+
+
+# ----------------------------------------------------------------------------------- MQAR
+
+
+def _lr(x: float) -> str:
+  return f"{x:.0e}".replace("e-0", "e-")
+
+
+def mqar_table(rows: list[dict], mixers: list[str]) -> str:
+  """Markdown: one line per (d_model, T, N), a column per mixer ("acc (lr)", best LR)."""
+  from lineax_attn import bench  # pylint: disable=g-import-not-at-top
+
+  best = {(r["mixer"], r["d_model"], r["seq_len"], r["num_pairs"]): r for r in rows if r["best"]}
+  cells = sorted({k[1:] for k in best})
+  lines = []
+  for d, t, n in cells:
+    line = {"d_model": d, "seq_len": t, "num_pairs": n}
+    for m in mixers:
+      r = best.get((m, d, t, n))
+      line[m] = "" if r is None else f"{r['accuracy']:.3f} ({_lr(r['lr'])})"
+    lines.append(line)
+  columns = [("d_model", "d_model"), ("seq_len", "T"), ("num_pairs", "N")]
+  columns += [(m, m) for m in mixers]
+  table = bench.markdown_table(lines, columns)
+  sizes = {}
+  for r in rows:
+    sizes.setdefault((r["mixer"], r["d_model"]), set()).add((r["seq_len"], r["state_size"]))
+  notes = []
+  for (m, d), vals in sorted(sizes.items()):
+    if m == "softmax":
+      text = ", ".join(f"{s:,} at T={t}" for t, s in sorted(vals))
+    else:
+      text = f"{next(iter(vals))[1]:,}"
+    notes.append(f"{m} d={d}: {text}")
+  return table + "\n\nState size per layer (d_k·d_v·H_v; softmax: KV cache 2·T·H_kv·d_h): " + \
+      "; ".join(notes)
+
+
+def mqar_plot(rows: list[dict], path: str, title: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  best = [r for r in rows if r["best"]]
+  panels = sorted({(r["d_model"], r["seq_len"]) for r in best})
+  if not panels:
+    return
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+  for ax, (d, t) in zip(axes[0], panels):
+    for m in dict.fromkeys(r["mixer"] for r in best):
+      pts = sorted((r["num_pairs"], r["accuracy"]) for r in best
+                   if r["mixer"] == m and r["d_model"] == d and r["seq_len"] == t)
+      if pts:
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("key-value pairs N")
+    ax.set_ylabel("accuracy (best LR)")
+    ax.set_title(f"d_model={d}, T={t}")
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=8)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def run_mqar(config, workdir: str | None) -> str:
+  import jax  # pylint: disable=g-import-not-at-top
+  from lineax_attn import bench  # pylint: disable=g-import-not-at-top
+  from lineax_attn.evals import recall  # pylint: disable=g-import-not-at-top
+
+  settings = recall.TrainSettings(
+      steps=config.steps, batch_size=config.batch_size, warmup_fraction=config.warmup_fraction,
+      weight_decay=config.weight_decay, steps_per_call=config.steps_per_call,
+      vmap_lrs=config.vmap_lrs)
+  rows_path = None
+  if workdir:
+    os.makedirs(workdir, exist_ok=True)
+    rows_path = os.path.join(workdir, "mqar_rows.jsonl")
+    open(rows_path, "w").close()
+
+  def on_row(row):
+    if rows_path:
+      with open(rows_path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+  mixers = list(config.mixers)
+  cells = sum(1 for t in config.seq_lens for n in config.num_pairs if 4 * n <= t)
+  runs = cells * len(config.d_models) * len(mixers)
+  tokens = sum(t for t in config.seq_lens for n in config.num_pairs if 4 * n <= t)
+  tokens *= len(config.d_models) * len(mixers) * settings.total_steps * settings.batch_size
+  tokens *= len(config.lrs)
+  print(f"[mqar] {config.name}: {runs} runs x {len(config.lrs)} LRs, {settings.total_steps} "
+        f"steps x {settings.batch_size} examples, {tokens:.3g} training tokens, "
+        f"{len(config.seq_lens) * len(config.d_models) * len(mixers)} compiles; "
+        f"{jax.device_count()} {jax.devices()[0].platform} device(s); budget "
+        f"{config.max_minutes} min", file=sys.stderr, flush=True)
+  start = time.perf_counter()
+  rows, info = recall.sweep_mqar(
+      mixers=mixers, d_models=tuple(config.d_models), seq_lens=tuple(config.seq_lens),
+      num_pairs=tuple(config.num_pairs), lrs=tuple(config.lrs), vocab=config.vocab,
+      settings=settings, train_examples=config.train_examples,
+      test_examples=config.test_examples, power=config.power, seed=config.seed,
+      model_overrides=config.model.to_dict(), max_minutes=config.max_minutes, on_row=on_row)
+  elapsed = time.perf_counter() - start
+  status = ("complete" if info["complete"] else
+            f"stopped by the {config.max_minutes}-minute budget: {len(info['skipped_cells'])} of "
+            f"{info['cells']} runs not done")
+  header = (f"# {config.name}: MQAR test accuracy (best LR per cell)\n\nV={config.vocab}, "
+            f"{settings.total_steps} steps x {settings.batch_size} examples, LRs "
+            f"{', '.join(_lr(x) for x in config.lrs)}, {config.test_examples} test examples per "
+            f"(T, N), {jax.device_count()} {jax.devices()[0].platform} device(s), "
+            f"{elapsed:.0f} s; {status}.\n\n")
+  text = header + mqar_table(rows, mixers) if rows else header + "(no cell finished)"
+  if workdir:
+    with open(os.path.join(workdir, "mqar.md"), "w") as f:
+      f.write(text + "\n")
+    bench.write_json(os.path.join(workdir, "mqar.json"), rows, name=config.name,
+                     complete=info["complete"], skipped_cells=info["skipped_cells"],
+                     elapsed_s=elapsed, config=config.to_dict())
+    if rows:
+      mqar_plot(rows, os.path.join(workdir, "mqar.png"), f"{config.name}: MQAR")
+  return text
+
+
+# ----------------------------------------------------------------------------------- NIAH
+
+
+def load_trained(checkpoint_dir: str):
+  """(model, tokenizer, experiment) from a workdir of experiments.train (latest checkpoint)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
+  from lineax_attn.data import tokenizers  # pylint: disable=g-import-not-at-top
+  from lineax_attn.train import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+  from lineax_attn.train import experiment, loop  # pylint: disable=g-import-not-at-top
+  from lineax_attn.train import sharding  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(checkpoint_dir, "config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path} not found: --checkpoint must be the --workdir of "
+                            f"experiments.train")
+  with open(path) as f:
+    saved = json.load(f)
+  saved["mesh"] = {"data": 1, "fsdp": 1, "tensor": 1}  # evaluation runs on one device
+  config = ml_collections.ConfigDict(saved)
+  exp = experiment.resolve(config, device_count=1, process_count=1)
+  trainer = loop.Trainer(exp, mesh=sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]))
+  with checkpoint_lib.Checkpointer(os.path.join(checkpoint_dir, "checkpoints")) as ckpt:
+    state = ckpt.restore(None, trainer.abstract_state())
+  model = trainer.model(state["params"])
+  return model, tokenizers.get_tokenizer(exp.train_data.tokenizer), exp
+
+
+def run_niah(config, checkpoint_dir: str, workdir: str | None) -> str:
+  from lineax_attn import bench  # pylint: disable=g-import-not-at-top
+  from lineax_attn.data import synthetic  # pylint: disable=g-import-not-at-top
+  from lineax_attn.evals import recall  # pylint: disable=g-import-not-at-top
+
+  model, tokenizer, exp = load_trained(checkpoint_dir)
+  niah = config.niah
+  lengths = [int(x) for x in niah.lengths]
+  all_rows, means = [], {}
+  for task in niah.tasks:
+    start = time.perf_counter()
+    examples = synthetic.niah_tasks(task, lengths, num_depths=niah.num_depths,
+                                    samples_per_depth=niah.samples_per_depth,
+                                    tokenizer=tokenizer, seed=niah.seed, template=niah.template)
+    rows, task_means = recall.niah_score(model, tokenizer, examples,
+                                         max_new_tokens=niah.max_new_tokens,
+                                         batch_size=niah.batch_size,
+                                         add_bos=exp.train_data.add_bos)
+    all_rows += rows
+    means.update(task_means)
+    print(f"[niah] {task}: {len(examples)} prompts in {time.perf_counter() - start:.1f}s; "
+          + ", ".join(f"{n}: {task_means[(task, n)]:.1f}" for n in lengths),
+          file=sys.stderr, flush=True)
+  lines = [{"task": t, **{str(n): f"{means[(t, n)]:.1f}" for n in lengths}} for t in niah.tasks]
+  table = bench.markdown_table(lines, [("task", "task")] + [(str(n), str(n)) for n in lengths])
+  header = (f"# NIAH of {exp.run_name} ({checkpoint_dir})\n\nRULER string_match_all (x100), "
+            f"greedy, {niah.num_depths} depths x {niah.samples_per_depth} samples per length, "
+            f"template {niah.template!r}, lengths in tokens of {exp.train_data.tokenizer!r}.\n\n")
+  text = header + table
+  if workdir:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "niah.md"), "w") as f:
+      f.write(text + "\n")
+    bench.write_json(os.path.join(workdir, "niah.json"), all_rows, checkpoint=checkpoint_dir,
+                     means={f"{t}/{n}": v for (t, n), v in means.items()})
+  return text
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  if config is None:
+    raise app.UsageError("--config is required, e.g. --config=configs/mqar.py:cpu")
+  workdir = os.path.abspath(_WORKDIR.value) if _WORKDIR.value else None
+  try:
+    if _CHECKPOINT.value:
+      text = run_niah(config, os.path.abspath(_CHECKPOINT.value), workdir)
+    else:
+      text = run_mqar(config, workdir)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(text)
+  if workdir:
+    print(f"\nwrote {workdir}")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_flags)
