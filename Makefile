@@ -7,7 +7,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-PYTEST_ARGS ?= -n 2 --durations=15
+PYTEST_ARGS ?= -n 2 --durations=25
 
 .PHONY: run test venv clean
 

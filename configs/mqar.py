@@ -11,17 +11,15 @@ Sizes:
   100 steps of 32 examples; the linear mixers run their `lax.scan` form (at T = 64 it compiles
   and runs faster on a CPU than the chunked form). A smoke run of the whole program: the numbers
   are far from converged (MQAR has a long plateau before the linear mixers pick it up).
-* `gpu`: V 8192, T in {128, 256, 512}, N in {8, 16, 32, 64} with 4N <= T (11 (T, N) cells),
-  d_model in {64, 128}, LRs {3e-4, 1e-3, 3e-3} trained together (vmapped), 200 steps of 64
-  examples, chunked pure-JAX mixers in bf16 (`implementation="chunk"`: the vmapped loop
-  should not depend on the Pallas kernels), XLA softmax attention. 6 mixers x 2 widths x 3
-  lengths = 36 compiles; 132 runs of 3 x 200 x 64 sequences = 1.59e9 tokens. Estimate: at
-  1-2M tokens/s per model (the chunk form, one LR, batch 64) and about 3x that with three LRs
-  in one vmapped step, about 4-6 minutes of training plus about 2-3 minutes of compiling. The
-  `max_minutes` guard (7, under the 10-minute command limit) stops the sweep cleanly and writes
-  the finished cells; cells run in the order T, N, d_model, mixer, so a cut-off sweep still
-  compares every mixer on the shorter lengths. More steps: `--config.steps=1000` (and a larger
-  `max_minutes` where the machine allows).
+* `gpu`: V 8192, T 128, N in {8, 16, 32}, d_model 128, LRs {3e-4, 1e-3, 3e-3} trained
+  together (vmapped), 3,000 steps of 64 examples, chunked pure-JAX mixers in bf16
+  (`implementation="chunk"`: the vmapped loop should not depend on the Pallas kernels), XLA
+  softmax attention. Sized from the first H200 run (docs/EXPERIMENTS.md: 400 steps left every
+  model at chance; after compiling, a 400-step cell took 0.8-3.5 s at T 128), so about 9 minutes
+  with the 6 compiles; the `max_minutes` guard (9, under the 10-minute command limit) stops the
+  sweep cleanly and writes the finished cells; cells run in the order T, N, d_model, mixer. The
+  classic wider grid: `'--config.seq_lens=(128,256,512)' '--config.num_pairs=(8,16,32,64)'
+  '--config.d_models=(64,128)'` (about 30 minutes per 1000 steps on one H200, estimated).
 
 `max_minutes` (None = no limit) applies to the MQAR sweep; `niah` is used with `--checkpoint`.
 """
@@ -84,14 +82,17 @@ def get_config(size: str = "cpu") -> ml_collections.ConfigDict:
     c.model.chunk_size = 32
     c.max_minutes = 10.0
   else:
+    # Sized from the H200 run of 2026-11-29 (docs/EXPERIMENTS.md): 400 steps left every model
+    # at chance, and a cell of 400 steps x 64 x 3 LRs took 0.8-3.5 s at T 128 after compiling,
+    # so 3,000 steps on T 128 (18 cells) fit about 9 minutes with the compiles.
     c.vocab = 8192
-    c.seq_lens = (128, 256, 512)
-    c.num_pairs = (8, 16, 32, 64)
-    c.d_models = (64, 128)
+    c.seq_lens = (128,)
+    c.num_pairs = (8, 16, 32)
+    c.d_models = (128,)
     c.lrs = (3e-4, 1e-3, 3e-3)
-    c.steps, c.batch_size = 200, 64
+    c.steps, c.batch_size = 3000, 64
     c.model.dtype = "bfloat16"
-    c.max_minutes = 7.0
+    c.max_minutes = 9.0
   c.niah = _niah()
   c.lock()
   return c

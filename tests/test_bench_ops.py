@@ -109,7 +109,7 @@ def test_bench_kernels_sweep_writes_table_json_and_plot(tmp_path):
          "--sweep_lengths=64,256", "--sweep_hd=2,32", "--impls=chunk", "--modes=fwd",
          "--mixers=gated_delta_rule", "--iters=2", "--warmup=0", f"--out_md={md}",
          f"--out_json={js}", f"--out_png={png}"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
   proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   rows = json.load(open(js))["results"]

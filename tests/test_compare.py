@@ -19,7 +19,7 @@ OVERRIDES = [f"--config.train.steps={STEPS}", "--config.train.seq_len=32",
 
 
 def _compare(workdir, *extra):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
   cmd = [sys.executable, "-m", "experiments.compare", "--config=configs/mixers.py:tiny",
          f"--workdir={workdir}", f"--arms={','.join(ARMS)}", "--progress=false", *OVERRIDES,
          *extra]

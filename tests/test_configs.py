@@ -144,7 +144,8 @@ def test_bad_configs_fail_naming_the_field(mutate, match):
 
 def _train_cli(args, workdir, devices=1):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+             "--xla_backend_optimization_level=0")
   return subprocess.run(
       [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *args],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
