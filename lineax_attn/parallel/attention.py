@@ -25,9 +25,6 @@ from lineax_attn.ops import attention as attention_ops
 from lineax_attn.ops import segments as seg_lib
 from lineax_attn.parallel import context
 
-_HI = jax.lax.Precision.HIGHEST
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, as in SPEC.md §2.1
-
 
 def _global_mask(b, t_local, t_global, offset, causal, window, layout):
   """`[B, T_local, T_global]` bool: local query i (global position offset + i) may see key s."""
@@ -43,16 +40,6 @@ def _global_mask(b, t_local, t_global, offset, causal, window, layout):
     q_seg = jax.lax.dynamic_slice_in_dim(layout.segidx, offset, t_local, axis=1)
     m = m & (q_seg[:, :, None] == layout.segidx[:, None, :]) & layout.valid[:, None, :]
   return m
-
-
-def _dense(q, k, v, scale, mask):
-  """Dense masked GQA attention in float32 (the reference of SPEC.md §2.1)."""
-  n_rep = q.shape[2] // k.shape[2]
-  k = jnp.repeat(k.astype(jnp.float32), n_rep, axis=2)
-  v = jnp.repeat(v.astype(jnp.float32), n_rep, axis=2)
-  logits = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k, precision=_HI) * scale
-  logits = jnp.where(mask[:, None], logits, _MASK_VALUE)
-  return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(logits, axis=-1), v, precision=_HI)
 
 
 STRATEGIES = ("offset_mask", "padded_queries")
@@ -121,7 +108,8 @@ def context_parallel_attention(q, k, v, *, axis_name: str = context.SEQUENCE_AXI
     layout = seg_lib.layout_from_segment_ids(gather(segment_ids.astype(jnp.int32)))
   mask = _global_mask(b, t_local, t_global, offset, causal, window, layout)
   if implementation == "reference":
-    o = _dense(q, k_all, v_all, scale, mask)
+    # The dense float32 oracle of ops.attention, here with the offset mask.
+    o = attention_ops._reference(q, k_all, v_all, scale, mask[:, None])  # pylint: disable=protected-access
   else:
     o = jax.nn.dot_product_attention(q, k_all, v_all, scale=scale, mask=mask[:, None],
                                      implementation="xla")
