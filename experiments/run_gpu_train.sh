@@ -3,6 +3,8 @@
 #
 #   bash experiments/run_gpu_train.sh compare STEPS [--config.x=y ...]  # every arm of configs/mixers.py:small
 #   bash experiments/run_gpu_train.sh seq LENGTHS STEPS  # bench_seq_scaling --preset=paper
+#   bash experiments/run_gpu_train.sh mqar [--config.x=y ...]      # eval_recall, configs/mqar.py:gpu
+#   bash experiments/run_gpu_train.sh parallel MESHES [flags ...]  # bench_parallel on all local GPUs
 #
 # `compare` trains the arms as concurrent processes on the one GPU (a 26M-parameter model keeps an
 # H200 mostly idle, so concurrent arms overlap one another's host work; each process gets a fifth
@@ -43,5 +45,22 @@ seq)
     --warmup=3 --out=$OUT/seq > $OUT/seq.log 2>&1
   echo "seq rc=$?"; tail -n 20 $OUT/seq.log
   tar czf $OUT/seq.tgz -C $OUT seq seq.log && rm -r $OUT/seq
+  ;;
+mqar)
+  CFG=${CFG:-configs/mqar.py:gpu}; mkdir -p /tmp/mqar
+  timeout ${MQAR_TIMEOUT:-570} python3 -u -m experiments.eval_recall --config=$CFG \
+    --workdir=/tmp/mqar "$@" > /tmp/mqar/log 2>&1
+  echo "mqar rc=$?"; cat /tmp/mqar/mqar.md 2>/dev/null; tail -n 3 /tmp/mqar/log
+  tar czf $OUT/mqar.tgz -C /tmp mqar
+  ;;
+parallel)
+  MESHES=$1; shift; CFG=${CFG:-configs/mixers.py:small}; mkdir -p /tmp/par
+  python3 -u -m experiments.bench_parallel --config=$CFG --meshes="$MESHES" \
+    --out_md=/tmp/par/results.md "$@" > /tmp/par/log 2>&1
+  echo "parallel rc=$?"; cat /tmp/par/results.md 2>/dev/null; tail -n 3 /tmp/par/log
+  tar czf $OUT/parallel.tgz -C /tmp par
+  ;;
+*)
+  echo "unknown mode $MODE (compare | seq | mqar | parallel)" >&2; exit 2
   ;;
 esac
