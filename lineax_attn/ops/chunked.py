@@ -218,16 +218,22 @@ def _from_chunks(x):
   return jnp.moveaxis(x, 0, 1).transpose(0, 1, 3, 2, 4).reshape(b, nc * c, hv, d)
 
 
+def chunk_cumulative_gates(g, to_chunks):
+  """(G, gate_kind): the in-chunk cumulative sum of the log gates and "scalar" / "channel" /
+  None. g `[B, T, HV]` or `[B, T, HV, K]` or None; `to_chunks` splits the time axis of a
+  `[B, T, HV, D]` array into chunks (whatever chunk layout the caller uses)."""
+  if g is None:
+    return None, None
+  gate_kind = "channel" if g.ndim == 4 else "scalar"
+  G = jnp.cumsum(to_chunks(g[..., None] if gate_kind == "scalar" else g), axis=-2)
+  return (G[..., 0] if gate_kind == "scalar" else G), gate_kind
+
+
 def _chunk_core(q, k, kt, vt, g, S0, *, chunk_size, segidx=None, starts=None,
                 keep_states=False):
   """Chunked recurrence on [B, T, HV, ...] inputs with T a multiple of chunk_size."""
   c = chunk_size
-  gate_kind = None if g is None else ("channel" if g.ndim == 4 else "scalar")
-  G = None
-  if g is not None:
-    G = jnp.cumsum(_to_chunks(g[..., None] if gate_kind == "scalar" else g, c), axis=-2)
-    if gate_kind == "scalar":
-      G = G[..., 0]
+  G, gate_kind = chunk_cumulative_gates(g, functools.partial(_to_chunks, c=c))
   same = cont = keep = None
   if segidx is not None:
     # [B, T] -> [Nc, B, 1, C]; the entry segment is the one of the token before the chunk.

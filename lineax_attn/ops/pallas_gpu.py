@@ -298,12 +298,7 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c):
 
   Returns (ny, qg, p, u, kg, gc) in the layouts of `state_passing.state_passing_fwd`.
   """
-  gate_kind = None if g is None else ("channel" if g.ndim == 4 else "scalar")
-  G = None
-  if g is not None:
-    G = jnp.cumsum(_to_chunks(g[..., None] if gate_kind == "scalar" else g, c), axis=-2)
-    if gate_kind == "scalar":
-      G = G[..., 0]
+  G, gate_kind = chunked.chunk_cumulative_gates(g, functools.partial(_to_chunks, c=c))
   same = cont = keep = None
   if segidx is not None:
     same, cont, keep = _segment_masks(segidx, c)

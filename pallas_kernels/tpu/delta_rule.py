@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pallas_kernels.tpu import _common
-from pallas_kernels.tpu.template import delta_template
+from pallas_kernels.tpu.template import beta_weighted_delta
 
 
 @_common.with_doc
@@ -15,9 +15,6 @@ def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_st
     q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; beta: `[B, T, HV]` in (0, 2).
     {common}
   """
-  kt = _common.times(_common.value_heads(k, v.shape[2]), beta)
-  return delta_template(q, k, kt, _common.times(v, beta), None,
-                        scale=_common.default_scale(scale, q), initial_state=initial_state,
-                        output_final_state=output_final_state, segidx=segidx, valid=valid,
-                        cu_seqlens=cu_seqlens, block_sizes=block_sizes, interpret=interpret,
-                        out_dtype=v.dtype)
+  return beta_weighted_delta(q, k, v, None, beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, segidx=segidx, valid=valid,
+                             cu_seqlens=cu_seqlens, block_sizes=block_sizes, interpret=interpret)

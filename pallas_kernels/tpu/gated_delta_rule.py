@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pallas_kernels.tpu import _common
-from pallas_kernels.tpu.template import delta_template
+from pallas_kernels.tpu.template import beta_weighted_delta
 
 
 @_common.with_doc
@@ -16,9 +16,6 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
     q, k: `[B, T, H, K]`; v: `[B, T, HV, V]`; g: `[B, T, HV]` log decay ≤ 0; beta: `[B, T, HV]`.
     {common}
   """
-  kt = _common.times(_common.value_heads(k, v.shape[2]), beta)
-  return delta_template(q, k, kt, _common.times(v, beta), g,
-                        scale=_common.default_scale(scale, q), initial_state=initial_state,
-                        output_final_state=output_final_state, segidx=segidx, valid=valid,
-                        cu_seqlens=cu_seqlens, block_sizes=block_sizes, interpret=interpret,
-                        out_dtype=v.dtype)
+  return beta_weighted_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             output_final_state=output_final_state, segidx=segidx, valid=valid,
+                             cu_seqlens=cu_seqlens, block_sizes=block_sizes, interpret=interpret)

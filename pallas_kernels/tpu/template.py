@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.tpu import _common
 from pallas_kernels.tpu import kernels
 from pallas_kernels.tpu.block_sizes import BlockSizes
 
@@ -209,3 +210,12 @@ def delta_template(q, k, kt, vt, g, *, scale: float, initial_state=None, output_
 
   final = final[:, :, :dk, :dv] if output_final_state else None
   return from_kernel(o), final, from_kernel(e)
+
+
+def beta_weighted_delta(q, k, v, g, beta, *, scale=None, **kwargs):
+  """The template for the β-weighted mixers (DeltaNet: g None, GDN: g `[B, T, HV]`, KDA: g
+  `[B, T, HV, K]`): k̃ = β k (at the value heads), ṽ = β v, output in v's dtype."""
+  kt = _common.times(_common.value_heads(k, v.shape[2]), beta)
+  return delta_template(q, k, kt, _common.times(v, beta), g,
+                        scale=_common.default_scale(scale, q), out_dtype=v.dtype, **kwargs)
+
