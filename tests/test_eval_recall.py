@@ -5,6 +5,8 @@
 * A tiny MQAR run (softmax, 2 layers, d 32, T 16, N 2, V 32, 150 steps): held-out accuracy
   above 4x chance (chance = 1/16: values are uniform over V/2 tokens). Measured 0.46.
 * Training several LRs at once (vmapped) equals training each alone (losses, rtol 1e-4).
+* The loop's AdamW decays every parameter but the decay gates (A_log, dt_bias): one step with
+  zero gradients shrinks a matrix by lr x wd and leaves the gates as they were.
 * The sweep's state sizes by hand; `niah_score` decodes and scores (a prompt that a model
   cannot answer scores 0, string_match_all of its own output is consistent).
 * The eval program, in process through its flags: the Markdown table has a column per mixer
@@ -16,8 +18,10 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -85,6 +89,25 @@ def test_vmapped_lrs_equal_separate_runs():
     recall.train_mqar_lrs(cfg.replace(vocab_size=16), TASK, [1e-3], settings)
   with pytest.raises(ValueError, match="lrs"):
     recall.train_mqar_lrs(cfg, TASK, [], settings)
+
+
+def test_weight_decay_spares_the_decay_gates():
+  model = LanguageModel(_tiny_config("gdn"), rngs=nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  settings = recall.TrainSettings(weight_decay=0.1, clip_norm=1.0)
+  tx = recall._make_tx(settings)
+  opt_state = tx.init(params)
+  opt_state[1].hyperparams["learning_rate"] = jnp.asarray(0.5)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, opt_state, params)
+  new = optax.apply_updates(params, updates)
+  mixer, new_mixer = params["blocks"][0]["mixer"], new["blocks"][0]["mixer"]
+  for gate in ("A_log", "dt_bias"):
+    np.testing.assert_array_equal(new_mixer[gate][...], mixer[gate][...])
+  # Decoupled decay: w <- w - lr * wd * w.
+  for old, upd in ((mixer["in_proj"]["kernel"][...], new_mixer["in_proj"]["kernel"][...]),
+                   (params["embed"]["embedding"][...], new["embed"]["embedding"][...])):
+    np.testing.assert_allclose(upd, old * (1 - 0.5 * 0.1), rtol=1e-6)
 
 
 def test_state_sizes():

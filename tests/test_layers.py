@@ -275,6 +275,18 @@ def test_initialisation_follows_spec():
   dt = np.asarray(jax.nn.softplus(fla.dt_bias[...]))
   assert dt.min() >= 1e-3 * (1 - 1e-4) and dt.max() <= 0.1 * (1 + 1e-4)
 
+  # "long": dt ~ LogU(1e-4, 1e-3) for every gated kind, A ~ U(1, 16): per-token log decays
+  # (f = 0) in [-0.016, -1e-4].
+  for kind in ("gdn", "kda", "gdn2"):
+    long = LinearMixer(kind, 128, num_heads=4, num_v_heads=8, head_dim_k=64, head_dim_v=64,
+                       gate_init="long", rngs=nnx.Rngs(0))
+    dt = np.asarray(jax.nn.softplus(long.dt_bias[...]))
+    a = np.exp(np.asarray(long.A_log[...]))
+    assert dt.min() >= 1e-4 * (1 - 1e-4) and dt.max() <= 1e-3 * (1 + 1e-4), kind
+    assert a.min() >= 1.0 - 1e-5 and a.max() <= 16.0 + 1e-4, kind
+  with pytest.raises(ValueError, match="gate_init"):
+    LinearMixer("gdn", 128, num_heads=4, gate_init="short", rngs=nnx.Rngs(0))
+
   out = LinearMixer("gdn", 128, num_heads=4, num_v_heads=8, head_dim_k=64, head_dim_v=64,
                     out_init_std=0.005, rngs=nnx.Rngs(0))
   assert abs(np.asarray(out.out_proj.kernel[...]).std() - 0.005) < 0.0005

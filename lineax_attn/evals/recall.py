@@ -37,6 +37,7 @@ from flax import nnx
 from lineax_attn.data import synthetic
 from lineax_attn.models.config import SOFTMAX, ModelConfig
 from lineax_attn.models.lm import LanguageModel
+from lineax_attn.train import optim
 
 
 # ------------------------------------------------------------------------------- accuracy
@@ -133,11 +134,22 @@ def _lr_at(step, peak, total, warmup):
   return jnp.where(step < warmup, warm, cos)
 
 
+def _decay_mask(params):
+  # Weight decay on every parameter but the decay gates' A_log and dt_bias (Zoology's MQAR
+  # decays everything; decaying A_log and dt_bias would pull every decay toward
+  # exp(-softplus(0)) = 0.5 per token, the opposite of what recall needs).
+  def decayed(path, _):
+    parts = optim.path_name(path).split("/")
+    return not ({"A_log", "dt_bias"} & set(parts))
+  return jax.tree_util.tree_map_with_path(decayed, params)
+
+
 def _make_tx(s: TrainSettings):
   return optax.chain(
       optax.clip_by_global_norm(s.clip_norm),
-      optax.inject_hyperparams(optax.adamw)(learning_rate=0.0, b1=s.b1, b2=s.b2,
-                                            weight_decay=s.weight_decay))
+      # static "mask": inject_hyperparams would otherwise call it as a schedule of the step.
+      optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+          learning_rate=0.0, b1=s.b1, b2=s.b2, weight_decay=s.weight_decay, mask=_decay_mask))
 
 
 _RUNNERS: dict = {}
