@@ -45,6 +45,10 @@ SETTINGS = recall.TrainSettings(steps=20 if FAST else 2000, batch_size=16 if FAS
 # Fast mode: one layer and the scan (quickest to compile), few steps: it checks that the code
 # runs, and its accuracies stay near chance; LINEAX_NOTEBOOK_FAST=0 trains for real.
 OVERRIDES = dict(chunk_size=16, n_layers=1, implementation="scan") if FAST else {}
+# MQAR's blocks (configs/mqar.py): no output gate, decays that start with a long memory; with the
+# LM's output gates and FLA's gate init the gated mixers stay at chance for thousands of steps
+# (docs/EXPERIMENTS.md, "MQAR sweeps").
+OVERRIDES.update(output_gate="none", gate_init="long")
 LR = 3e-3
 
 # %% [markdown]
