@@ -70,6 +70,9 @@ _OUT_PNG = flags.DEFINE_string("out_png", "", "Plot of the sweep: time against T
 _REMAT_INTRA = flags.DEFINE_bool("remat_intra", True, "pallas_gpu: recompute the XLA "
                                   "intra-chunk part in the backward (lineax_attn.ops.pallas_gpu."
                                   "REMAT_INTRA).")
+_INTRA = flags.DEFINE_enum("intra", "xla", ["xla", "kernel"], "pallas_gpu: who computes the "
+                           "DeltaNet/GDN intra-chunk part (lineax_attn.ops.pallas_gpu.INTRA; "
+                           "'kernel' is the experimental Mosaic GPU intra-chunk kernel).")
 _BREAKDOWN = flags.DEFINE_bool("breakdown", False,
                                "Also time the parts of pallas_gpu GDN at the first shape.")
 
@@ -310,6 +313,17 @@ def run_breakdown(shape):
       rows.append((f"whole op, solve={solve}, fwd", time_jax(op, [q, k, v, g, beta])[0]))
   finally:
     pallas_gpu.SOLVE = old
+  # The Mosaic GPU intra-chunk kernel on the same inputs (its [B, HV, T] gates made by XLA).
+  from pallas_kernels.gpu import intra_chunk as ic
+  def intra_kernel(q, k, v, g, beta):
+    G = jnp.cumsum(jnp.moveaxis(g, 1, 2).reshape(b, h, t // 64, 64), axis=-1)
+    return ic.intra_chunk_fwd(q, k, v, jnp.moveaxis(beta, 1, 2), G.reshape(b, h, t),
+                              (G[..., -1:] - G).reshape(b, h, t), scale=d ** -0.5)
+  try:
+    rows.append(("intra_chunk kernel (Mosaic GPU) fwd", time_jax(intra_kernel,
+                                                                 [q, k, v, g, beta])[0]))
+  except Exception as e:  # noqa: BLE001 - an experimental kernel must not stop the breakdown
+    log(f"[breakdown] intra_chunk kernel failed: {type(e).__name__}: {str(e)[:300]}")
   inputs = jax.block_until_ready(jax.jit(prep)(q, k, v, g, beta))
   s0 = jnp.zeros((b, h, d, d), jnp.float32)
   for save in (False, True):
@@ -446,9 +460,10 @@ def main(argv):
   start = time.time()
   from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
   pallas_gpu.REMAT_INTRA = _REMAT_INTRA.value
+  pallas_gpu.INTRA = _INTRA.value
   dev = jax.devices()[0]
   meta = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
-          "remat_intra": _REMAT_INTRA.value}
+          "remat_intra": _REMAT_INTRA.value, "intra": _INTRA.value}
   impls = list(_IMPLS.value)
   on_gpu = dev.platform == "gpu"
   have = {}

@@ -12,7 +12,7 @@ mkdir -p /tmp/triton_cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee $OUT/gpu.txt
 date -u +%FT%TZ > $OUT/date.txt
 if [ "$TT" -gt 0 ]; then
-  timeout $TT python3 -m pytest tests/test_pallas_gpu.py -v -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>&1
+  timeout $TT python3 -m pytest tests/test_pallas_gpu.py tests/test_pallas_gpu_intra.py -v -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|error" $OUT/test_gpu.log | tail -3
 fi
 if [ "$BT" -gt 0 ]; then

@@ -8,7 +8,8 @@ Split of the chunk form (SPEC.md §3.2):
   C×C products take bf16 operands with float32 accumulation; the unit-lower-triangular
   systems are inverted in float32 (blocked inverse by matmuls, closed-form VJP) and the inverse
   is applied with bf16 operands; per-channel gates (KDA, GDN-2) reuse the overflow-free
-  sub-chunk form of `chunked._intra_chunk` (float32).
+  sub-chunk form of `chunked._intra_chunk` (float32). Experimental alternative for DeltaNet and
+  GDN: the Mosaic GPU kernel `pallas_kernels.gpu.intra_chunk` (module flag `INTRA`).
 * **Sequential state pass (Mosaic GPU kernels, `pallas_kernels.gpu.state_passing`):**
   E = U − Y·S, O = QG·S + P·E, S' = gc⊙S + KGᵀ·E with the float32 state on chip; its backward is
   a reverse kernel for the state cotangent (SPEC.md §3.6 steps 1-2) plus batched matmuls, wired
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from lineax_attn.ops import chunked
+from pallas_kernels.gpu import intra_chunk as ic
 from pallas_kernels.gpu import state_passing as sp
 
 _log = logging.getLogger(__name__)
@@ -46,6 +48,11 @@ SOLVE = "inverse"
 # residuals (the C×C products and the inverse per chunk: faster backward). Module-level so
 # experiments/bench_kernels.py (--remat_intra) can time both.
 REMAT_INTRA = True
+# Who computes the intra-chunk part of DeltaNet / GDN: "xla" (below) or "kernel"
+# (`pallas_kernels.gpu.intra_chunk`, EXPERIMENTAL: interpreter-tested, not yet compiled or
+# timed on an H200; its backward is the VJP of the XLA part). Linear attention, KDA and GDN-2
+# always take the XLA part.
+INTRA = "xla"
 
 
 def is_hopper(device=None) -> bool:
@@ -325,6 +332,84 @@ def _core(q, k, kt, vt, g, s0, segidx, *, c, interpret):
   return _from_chunks(o), _from_chunks(e), s_final
 
 
+# -------------------------------------------------- intra-chunk kernel (INTRA = "kernel")
+
+
+def _intra_xla(q, k, v, beta, G, segidx, *, scale, c):
+  """The XLA intra-chunk part on the kernel's inputs (its backward).
+
+  q, k `[B, T, H, K]`, v `[B, T, HV, V]`, beta `[B, T, HV]`, G `[B, HV, Nc, C]` (the in-chunk
+  cumulative log decay; zeros for DeltaNet), segidx `[B, T]` or None. Returns
+  (ny, qg, p, u, kg) as `prepare_chunks`.
+  """
+  n_rep = v.shape[2] // q.shape[2]
+  f = lambda x: x.astype(_F32)
+  qr = jnp.repeat(f(q), n_rep, axis=2) * scale
+  kr = jnp.repeat(f(k), n_rep, axis=2)
+  b = f(beta)[..., None]
+  chunks = functools.partial(_to_chunks, c=c)
+  masks = (None, None, None) if segidx is None else _segment_masks(segidx, c)
+  QG, P, Y, U, KG, _ = _intra_scalar(chunks(qr), chunks(kr), chunks(kr * b), chunks(f(v) * b),
+                                     G, *masks)
+  return ((-Y).astype(_MM), QG.astype(_MM), P.astype(_MM), U.astype(_F32), KG.astype(_MM))
+
+
+def _kernel_segments(segidx, c):
+  """segidx [B, T] -> the kernel's (seg, cont, keep), each [B, T] float32."""
+  b, t = segidx.shape
+  _, cont, keep = _segment_masks(segidx, c)
+  return segidx.astype(_F32), cont.reshape(b, t), keep.reshape(b, t)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _intra_kernel(q, k, v, beta, G, segidx, scale, c, interpret):
+  b, t, hv = v.shape[:3]
+  flat = G.reshape(b, hv, t)
+  exit_ = (G[..., -1:] - G).reshape(b, hv, t)
+  segments = None if segidx is None else _kernel_segments(segidx, c)
+  return ic.intra_chunk_fwd(q.astype(_MM), k.astype(_MM), v.astype(_MM),
+                            jnp.moveaxis(beta.astype(_F32), 1, 2), flat, exit_, segments,
+                            scale=scale, interpret=interpret)
+
+
+def _intra_kernel_fwd(q, k, v, beta, G, segidx, scale, c, interpret):
+  out = _intra_kernel(q, k, v, beta, G, segidx, scale, c, interpret)
+  return out, (q, k, v, beta, G, segidx)
+
+
+def _intra_kernel_bwd(scale, c, interpret, res, cts):
+  del interpret
+  *diff, segidx = res
+  fn = lambda *a: _intra_xla(*a, segidx, scale=scale, c=c)
+  _, vjp = jax.vjp(fn, *diff)
+  return (*vjp(cts), None)
+
+
+_intra_kernel.defvjp(_intra_kernel_fwd, _intra_kernel_bwd)
+
+
+def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret):
+  """`_core` for DeltaNet / GDN with the intra-chunk kernel; q, k unrepeated and unscaled."""
+  b, t, hv = v.shape[:3]
+  dk = q.shape[-1]
+  if g is None:
+    G = jnp.zeros((b, hv, t // c, c), _F32)
+  else:
+    G, _ = chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(_to_chunks, c=c))
+  ny, qg, p, u, kg = _intra_kernel(q, k, v, beta, G, segidx, float(scale), c, interpret)
+  gc = jnp.exp(G[..., -1:])
+  if segidx is not None:   # a segment starting inside the chunk resets the entry state
+    gc = gc * _segment_masks(segidx, c)[1][..., -1:]
+  gc = jnp.broadcast_to(gc, G.shape[:3] + (dk,))
+  o, e, s_final = _state_pass(ny, qg, p, u, kg, gc, s0, interpret)
+  return _from_chunks(o), _from_chunks(e), s_final
+
+
+def _intra_kernel_applies(mixer, layout, dk, dv, chunk_size) -> bool:
+  return (INTRA == "kernel" and mixer in ("delta_rule", "gated_delta_rule")
+          and ic.supported(chunk_size, dk, dv) is None)
+
+
 def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
                             output_final_state=False):
   """The `pallas_gpu` implementation (see `api.run_mixer` for the contract)."""
@@ -338,6 +423,22 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
                                       chunk_size=chunk_size,
                                       output_final_state=output_final_state)
   g, erase, write = chunked.canonical_gates(mixer, v, gates)
+  c = chunk_size
+  t_pad = -(-t // c) * c
+  pad = functools.partial(chunked.pad_time, t_pad=t_pad)
+  s0 = jnp.zeros((b, hv, dk, dv), _F32) if initial_state is None else initial_state
+  # (Under shard_map the kernel's outputs would lack the varying-axes types: XLA path there.)
+  if _intra_kernel_applies(mixer, layout, dk, dv, chunk_size) and not _vma(q, k, v):
+    beta = gates["beta"]
+    if layout.valid is not None:  # padding rows: no decay, no write, zero output (as below)
+      m = layout.valid[:, :, None].astype(_F32)
+      q, k, beta = q * m[..., None], k * m[..., None], beta * m
+      g = None if g is None else g * m
+    segidx = None if layout.segidx is None else chunked.pad_time(layout.segidx, t_pad,
+                                                                  mode="edge")
+    o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
+                                       scale=scale, c=c, interpret=_interpret_params())
+    return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
   q = jnp.repeat(q, n_rep, axis=2) * scale
   k = jnp.repeat(k, n_rep, axis=2)
@@ -349,11 +450,7 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
     q, k, vt = q * m, k * m, vt * m
     kt = None if kt is None else kt * m
     g = None if g is None else g * (m if g.ndim == 4 else m[..., 0])
-  c = chunk_size
-  t_pad = -(-t // c) * c
-  pad = functools.partial(chunked.pad_time, t_pad=t_pad)
   segidx = None if layout.segidx is None else chunked.pad_time(layout.segidx, t_pad, mode="edge")
-  s0 = jnp.zeros((b, hv, dk, dv), _F32) if initial_state is None else initial_state
   o, e, s_final = _core(pad(q), pad(k), pad(kt), pad(vt), pad(g), s0, segidx, c=c,
                         interpret=_interpret_params())
   return o[:, :t], (s_final if output_final_state else None), e[:, :t]

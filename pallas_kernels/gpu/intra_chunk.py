@@ -1,0 +1,251 @@
+"""Mosaic GPU (Hopper) kernel for the intra-chunk part of the delta-rule chunk form (SPEC.md §3.2).
+
+EXPERIMENTAL: checked in JAX's Mosaic GPU interpreter against the XLA intra-chunk part; not yet
+compiled or timed on an H200 (see docs/BENCHMARKS.md, "Next steps"). `lineax_attn.ops.pallas_gpu`
+uses it only when its module flag `INTRA = "kernel"`.
+
+What it replaces: the XLA preparation that feeds `state_passing.state_passing_fwd` (1.5 of the
+1.84 ms of the GDN forward at B=4 T=4096 H=16 D=128): the chunk-major relayout of q/k/v, the C×C
+products, the unit-lower-triangular solve and the gated keys/queries, as ~40 XLA ops writing
+float32 temporaries. Here one CTA (one warpgroup) reads one chunk of one head straight from the
+`[B, T, H, D]` inputs by TMA and writes the state pass's inputs once.
+
+Per chunk (C = 64 rows; G = within-chunk cumulative log decay, zero for DeltaNet; Gx = G_C − G):
+
+    Γ_ij = exp(G_i − G_j) for i ≥ j, else 0
+    P    = scale · (q kᵀ) ⊙ Γ                               (intra-chunk attention, incl. diagonal)
+    L    = diag(β) (k kᵀ) ⊙ Γ, strictly lower
+    M    = (I + L)^{-1}                                      (float32, see below)
+    Y    = M · (k ⊙ β e^{G}),   U = M · (v ⊙ β)             (bf16 operands, float32 accumulation)
+    NY = −Y,  QG = scale · q ⊙ e^{G},  KG = k ⊙ e^{Gx}
+
+The inverse: with D the 16×16 block diagonal of L and E = L − D, (I + L) = (I + D)(I + F) with
+F = (I + D)^{-1} E strictly block-lower (F⁴ = 0), so M = (I − F)(I + F²)(I + D)^{-1}, and
+(I + D)^{-1} = (I − D)(I + D²)(I + D⁴)(I + D⁸) (D¹⁶ = 0). Bounding the powers to 16×16 blocks keeps
+their growth (and the cancellation in the sum) as small as in the XLA path's blocked inverse.
+Every product runs on wgmma with split-bf16 operands ("bf16x3": a·b ≈ aₕbₕ + aₕbₗ + aₗbₕ with
+a = aₕ + aₗ, ~2⁻¹⁶ relative), so M carries about float32-HIGHEST/100 accuracy before it is
+rounded to bf16 for its application, as the XLA path rounds it.
+
+Layouts: q, k `[B, T, H, K]`, v `[B, T, HV, V]` bf16 (value head j reads key head j // (HV/H));
+beta, G, Gx `[B, HV, T]` float32; T a multiple of 64; K, V in {64, 128}. Outputs as
+`state_passing.state_passing_fwd` takes them: ny, qg, kg `[B, HV, Nc, C, K]` bf16,
+p `[B, HV, Nc, C, C]` bf16, u `[B, HV, Nc, C, V]` float32.
+
+Packed rows (SPEC.md §3.5), optional: seg `[B, T]` float32 segment ids (exact below 2^24), cont
+`[B, T]` (1 where the token continues the segment entering its chunk) and keep `[B, T]` (1 where
+it belongs to the chunk's last segment). Then Γ_ij is zeroed across segments, the entry-state
+factor e^{G} becomes e^{G}·cont (QG and the key right-hand side) and KG gets a factor keep.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gpu import state_passing as sp
+
+CHUNK = sp.CHUNK
+BLOCK = 16            # diagonal block of the inverse
+_BF16 = jnp.bfloat16
+_F32 = jnp.float32
+
+
+def supported(chunk: int, dk: int, dv: int) -> str | None:
+  """None if the kernel handles these sizes, else why not."""
+  if chunk != CHUNK:
+    return f"chunk_size={chunk} (the intra-chunk kernel needs {CHUNK})"
+  if dk not in (64, 128) or dv not in (64, 128):
+    return f"head dims K={dk}, V={dv} (the intra-chunk kernel needs 64 or 128)"
+  return None
+
+
+def _iota(dim):
+  return plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), dim, layout=plgpu.Layout.WGMMA)
+
+
+def _rows(vec, shape):
+  """A per-row vector (WGMMA.reduce(1) layout) broadcast to `shape`."""
+  return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def _split(x):
+  """x (float32) = hi + lo with both bf16 (hi carries 8 bits, lo the next 8)."""
+  hi = x.astype(_BF16)
+  return hi, (x - hi.astype(_F32)).astype(_BF16)
+
+
+def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, interpret=None):
+  """The intra-chunk part of the delta rule (DeltaNet / GDN) for every chunk; see the module doc.
+
+  segments: None or (seg, cont, keep), each `[B, T]` float32.
+  Returns (ny, qg, p, u, kg), the inputs of `state_passing.state_passing_fwd` besides gc and s0.
+  """
+  outs = _intra_chunk_fwd(q, k, v, beta, g, gx, segments, scale=float(scale),
+                          interpret=interpret)
+  return sp._sync_if_interpreted(outs, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, interpret):
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
+  c = CHUNK
+  nc = t // c
+  n_rep = hv // h
+  out_type = (jax.ShapeDtypeStruct((b, hv, nc, c, dk), _BF16),   # ny
+              jax.ShapeDtypeStruct((b, hv, nc, c, dk), _BF16),   # qg
+              jax.ShapeDtypeStruct((b, hv, nc, c, c), _BF16),    # p
+              jax.ShapeDtypeStruct((b, hv, nc, c, dv), _F32),    # u
+              jax.ShapeDtypeStruct((b, hv, nc, c, dk), _BF16))   # kg
+
+  packed = segments is not None
+  n_in = 9 if packed else 6
+
+  def kernel(*refs):
+    q_ref, k_ref, v_ref, beta_ref, g_ref, gx_ref = refs[:6]
+    seg_refs = refs[6:n_in]
+    ny_ref, qg_ref, p_ref, u_ref, kg_ref = refs[n_in:]
+    bi, hi, ci = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
+    rows = pl.ds(ci * c, c)
+    kh = hi // n_rep
+
+    def body(q_s, k_s, v_s, beta_s, g_s, gx_s, a_hi, a_lo, b_hi, b_lo, m_s, rk_s, ny_s, p_s,
+             u_s, bars, *seg_s):
+      srcs = (q_ref.at[bi, rows, kh, :], k_ref.at[bi, rows, kh, :], v_ref.at[bi, rows, hi, :],
+              beta_ref.at[bi, hi, rows], g_ref.at[bi, hi, rows], gx_ref.at[bi, hi, rows])
+      srcs += tuple(r.at[bi, rows] for r in seg_refs)
+      dsts = (q_s, k_s, v_s, beta_s, g_s, gx_s) + tuple(seg_s)
+      for i, (src, dst) in enumerate(zip(srcs, dsts)):
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+      for i in range(len(srcs)):
+        plgpu.barrier_wait(bars.at[i])
+
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      g_row = plgpu.load(g_s, layout=row_layout)
+      g_col = plgpu.load(g_s, layout=plgpu.Layout.WGMMA.reduce(0))
+      beta_row = plgpu.load(beta_s, layout=row_layout)
+      gx_row = plgpu.load(gx_s, layout=row_layout)
+
+      qk, kk = sp._matmuls((c, c, [(q_s, k_s.transpose((1, 0)))]),
+                           (c, c, [(k_s, k_s.transpose((1, 0)))]))
+      ii, jj = _iota(0), _iota(1)
+      lower = ii >= jj
+      diff = _rows(g_row, (c, c)) - lax.broadcast_in_dim(g_col, (c, c), [1])
+      decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+      entry_row = jnp.exp(g_row)          # decay of the entry state up to each row
+      exit_row = jnp.exp(gx_row)          # decay from each row to the chunk's end
+      if packed:
+        seg_s_, cont_s, keep_s = seg_s
+        same = (_rows(plgpu.load(seg_s_, layout=row_layout), (c, c))
+                == lax.broadcast_in_dim(plgpu.load(seg_s_, layout=plgpu.Layout.WGMMA.reduce(0)),
+                                        (c, c), [1]))
+        decay = jnp.where(same, decay, 0.0)
+        entry_row = entry_row * plgpu.load(cont_s, layout=row_layout)
+        exit_row = exit_row * plgpu.load(keep_s, layout=row_layout)
+
+      p_s[...] = (qk * (decay * scale)).astype(_BF16)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(p_s, p_ref.at[bi, hi, ci])
+
+      strict = ii > jj
+      lmat = jnp.where(strict, kk * decay * _rows(beta_row, (c, c)), 0.0)
+
+      def product(x, y):
+        """x · y for float32 [C, C] register arrays, on wgmma with split-bf16 operands."""
+        xh, xl = _split(x)
+        yh, yl = _split(y)
+        a_hi[...] = xh
+        a_lo[...] = xl
+        b_hi[...] = yh
+        b_lo[...] = yl
+        plgpu.commit_smem()
+        (out,) = sp._matmuls((c, c, [(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)]))
+        return out
+
+      shift = BLOCK.bit_length() - 1
+      same_block = lax.shift_right_logical(ii, shift) == lax.shift_right_logical(jj, shift)
+      d = jnp.where(same_block, lmat, 0.0)
+      e = lmat - d
+      eye = jnp.where(ii == jj, 1.0, 0.0).astype(_F32)
+      # (I + D)^{-1} = (I - D)(I + D²)(I + D⁴)(I + D⁸)
+      z = eye - d
+      pw = d
+      for _ in range(3):
+        pw = product(pw, pw)
+        z = z + product(z, pw)
+      f = product(z, e)                               # F = (I + D)^{-1} E
+      f2 = product(f, f)
+      m = product(eye - f + f2 - product(f, f2), z)   # (I - F)(I + F²) = I - F + F² - F³
+
+      # Right-hand sides with β (and e^{G} for the keys) folded in, rounded once to bf16.
+      kv = k_s[...].astype(_F32)
+      qv = q_s[...].astype(_F32)
+      vv = v_s[...].astype(_F32)
+      entry = _rows(entry_row, (c, dk))
+      rk_s[...] = (kv * _rows(beta_row, (c, dk)) * entry).astype(_BF16)
+      m_s[...] = m.astype(_BF16)
+      plgpu.commit_smem()
+      # q, k, v are read for the last time above: their tiles now stage the outputs.
+      v_s[...] = (vv * _rows(beta_row, (c, dv))).astype(_BF16)
+      q_s[...] = (qv * (entry * scale)).astype(_BF16)
+      k_s[...] = (kv * _rows(exit_row, (c, dk))).astype(_BF16)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_s, qg_ref.at[bi, hi, ci])
+      plgpu.copy_smem_to_gmem(k_s, kg_ref.at[bi, hi, ci])
+
+      y, u = sp._matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, v_s)]))
+      ny_s[...] = (-y).astype(_BF16)
+      u_s[...] = u
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(ny_s, ny_ref.at[bi, hi, ci])
+      plgpu.copy_smem_to_gmem(u_s, u_ref.at[bi, hi, ci])
+      plgpu.wait_smem_to_gmem(0)
+
+    cc = sp._smem((c, c), _BF16)
+    pl.run_scoped(
+        body,
+        sp._smem((c, dk), _BF16), sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
+        plgpu.SMEM((c,), _F32), plgpu.SMEM((c,), _F32), plgpu.SMEM((c,), _F32),
+        cc, cc, cc, cc, sp._smem((c, c), _BF16), sp._smem((c, dk), _BF16),
+        sp._smem((c, dk), _BF16), sp._smem((c, c), _BF16), sp._smem((c, dv), _F32),
+        plgpu.Barrier(num_barriers=n_in), *([plgpu.SMEM((c,), _F32)] * (n_in - 6)))
+
+  args = (q, k, v, beta, g, gx) + (tuple(segments) if packed else ())
+  return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
+                      grid=(nc, hv, b), grid_names=("c", "h", "b"))(*args)
+
+
+def intra_chunk_reference(q, k, v, beta, g, gx, segments=None, *, scale: float):
+  """The same outputs in float32 XLA (HIGHEST, exact inverse by `triangular_solve`): the oracle."""
+  b, t, h, dk = q.shape
+  hv = v.shape[2]
+  c, nc = CHUNK, t // CHUNK
+  hi = lax.Precision.HIGHEST
+  f = lambda x: x.astype(_F32)
+  rep = lambda x: jnp.repeat(x, hv // h, axis=2)
+  chunks = lambda x: jnp.moveaxis(f(x).reshape(b, nc, c, hv, -1), 3, 1)  # [B, HV, Nc, C, D]
+  qc, kc, vc = chunks(rep(q)), chunks(rep(k)), chunks(v)
+  per_row = lambda x: f(x).reshape(b, hv, nc, c)
+  bc, gc_, gxc = per_row(beta), per_row(g), per_row(gx)
+  lower = jnp.tril(jnp.ones((c, c), bool))
+  diff = gc_[..., :, None] - gc_[..., None, :]
+  decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+  entry, exit_ = jnp.exp(gc_), jnp.exp(gxc)
+  if segments is not None:
+    seg, cont, keep = (x.reshape(b, 1, nc, c) for x in segments)
+    decay = decay * (seg[..., :, None] == seg[..., None, :])
+    entry, exit_ = entry * cont, exit_ * keep
+  p = scale * jnp.einsum("...ik,...jk->...ij", qc, kc, precision=hi) * decay
+  lmat = bc[..., :, None] * jnp.einsum("...ik,...jk->...ij", kc, kc, precision=hi) * decay
+  lmat = jnp.where(jnp.tril(jnp.ones((c, c), bool), k=-1), lmat, 0.0)
+  rhs = jnp.concatenate([kc * (bc * entry)[..., None], vc * bc[..., None]], axis=-1)
+  sol = lax.linalg.triangular_solve(jnp.eye(c, dtype=_F32) + lmat, rhs, left_side=True,
+                                    lower=True, unit_diagonal=True)
+  return (-sol[..., :dk], scale * qc * entry[..., None], p, sol[..., dk:],
+          kc * exit_[..., None])
