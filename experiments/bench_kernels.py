@@ -319,11 +319,20 @@ def run_breakdown(shape):
     G = jnp.cumsum(jnp.moveaxis(g, 1, 2).reshape(b, h, t // 64, 64), axis=-1)
     return ic.intra_chunk_fwd(q, k, v, jnp.moveaxis(beta, 1, 2), G.reshape(b, h, t),
                               (G[..., -1:] - G).reshape(b, h, t), scale=d ** -0.5)
-  try:
-    rows.append(("intra_chunk kernel (Mosaic GPU) fwd", time_jax(intra_kernel,
-                                                                 [q, k, v, g, beta])[0]))
-  except Exception as e:  # noqa: BLE001 - an experimental kernel must not stop the breakdown
-    log(f"[breakdown] intra_chunk kernel failed: {type(e).__name__}: {str(e)[:300]}")
+  def intra_kernel_bwd(q, k, v, g, beta, dny, dp, du):
+    G = jnp.cumsum(jnp.moveaxis(g, 1, 2).reshape(b, h, t // 64, 64), axis=-1)
+    return ic.intra_chunk_bwd(q, k, v, jnp.moveaxis(beta, 1, 2), G.reshape(b, h, t),
+                              (G[..., -1:] - G).reshape(b, h, t), None, dny, dp, du,
+                              scale=d ** -0.5)
+  nc = t // 64
+  cts = [jnp.ones((b, h, nc, 64, d), jnp.bfloat16), jnp.ones((b, h, nc, 64, 64), jnp.bfloat16),
+         jnp.ones((b, h, nc, 64, d), jnp.bfloat16)]
+  for name, fn, args in (("intra_chunk kernel (Mosaic GPU) fwd", intra_kernel, []),
+                         ("intra_chunk kernel (Mosaic GPU) bwd", intra_kernel_bwd, cts)):
+    try:
+      rows.append((name, time_jax(fn, [q, k, v, g, beta] + args)[0]))
+    except Exception as e:  # noqa: BLE001 - an experimental kernel must not stop the breakdown
+      log(f"[breakdown] {name} failed: {type(e).__name__}: {str(e)[:300]}")
   inputs = jax.block_until_ready(jax.jit(prep)(q, k, v, g, beta))
   s0 = jnp.zeros((b, h, d, d), jnp.float32)
   for save in (False, True):

@@ -50,7 +50,7 @@ SOLVE = "inverse"
 REMAT_INTRA = True
 # Who computes the intra-chunk part of DeltaNet / GDN: "xla" (below) or "kernel"
 # (`pallas_kernels.gpu.intra_chunk`, EXPERIMENTAL: interpreter-tested, not yet compiled or
-# timed on an H200; its backward is the VJP of the XLA part). Linear attention, KDA and GDN-2
+# timed on an H200; forward and backward kernels). Linear attention, KDA and GDN-2
 # always take the XLA part.
 INTRA = "xla"
 
@@ -335,25 +335,6 @@ def _core(q, k, kt, vt, g, s0, segidx, *, c, interpret):
 # -------------------------------------------------- intra-chunk kernel (INTRA = "kernel")
 
 
-def _intra_xla(q, k, v, beta, G, segidx, *, scale, c):
-  """The XLA intra-chunk part on the kernel's inputs (its backward).
-
-  q, k `[B, T, H, K]`, v `[B, T, HV, V]`, beta `[B, T, HV]`, G `[B, HV, Nc, C]` (the in-chunk
-  cumulative log decay; zeros for DeltaNet), segidx `[B, T]` or None. Returns
-  (ny, qg, p, u, kg) as `prepare_chunks`.
-  """
-  n_rep = v.shape[2] // q.shape[2]
-  f = lambda x: x.astype(_F32)
-  qr = jnp.repeat(f(q), n_rep, axis=2) * scale
-  kr = jnp.repeat(f(k), n_rep, axis=2)
-  b = f(beta)[..., None]
-  chunks = functools.partial(_to_chunks, c=c)
-  masks = (None, None, None) if segidx is None else _segment_masks(segidx, c)
-  QG, P, Y, U, KG, _ = _intra_scalar(chunks(qr), chunks(kr), chunks(kr * b), chunks(f(v) * b),
-                                     G, *masks)
-  return ((-Y).astype(_MM), QG.astype(_MM), P.astype(_MM), U.astype(_F32), KG.astype(_MM))
-
-
 def _kernel_segments(segidx, c):
   """segidx [B, T] -> the kernel's (seg, cont, keep), each [B, T] float32."""
   b, t = segidx.shape
@@ -378,11 +359,34 @@ def _intra_kernel_fwd(q, k, v, beta, G, segidx, scale, c, interpret):
 
 
 def _intra_kernel_bwd(scale, c, interpret, res, cts):
-  del interpret
-  *diff, segidx = res
-  fn = lambda *a: _intra_xla(*a, segidx, scale=scale, c=c)
-  _, vjp = jax.vjp(fn, *diff)
-  return (*vjp(cts), None)
+  """The kernel's backward (`intra_chunk_bwd`) plus the elementwise QG / KG terms and the
+  chain rule of Gx = G_C − G, the entry factor and GVA's sum over value heads, in XLA."""
+  q, k, v, beta, G, segidx = res
+  d_ny, d_qg, d_p, d_u, d_kg = cts
+  b, t, hv = v.shape[:3]
+  h, n_rep = q.shape[2], hv // q.shape[2]
+  segments = None if segidx is None else _kernel_segments(segidx, c)
+  flat = lambda x: x.reshape(b, hv, t)
+  dq, dk, dv, dbeta, dg_row, dg_col = ic.intra_chunk_bwd(
+      q.astype(_MM), k.astype(_MM), v.astype(_MM), jnp.moveaxis(beta.astype(_F32), 1, 2),
+      flat(G), flat(G[..., -1:] - G), segments, d_ny.astype(_MM), d_p.astype(_MM),
+      d_u.astype(_MM), scale=scale, interpret=interpret)
+  entry, exit_ = jnp.exp(G), jnp.exp(G[..., -1:] - G)       # [B, HV, Nc, C]
+  if segidx is not None:
+    _, cont, keep = _segment_masks(segidx, c)
+    entry, exit_ = entry * cont, exit_ * keep
+  chunks = lambda x: _to_chunks(jnp.repeat(x.astype(_F32), n_rep, axis=2), c)
+  qc, kc = chunks(q), chunks(k)
+  d_qg, d_kg = d_qg.astype(_F32), d_kg.astype(_F32)
+  dq = dq + scale * entry[..., None] * d_qg
+  dk = dk + exit_[..., None] * d_kg
+  d_exit = exit_ * jnp.sum(d_kg * kc, axis=-1)              # dL/dGx
+  dG = (dg_row - dg_col).reshape(G.shape) + scale * entry * jnp.sum(d_qg * qc, axis=-1) - d_exit
+  dG = dG.at[..., -1].add(jnp.sum(d_exit, axis=-1))         # Gx = G_C − G
+  heads = lambda x: _from_chunks(x).reshape(b, t, h, n_rep, -1).sum(axis=3)
+  return (heads(dq).astype(q.dtype), heads(dk).astype(k.dtype),
+          _from_chunks(dv).astype(v.dtype), jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype),
+          dG.astype(G.dtype), None)
 
 
 _intra_kernel.defvjp(_intra_kernel_fwd, _intra_kernel_bwd)

@@ -1,8 +1,10 @@
-"""Mosaic GPU (Hopper) kernel for the intra-chunk part of the delta-rule chunk form (SPEC.md §3.2).
+"""Mosaic GPU (Hopper) kernels for the intra-chunk part of the delta-rule chunk form (SPEC.md §3.2,
+§3.6), forward and backward.
 
-EXPERIMENTAL: checked in JAX's Mosaic GPU interpreter against the XLA intra-chunk part; not yet
-compiled or timed on an H200 (see docs/BENCHMARKS.md, "Next steps"). `lineax_attn.ops.pallas_gpu`
-uses it only when its module flag `INTRA = "kernel"`.
+EXPERIMENTAL: checked in JAX's Mosaic GPU interpreter against an exact float32 reference and
+through the op against the scan; not yet compiled or timed on an H200 (docs/BENCHMARKS.md,
+"Next steps"). `lineax_attn.ops.pallas_gpu` uses them only when its module flag
+`INTRA = "kernel"`.
 
 What it replaces: the XLA preparation that feeds `state_passing.state_passing_fwd` (1.5 of the
 1.84 ms of the GDN forward at B=4 T=4096 H=16 D=128): the chunk-major relayout of q/k/v, the C×C
@@ -80,6 +82,81 @@ def _split(x):
   return hi, (x - hi.astype(_F32)).astype(_BF16)
 
 
+def _split_product(a_hi, a_lo, b_hi, b_lo):
+  """x · y for float32 [C, C] register arrays on wgmma with split-bf16 operands, staged
+  through the four given [C, C] bf16 smem tiles."""
+  def product(x, y):
+    a_hi[...], a_lo[...] = _split(x)
+    b_hi[...], b_lo[...] = _split(y)
+    plgpu.commit_smem()
+    (out,) = sp._matmuls((CHUNK, CHUNK, [(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)]))
+    return out
+  return product
+
+
+def _unit_lower_inverse(lmat, ii, jj, product):
+  """(I + L)^{-1} for strictly lower L [C, C] in registers (the module doc's blocked form)."""
+  shift = BLOCK.bit_length() - 1
+  same_block = lax.shift_right_logical(ii, shift) == lax.shift_right_logical(jj, shift)
+  d = jnp.where(same_block, lmat, 0.0)
+  e = lmat - d
+  eye = jnp.where(ii == jj, 1.0, 0.0).astype(_F32)
+  z, pw = eye - d, d                                # (I + D)^{-1} = (I − D)(I + D²)(I + D⁴)(I + D⁸)
+  for _ in range(3):
+    pw = product(pw, pw)
+    z = z + product(z, pw)
+  f = product(z, e)                                 # F = (I + D)^{-1} E
+  f2 = product(f, f)
+  return product(eye - f + f2 - product(f, f2), z)  # (I − F)(I + F²) (I + D)^{-1}
+
+
+def _in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, kh, rows):
+  """The TMA sources of one chunk: q, k, v tiles and the per-row vectors."""
+  srcs = [q_ref.at[bi, rows, kh, :], k_ref.at[bi, rows, kh, :], v_ref.at[bi, rows, hi, :]]
+  for r in vec_refs:   # beta, g, gx are [B, HV, T]; seg, cont, keep are [B, T]
+    srcs.append(r.at[bi, hi, rows] if len(r.shape) == 3 else r.at[bi, rows])
+  return srcs
+
+
+def _copy_in(srcs, dsts, bars):
+  for i, (src, dst) in enumerate(zip(srcs, dsts)):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+  for i in range(len(srcs)):
+    plgpu.barrier_wait(bars.at[i])
+
+
+def _chunk_terms(q_s, k_s, beta_s, g_s, gx_s, seg_s):
+  """What forward and backward share: QKᵀ, KKᵀ, the masked decay Γ and the row factors."""
+  c = CHUNK
+  row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+  g_row = plgpu.load(g_s, layout=row_layout)
+  g_col = plgpu.load(g_s, layout=col_layout)
+  beta_row = plgpu.load(beta_s, layout=row_layout)
+  qk, kk = sp._matmuls((c, c, [(q_s, k_s.transpose((1, 0)))]),
+                       (c, c, [(k_s, k_s.transpose((1, 0)))]))
+  ii, jj = _iota(0), _iota(1)
+  lower = ii >= jj
+  diff = _rows(g_row, (c, c)) - lax.broadcast_in_dim(g_col, (c, c), [1])
+  decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+  entry_row = jnp.exp(g_row)                            # decay of the entry state up to each row
+  exit_row = jnp.exp(plgpu.load(gx_s, layout=row_layout))   # from each row to the chunk's end
+  if seg_s:
+    ids, cont_s, keep_s = seg_s
+    same = (_rows(plgpu.load(ids, layout=row_layout), (c, c))
+            == lax.broadcast_in_dim(plgpu.load(ids, layout=col_layout), (c, c), [1]))
+    decay = jnp.where(same, decay, 0.0)
+    entry_row = entry_row * plgpu.load(cont_s, layout=row_layout)
+    exit_row = exit_row * plgpu.load(keep_s, layout=row_layout)
+  lmat = jnp.where(ii > jj, kk * decay * _rows(beta_row, (c, c)), 0.0)
+  return dict(qk=qk, kk=kk, decay=decay, lmat=lmat, ii=ii, jj=jj, beta_row=beta_row,
+              entry_row=entry_row, exit_row=exit_row)
+
+
+def _vec_specs(packed):
+  c = CHUNK
+  return [plgpu.SMEM((c,), _F32)] * (6 if packed else 3)
+
+
 def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, interpret=None):
   """The intra-chunk part of the delta rule (DeltaNet / GDN) for every chunk; see the module doc.
 
@@ -98,103 +175,43 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, interpret):
   c = CHUNK
   nc = t // c
   n_rep = hv // h
+  packed = segments is not None
+  vecs = (beta, g, gx) + (tuple(segments) if packed else ())
   out_type = (jax.ShapeDtypeStruct((b, hv, nc, c, dk), _BF16),   # ny
               jax.ShapeDtypeStruct((b, hv, nc, c, dk), _BF16),   # qg
               jax.ShapeDtypeStruct((b, hv, nc, c, c), _BF16),    # p
               jax.ShapeDtypeStruct((b, hv, nc, c, dv), _F32),    # u
               jax.ShapeDtypeStruct((b, hv, nc, c, dk), _BF16))   # kg
 
-  packed = segments is not None
-  n_in = 9 if packed else 6
-
-  def kernel(*refs):
-    q_ref, k_ref, v_ref, beta_ref, g_ref, gx_ref = refs[:6]
-    seg_refs = refs[6:n_in]
-    ny_ref, qg_ref, p_ref, u_ref, kg_ref = refs[n_in:]
+  def kernel(q_ref, k_ref, v_ref, *refs):
+    vec_refs, (ny_ref, qg_ref, p_ref, u_ref, kg_ref) = refs[:len(vecs)], refs[len(vecs):]
     bi, hi, ci = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
     rows = pl.ds(ci * c, c)
-    kh = hi // n_rep
 
-    def body(q_s, k_s, v_s, beta_s, g_s, gx_s, a_hi, a_lo, b_hi, b_lo, m_s, rk_s, ny_s, p_s,
-             u_s, bars, *seg_s):
-      srcs = (q_ref.at[bi, rows, kh, :], k_ref.at[bi, rows, kh, :], v_ref.at[bi, rows, hi, :],
-              beta_ref.at[bi, hi, rows], g_ref.at[bi, hi, rows], gx_ref.at[bi, hi, rows])
-      srcs += tuple(r.at[bi, rows] for r in seg_refs)
-      dsts = (q_s, k_s, v_s, beta_s, g_s, gx_s) + tuple(seg_s)
-      for i, (src, dst) in enumerate(zip(srcs, dsts)):
-        plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
-      for i in range(len(srcs)):
-        plgpu.barrier_wait(bars.at[i])
+    def body(q_s, k_s, v_s, a_hi, a_lo, b_hi, b_lo, m_s, rk_s, ny_s, p_s, u_s, bars, *vec_s):
+      _copy_in(_in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, hi // n_rep, rows),
+               [q_s, k_s, v_s, *vec_s], bars)
+      beta_s, g_s, gx_s, *seg_s = vec_s
+      tm = _chunk_terms(q_s, k_s, beta_s, g_s, gx_s, seg_s)
 
-      row_layout = plgpu.Layout.WGMMA.reduce(1)
-      g_row = plgpu.load(g_s, layout=row_layout)
-      g_col = plgpu.load(g_s, layout=plgpu.Layout.WGMMA.reduce(0))
-      beta_row = plgpu.load(beta_s, layout=row_layout)
-      gx_row = plgpu.load(gx_s, layout=row_layout)
-
-      qk, kk = sp._matmuls((c, c, [(q_s, k_s.transpose((1, 0)))]),
-                           (c, c, [(k_s, k_s.transpose((1, 0)))]))
-      ii, jj = _iota(0), _iota(1)
-      lower = ii >= jj
-      diff = _rows(g_row, (c, c)) - lax.broadcast_in_dim(g_col, (c, c), [1])
-      decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
-      entry_row = jnp.exp(g_row)          # decay of the entry state up to each row
-      exit_row = jnp.exp(gx_row)          # decay from each row to the chunk's end
-      if packed:
-        seg_s_, cont_s, keep_s = seg_s
-        same = (_rows(plgpu.load(seg_s_, layout=row_layout), (c, c))
-                == lax.broadcast_in_dim(plgpu.load(seg_s_, layout=plgpu.Layout.WGMMA.reduce(0)),
-                                        (c, c), [1]))
-        decay = jnp.where(same, decay, 0.0)
-        entry_row = entry_row * plgpu.load(cont_s, layout=row_layout)
-        exit_row = exit_row * plgpu.load(keep_s, layout=row_layout)
-
-      p_s[...] = (qk * (decay * scale)).astype(_BF16)
+      p_s[...] = (tm["qk"] * (tm["decay"] * scale)).astype(_BF16)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(p_s, p_ref.at[bi, hi, ci])
 
-      strict = ii > jj
-      lmat = jnp.where(strict, kk * decay * _rows(beta_row, (c, c)), 0.0)
+      m = _unit_lower_inverse(tm["lmat"], tm["ii"], tm["jj"],
+                              _split_product(a_hi, a_lo, b_hi, b_lo))
 
-      def product(x, y):
-        """x · y for float32 [C, C] register arrays, on wgmma with split-bf16 operands."""
-        xh, xl = _split(x)
-        yh, yl = _split(y)
-        a_hi[...] = xh
-        a_lo[...] = xl
-        b_hi[...] = yh
-        b_lo[...] = yl
-        plgpu.commit_smem()
-        (out,) = sp._matmuls((c, c, [(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)]))
-        return out
-
-      shift = BLOCK.bit_length() - 1
-      same_block = lax.shift_right_logical(ii, shift) == lax.shift_right_logical(jj, shift)
-      d = jnp.where(same_block, lmat, 0.0)
-      e = lmat - d
-      eye = jnp.where(ii == jj, 1.0, 0.0).astype(_F32)
-      # (I + D)^{-1} = (I - D)(I + D²)(I + D⁴)(I + D⁸)
-      z = eye - d
-      pw = d
-      for _ in range(3):
-        pw = product(pw, pw)
-        z = z + product(z, pw)
-      f = product(z, e)                               # F = (I + D)^{-1} E
-      f2 = product(f, f)
-      m = product(eye - f + f2 - product(f, f2), z)   # (I - F)(I + F²) = I - F + F² - F³
-
-      # Right-hand sides with β (and e^{G} for the keys) folded in, rounded once to bf16.
-      kv = k_s[...].astype(_F32)
-      qv = q_s[...].astype(_F32)
-      vv = v_s[...].astype(_F32)
-      entry = _rows(entry_row, (c, dk))
-      rk_s[...] = (kv * _rows(beta_row, (c, dk)) * entry).astype(_BF16)
+      # Right-hand sides with β (and the entry decay for the keys) folded in, rounded once.
+      kv, qv, vv = (x[...].astype(_F32) for x in (k_s, q_s, v_s))
+      entry = _rows(tm["entry_row"], (c, dk))
+      beta_k = _rows(tm["beta_row"], (c, dk))
+      rk_s[...] = (kv * beta_k * entry).astype(_BF16)
       m_s[...] = m.astype(_BF16)
       plgpu.commit_smem()
       # q, k, v are read for the last time above: their tiles now stage the outputs.
-      v_s[...] = (vv * _rows(beta_row, (c, dv))).astype(_BF16)
+      v_s[...] = (vv * _rows(tm["beta_row"], (c, dv))).astype(_BF16)
       q_s[...] = (qv * (entry * scale)).astype(_BF16)
-      k_s[...] = (kv * _rows(exit_row, (c, dk))).astype(_BF16)
+      k_s[...] = (kv * _rows(tm["exit_row"], (c, dk))).astype(_BF16)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_s, qg_ref.at[bi, hi, ci])
       plgpu.copy_smem_to_gmem(k_s, kg_ref.at[bi, hi, ci])
@@ -211,14 +228,131 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, interpret):
     pl.run_scoped(
         body,
         sp._smem((c, dk), _BF16), sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
-        plgpu.SMEM((c,), _F32), plgpu.SMEM((c,), _F32), plgpu.SMEM((c,), _F32),
-        cc, cc, cc, cc, sp._smem((c, c), _BF16), sp._smem((c, dk), _BF16),
-        sp._smem((c, dk), _BF16), sp._smem((c, c), _BF16), sp._smem((c, dv), _F32),
-        plgpu.Barrier(num_barriers=n_in), *([plgpu.SMEM((c,), _F32)] * (n_in - 6)))
+        cc, cc, cc, cc, cc, sp._smem((c, dk), _BF16),
+        sp._smem((c, dk), _BF16), cc, sp._smem((c, dv), _F32),
+        plgpu.Barrier(num_barriers=3 + len(vecs)), *_vec_specs(packed))
 
-  args = (q, k, v, beta, g, gx) + (tuple(segments) if packed else ())
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
-                      grid=(nc, hv, b), grid_names=("c", "h", "b"))(*args)
+                      grid=(nc, hv, b), grid_names=("c", "h", "b"))(q, k, v, *vecs)
+
+
+def intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale: float,
+                    interpret=None):
+  """Backward of the kernel's NY, P and U for every chunk (QG and KG are elementwise: the caller).
+
+  With dY = −dNY, dR = Mᵀ[dY | dU] and dL = −dR_k Yᵀ − dR_v Uᵀ (from δM = −M δL M):
+    dA = s·dP ⊙ Γ,  dB = dL ⊙ β_row ⊙ Γ (strict),  W = dA ⊙ QKᵀ + dB ⊙ KKᵀ (= dΓ ⊙ Γ)
+    dq = dA·K,  dk = dAᵀ·Q + (dB + dBᵀ)·K + (β e)_row ⊙ dR_k,  dv = β_row ⊙ dR_v
+    dβ = Σ_j dL ⊙ KKᵀ ⊙ Γ + Σ_k dR_k ⊙ K ⊙ e + Σ_v dR_v ⊙ V
+    dG_row = e β Σ_k dR_k ⊙ K + Σ_j W,  dG_col = Σ_i W   (dG_i += dG_row_i − dG_col_i)
+  (e = the entry factor e^{G}·cont). Inputs as `intra_chunk_fwd` plus dny `[B, HV, Nc, C, K]`,
+  dp `[B, HV, Nc, C, C]` and du `[B, HV, Nc, C, V]`, all bf16.
+  Returns dq, dk `[B, HV, Nc, C, K]` (per value head), dv `[B, HV, Nc, C, V]`, and dbeta,
+  dg_row, dg_col `[B, HV, T]`, all float32.
+  """
+  outs = _intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, scale=float(scale),
+                          interpret=interpret)
+  return sp._sync_if_interpreted(outs, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale, interpret):
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
+  c = CHUNK
+  nc = t // c
+  n_rep = hv // h
+  packed = segments is not None
+  vecs = (beta, g, gx) + (tuple(segments) if packed else ())
+  out_type = (jax.ShapeDtypeStruct((b, hv, nc, c, dk), _F32),    # dq
+              jax.ShapeDtypeStruct((b, hv, nc, c, dk), _F32),    # dk
+              jax.ShapeDtypeStruct((b, hv, nc, c, dv), _F32),    # dv
+              jax.ShapeDtypeStruct((b, hv, t), _F32),            # dbeta
+              jax.ShapeDtypeStruct((b, hv, t), _F32),            # dg_row
+              jax.ShapeDtypeStruct((b, hv, t), _F32))            # dg_col
+
+  def kernel(q_ref, k_ref, v_ref, *refs):
+    nv = len(vecs)
+    vec_refs = refs[:nv]
+    dny_ref, dp_ref, du_ref = refs[nv:nv + 3]
+    dq_ref, dk_ref, dv_ref, dbeta_ref, dgr_ref, dgc_ref = refs[nv + 3:]
+    bi, hi, ci = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
+    rows = pl.ds(ci * c, c)
+
+    def body(q_s, k_s, v_s, dny_s, dp_s, du_s, a_hi, a_lo, b_hi, b_lo, m_s, rk_s, rv_s,
+             vout, bars, stage_k, *rest):
+      stage_v, vec_s = (stage_k, rest) if dv == dk else (rest[0], rest[1:])
+      srcs = _in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, hi // n_rep, rows)
+      srcs += [dny_ref.at[bi, hi, ci], dp_ref.at[bi, hi, ci], du_ref.at[bi, hi, ci]]
+      _copy_in(srcs, [q_s, k_s, v_s, *vec_s, dny_s, dp_s, du_s], bars)
+      beta_s, g_s, gx_s, *seg_s = vec_s
+      tm = _chunk_terms(q_s, k_s, beta_s, g_s, gx_s, seg_s)
+      ii, jj, decay = tm["ii"], tm["jj"], tm["decay"]
+      beta_row, entry_row = tm["beta_row"], tm["entry_row"]
+
+      m = _unit_lower_inverse(tm["lmat"], ii, jj, _split_product(a_hi, a_lo, b_hi, b_lo))
+      kv, vv = k_s[...].astype(_F32), v_s[...].astype(_F32)
+      rk_s[...] = (kv * _rows(beta_row * entry_row, (c, dk))).astype(_BF16)
+      rv_s[...] = (vv * _rows(beta_row, (c, dv))).astype(_BF16)
+      m_s[...] = m.astype(_BF16)
+      plgpu.commit_smem()
+      y, u = sp._matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, rv_s)]))
+      d_rk, d_rv = sp._matmuls((c, dk, [(m_s.transpose((1, 0)), dny_s)]),
+                               (c, dv, [(m_s.transpose((1, 0)), du_s)]))
+      d_rk = -d_rk                                      # dY = −dNY
+      rk_s[...] = y.astype(_BF16)                       # the tiles now hold Y, U, dR_k, dR_v
+      rv_s[...] = u.astype(_BF16)
+      dny_s[...] = d_rk.astype(_BF16)
+      du_s[...] = d_rv.astype(_BF16)
+      plgpu.commit_smem()
+      (d_l,) = sp._matmuls((c, c, [(dny_s, rk_s.transpose((1, 0))),
+                                   (du_s, rv_s.transpose((1, 0)))]))
+      d_l = jnp.where(ii > jj, -d_l, 0.0)
+      d_b = d_l * decay * _rows(beta_row, (c, c))
+      d_a = dp_s[...].astype(_F32) * (decay * scale)
+      w = d_a * tm["qk"] + d_b * tm["kk"]
+      dbeta = jnp.sum(d_l * tm["kk"] * decay, axis=1)
+      a_hi[...] = d_a.astype(_BF16)
+      a_lo[...] = d_b.astype(_BF16)
+      b_hi[...], b_lo[...] = _split(w)
+      m_s[...] = jnp.where(ii >= 0, 1.0, 0.0).astype(_BF16)   # ones: Wᵀ·1 gives column sums
+      plgpu.commit_smem()
+      dq, dkk, colsum = sp._matmuls(
+          (c, dk, [(a_hi, k_s)]),
+          (c, dk, [(a_hi.transpose((1, 0)), q_s), (a_lo, k_s), (a_lo.transpose((1, 0)), k_s)]),
+          (c, c, [(b_hi.transpose((1, 0)), m_s), (b_lo.transpose((1, 0)), m_s)]))
+      dkk = dkk + d_rk * _rows(beta_row * entry_row, (c, dk))
+      rk_dot = jnp.sum(d_rk * kv, axis=1)                # Σ_k dR_k ⊙ K
+      dbeta = dbeta + rk_dot * entry_row + jnp.sum(d_rv * vv, axis=1)
+      dg_row = rk_dot * beta_row * entry_row + jnp.sum(w, axis=1)
+      dg_col = jnp.sum(colsum, axis=1) * (1.0 / c)
+
+      for x, tile, dst in ((dq, stage_k, dq_ref.at[bi, hi, ci]),
+                           (dkk, stage_k, dk_ref.at[bi, hi, ci]),
+                           (d_rv * _rows(beta_row, (c, dv)), stage_v, dv_ref.at[bi, hi, ci])):
+        tile[...] = x
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(tile, dst)
+        plgpu.wait_smem_to_gmem(0)
+      for i, (x, dst) in enumerate(((dbeta, dbeta_ref), (dg_row, dgr_ref), (dg_col, dgc_ref))):
+        vout.at[i][...] = x
+      plgpu.commit_smem()
+      for i, dst in enumerate((dbeta_ref, dgr_ref, dgc_ref)):
+        plgpu.copy_smem_to_gmem(vout.at[i], dst.at[bi, hi, rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    cc = sp._smem((c, c), _BF16)
+    pl.run_scoped(
+        body,
+        sp._smem((c, dk), _BF16), sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
+        sp._smem((c, dk), _BF16), cc, sp._smem((c, dv), _BF16),
+        cc, cc, cc, cc, cc, sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
+        plgpu.SMEM((3, c), _F32), plgpu.Barrier(num_barriers=6 + len(vecs)),
+        sp._smem((c, dk), _F32), *([] if dv == dk else [sp._smem((c, dv), _F32)]),
+        *_vec_specs(packed))
+
+  return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
+                      grid=(nc, hv, b), grid_names=("c", "h", "b"))(q, k, v, *vecs, dny, dp, du)
 
 
 def intra_chunk_reference(q, k, v, beta, g, gx, segments=None, *, scale: float):
