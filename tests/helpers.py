@@ -75,3 +75,18 @@ def make_inputs(mixer, *, b=2, t=75, h=2, hv=None, dk=16, dv=24, tau=1.0, dtype=
 
 def run(mixer, args, **kwargs):
   return getattr(ops, mixer)(*args, **kwargs)
+
+
+def mosaic_gpu_or_skip():
+  """For the Mosaic GPU kernel test modules: (on_gpu, interpret params). Skips the module when
+  this jax has no Mosaic GPU Pallas backend or the GPU is not Hopper; off GPU the kernels run in
+  JAX's Mosaic GPU interpreter."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
+                              reason="this jax has no Mosaic GPU Pallas backend")
+  from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
+  on_gpu = jax.default_backend() == "gpu"
+  if on_gpu and not pallas_gpu.is_hopper():
+    pytest.skip(f"the Mosaic GPU kernels need a Hopper GPU (sm_90), got "
+                f"{jax.devices()[0].device_kind}", allow_module_level=True)
+  return on_gpu, (None if on_gpu else plgpu.InterpretGPUParams())

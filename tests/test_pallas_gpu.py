@@ -23,21 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, make_inputs, run
+from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, run
 
-plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
-                            reason="this jax has no Mosaic GPU Pallas backend")
+ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
 from lineax_attn import ops  # noqa: E402
 from lineax_attn.ops import api  # noqa: E402
 from lineax_attn.ops import pallas_gpu  # noqa: E402
 from pallas_kernels.gpu import state_passing as sp  # noqa: E402
-
-ON_GPU = jax.default_backend() == "gpu"
-if ON_GPU and not pallas_gpu.is_hopper():
-  pytest.skip(f"the Mosaic GPU kernels need a Hopper GPU (sm_90), got "
-              f"{jax.devices()[0].device_kind}", allow_module_level=True)
-INTERPRET = None if ON_GPU else plgpu.InterpretGPUParams()
 
 FWD_TOL = 2e-2    # bf16 matmul operands (Y, S, E, P, QG, KG), float32 accumulation and state
 GRAD_TOL = 3e-2

@@ -27,19 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, make_inputs, run
+from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, run
 
-plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
-                            reason="this jax has no Mosaic GPU Pallas backend")
+ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
 from lineax_attn.ops import pallas_gpu  # noqa: E402
 from pallas_kernels.gpu import intra_chunk as ic  # noqa: E402
-
-ON_GPU = jax.default_backend() == "gpu"
-if ON_GPU and not pallas_gpu.is_hopper():
-  pytest.skip(f"the Mosaic GPU kernels need a Hopper GPU (sm_90), got "
-              f"{jax.devices()[0].device_kind}", allow_module_level=True)
-INTERPRET = None if ON_GPU else plgpu.InterpretGPUParams()
 NAMES = ("ny", "qg", "p", "u", "kg")
 
 

@@ -152,6 +152,13 @@ def _chunk_terms(q_s, k_s, beta_s, g_s, gx_s, seg_s):
               entry_row=entry_row, exit_row=exit_row)
 
 
+def _dims(q, v):
+  """(B, T, H, K, HV, V, number of chunks, value heads per key head)."""
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
+  return b, t, h, dk, hv, dv, t // CHUNK, hv // h
+
+
 def _vec_specs(packed):
   c = CHUNK
   return [plgpu.SMEM((c,), _F32)] * (6 if packed else 3)
@@ -170,11 +177,8 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, interp
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, interpret):
-  b, t, h, dk = q.shape
-  hv, dv = v.shape[2], v.shape[3]
+  b, t, h, dk, hv, dv, nc, n_rep = _dims(q, v)
   c = CHUNK
-  nc = t // c
-  n_rep = hv // h
   packed = segments is not None
   vecs = (beta, g, gx) + (tuple(segments) if packed else ())
   out_type = (jax.ShapeDtypeStruct((b, hv, nc, c, dk), _BF16),   # ny
@@ -257,11 +261,8 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale: float
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
 def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale, interpret):
-  b, t, h, dk = q.shape
-  hv, dv = v.shape[2], v.shape[3]
+  b, t, h, dk, hv, dv, nc, n_rep = _dims(q, v)
   c = CHUNK
-  nc = t // c
-  n_rep = hv // h
   packed = segments is not None
   vecs = (beta, g, gx) + (tuple(segments) if packed else ())
   out_type = (jax.ShapeDtypeStruct((b, hv, nc, c, dk), _F32),    # dq
