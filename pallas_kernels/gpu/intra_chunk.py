@@ -125,12 +125,17 @@ def _copy_in(srcs, dsts, bars):
     plgpu.barrier_wait(bars.at[i])
 
 
-def _chunk_terms(q_s, k_s, beta_s, g_s, gx_s, seg_s):
-  """What forward and backward share: QKᵀ, KKᵀ, the masked decay Γ and the row factors."""
+def _chunk_terms(q_s, k_s, vec_s):
+  """What forward and backward share: QKᵀ, KKᵀ, the masked decay Γ and the row factors.
+
+  vec_s: the smem vectors of `_vec_refs` (G and the segment ids twice: Mosaic GPU's layout
+  inference gives one smem ref one register layout, and Γ needs them as rows and as columns).
+  """
   c = CHUNK
+  beta_s, g_s, gx_s, g_col_s, *seg_s = vec_s
   row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
   g_row = plgpu.load(g_s, layout=row_layout)
-  g_col = plgpu.load(g_s, layout=col_layout)
+  g_col = plgpu.load(g_col_s, layout=col_layout)
   beta_row = plgpu.load(beta_s, layout=row_layout)
   qk, kk = sp._matmuls((c, c, [(q_s, k_s.transpose((1, 0)))]),
                        (c, c, [(k_s, k_s.transpose((1, 0)))]))
@@ -141,9 +146,9 @@ def _chunk_terms(q_s, k_s, beta_s, g_s, gx_s, seg_s):
   entry_row = jnp.exp(g_row)                            # decay of the entry state up to each row
   exit_row = jnp.exp(plgpu.load(gx_s, layout=row_layout))   # from each row to the chunk's end
   if seg_s:
-    ids, cont_s, keep_s = seg_s
+    ids, cont_s, keep_s, ids_col = seg_s
     same = (_rows(plgpu.load(ids, layout=row_layout), (c, c))
-            == lax.broadcast_in_dim(plgpu.load(ids, layout=col_layout), (c, c), [1]))
+            == lax.broadcast_in_dim(plgpu.load(ids_col, layout=col_layout), (c, c), [1]))
     decay = jnp.where(same, decay, 0.0)
     entry_row = entry_row * plgpu.load(cont_s, layout=row_layout)
     exit_row = exit_row * plgpu.load(keep_s, layout=row_layout)
@@ -159,9 +164,17 @@ def _dims(q, v):
   return b, t, h, dk, hv, dv, t // CHUNK, hv // h
 
 
+def _vec_inputs(beta, g, gx, segments):
+  """The per-row vector inputs in kernel order (see `_chunk_terms`)."""
+  vecs = (beta, g, gx, g)
+  if segments is not None:
+    seg, cont, keep = segments
+    vecs += (seg, cont, keep, seg)
+  return vecs
+
+
 def _vec_specs(packed):
-  c = CHUNK
-  return [plgpu.SMEM((c,), _F32)] * (6 if packed else 3)
+  return [plgpu.SMEM((CHUNK,), _F32)] * (8 if packed else 4)
 
 
 def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, interpret=None):
@@ -180,7 +193,7 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, interpret):
   b, t, h, dk, hv, dv, nc, n_rep = _dims(q, v)
   c = CHUNK
   packed = segments is not None
-  vecs = (beta, g, gx) + (tuple(segments) if packed else ())
+  vecs = _vec_inputs(beta, g, gx, segments)
   out_type = (jax.ShapeDtypeStruct((b, hv, nc, c, dk), _BF16),   # ny
               jax.ShapeDtypeStruct((b, hv, nc, c, dk), _BF16),   # qg
               jax.ShapeDtypeStruct((b, hv, nc, c, c), _BF16),    # p
@@ -195,8 +208,7 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, interpret):
     def body(q_s, k_s, v_s, a_hi, a_lo, b_hi, b_lo, m_s, rk_s, ny_s, p_s, u_s, bars, *vec_s):
       _copy_in(_in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, hi // n_rep, rows),
                [q_s, k_s, v_s, *vec_s], bars)
-      beta_s, g_s, gx_s, *seg_s = vec_s
-      tm = _chunk_terms(q_s, k_s, beta_s, g_s, gx_s, seg_s)
+      tm = _chunk_terms(q_s, k_s, vec_s)
 
       p_s[...] = (tm["qk"] * (tm["decay"] * scale)).astype(_BF16)
       plgpu.commit_smem()
@@ -264,7 +276,7 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale, inte
   b, t, h, dk, hv, dv, nc, n_rep = _dims(q, v)
   c = CHUNK
   packed = segments is not None
-  vecs = (beta, g, gx) + (tuple(segments) if packed else ())
+  vecs = _vec_inputs(beta, g, gx, segments)
   out_type = (jax.ShapeDtypeStruct((b, hv, nc, c, dk), _F32),    # dq
               jax.ShapeDtypeStruct((b, hv, nc, c, dk), _F32),    # dk
               jax.ShapeDtypeStruct((b, hv, nc, c, dv), _F32),    # dv
@@ -286,8 +298,7 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale, inte
       srcs = _in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, hi // n_rep, rows)
       srcs += [dny_ref.at[bi, hi, ci], dp_ref.at[bi, hi, ci], du_ref.at[bi, hi, ci]]
       _copy_in(srcs, [q_s, k_s, v_s, *vec_s, dny_s, dp_s, du_s], bars)
-      beta_s, g_s, gx_s, *seg_s = vec_s
-      tm = _chunk_terms(q_s, k_s, beta_s, g_s, gx_s, seg_s)
+      tm = _chunk_terms(q_s, k_s, vec_s)
       ii, jj, decay = tm["ii"], tm["jj"], tm["decay"]
       beta_row, entry_row = tm["beta_row"], tm["entry_row"]
 
