@@ -16,7 +16,8 @@ the compiled executable; for torch, `max_memory_allocated` over the call. Writes
 table with the ratios ours/jla, ours/FLA, ours/chunk, ours/cuDNN (--out_md; a file that holds
 the markers below gets only the text between them replaced) and a JSON file of raw numbers.
 
-`--breakdown` also times the parts of pallas_gpu GDN (XLA preparation per solve, each kernel);
+`--breakdown` also times the parts of pallas_gpu GDN (XLA preparation per solve, each kernel,
+the whole op with the XLA or the Mosaic GPU intra-chunk part: `pallas_gpu.INTRA` A/B);
 `--skip=mixer:impl[:T]` and `--merge_json=run1.json` split a long run over several device calls;
 `--time_budget_s` stops starting new entries after that many seconds (results are written after
 every entry, so a killed run still leaves its table).
@@ -313,6 +314,23 @@ def run_breakdown(shape):
       rows.append((f"whole op, solve={solve}, fwd", time_jax(op, [q, k, v, g, beta])[0]))
   finally:
     pallas_gpu.SOLVE = old
+  # A/B of who computes the intra-chunk part (pallas_gpu.INTRA), whole op, in this process.
+  def fwdbwd(*a):
+    loss = lambda *x: jnp.sum(ops.gated_delta_rule(*x, implementation="pallas_gpu")[0]
+                              .astype(jnp.float32))
+    return jax.grad(loss, argnums=tuple(range(5)))(*a)
+  old_intra = pallas_gpu.INTRA
+  try:
+    for intra in ("xla", "kernel"):
+      pallas_gpu.INTRA = intra
+      for mode, fn in (("fwd", lambda *a: ops.gated_delta_rule(
+          *a, implementation="pallas_gpu")[0]), ("fwd+bwd", fwdbwd)):
+        try:
+          rows.append((f"whole op, INTRA={intra}, {mode}", time_jax(fn, [q, k, v, g, beta])[0]))
+        except Exception as e:  # noqa: BLE001 - the experimental kernel must not stop the rest
+          log(f"[breakdown] INTRA={intra} {mode} failed: {type(e).__name__}: {str(e)[:300]}")
+  finally:
+    pallas_gpu.INTRA = old_intra
   # The Mosaic GPU intra-chunk kernel on the same inputs (its [B, HV, T] gates made by XLA).
   from pallas_kernels.gpu import intra_chunk as ic
   def intra_kernel(q, k, v, g, beta):
