@@ -333,14 +333,13 @@ def run_breakdown(shape):
     pallas_gpu.INTRA = old_intra
   # The Mosaic GPU intra-chunk kernel on the same inputs (its [B, HV, T] gates made by XLA).
   from pallas_kernels.gpu import intra_chunk as ic
+  def row_vectors(g, beta):  # the kernels' [B, HV, T] beta, G and Gx
+    G = jnp.cumsum(jnp.moveaxis(g, 1, 2).reshape(b, h, t // 64, 64), axis=-1)
+    return jnp.moveaxis(beta, 1, 2), G.reshape(b, h, t), (G[..., -1:] - G).reshape(b, h, t)
   def intra_kernel(q, k, v, g, beta):
-    G = jnp.cumsum(jnp.moveaxis(g, 1, 2).reshape(b, h, t // 64, 64), axis=-1)
-    return ic.intra_chunk_fwd(q, k, v, jnp.moveaxis(beta, 1, 2), G.reshape(b, h, t),
-                              (G[..., -1:] - G).reshape(b, h, t), scale=d ** -0.5)
+    return ic.intra_chunk_fwd(q, k, v, *row_vectors(g, beta), scale=d ** -0.5)
   def intra_kernel_bwd(q, k, v, g, beta, dny, dp, du):
-    G = jnp.cumsum(jnp.moveaxis(g, 1, 2).reshape(b, h, t // 64, 64), axis=-1)
-    return ic.intra_chunk_bwd(q, k, v, jnp.moveaxis(beta, 1, 2), G.reshape(b, h, t),
-                              (G[..., -1:] - G).reshape(b, h, t), None, dny, dp, du,
+    return ic.intra_chunk_bwd(q, k, v, *row_vectors(g, beta), None, dny, dp, du,
                               scale=d ** -0.5)
   nc = t // 64
   cts = [jnp.ones((b, h, nc, 64, d), jnp.bfloat16), jnp.ones((b, h, nc, 64, 64), jnp.bfloat16),

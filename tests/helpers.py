@@ -90,3 +90,17 @@ def mosaic_gpu_or_skip():
     pytest.skip(f"the Mosaic GPU kernels need a Hopper GPU (sm_90), got "
                 f"{jax.devices()[0].device_kind}", allow_module_level=True)
   return on_gpu, (None if on_gpu else plgpu.InterpretGPUParams())
+
+
+def output_and_state_grads(mixer, args, initial_state, implementation):
+  """Gradients of <o, W_o> + <final_state, W_s> (fixed random weights) with respect to every
+  positional input and the initial state."""
+  w_o = jax.random.normal(jax.random.key(5), args[2].shape)
+  w_s = jax.random.normal(jax.random.key(6), initial_state.shape)
+
+  def f(*a):
+    *xs, s_init = a
+    o, s = run(mixer, xs, initial_state=s_init, output_final_state=True,
+               implementation=implementation)
+    return jnp.sum(o * w_o) + jnp.sum(s * w_s)
+  return jax.grad(f, argnums=tuple(range(len(args) + 1)))(*args, initial_state)

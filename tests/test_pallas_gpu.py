@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, run
+from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads, run
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -101,19 +101,8 @@ def test_op_forward_matches_scan_and_chunk(mixer):
 @pytest.mark.parametrize("mixer", ["gated_delta_rule", "kda"])
 def test_op_gradients_match_scan(mixer):
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=4)
-  s0 = kw["initial_state"]
-  w_o = jax.random.normal(jax.random.key(5), args[2].shape)
-  w_s = jax.random.normal(jax.random.key(6), s0.shape)
-
-  def loss(impl):
-    def f(*a):
-      *xs, s_init = a
-      o, s = run(mixer, xs, initial_state=s_init, output_final_state=True, implementation=impl)
-      return jnp.sum(o * w_o) + jnp.sum(s * w_s)
-    return jax.grad(f, argnums=tuple(range(len(args) + 1)))
-
-  got = loss("pallas_gpu")(*args, s0)
-  want = loss("scan")(*args, s0)
+  got = output_and_state_grads(mixer, args, kw["initial_state"], "pallas_gpu")
+  want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
   names = ["q", "k", "v"] + (["g", "beta"]) + ["initial_state"]
   for name, g, w in zip(names, got, want):
     assert_close(g, w, GRAD_TOL, f"{mixer} d{name}")

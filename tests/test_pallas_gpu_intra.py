@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, run
+from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads, run
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -146,18 +146,9 @@ def test_op_gradients_match_scan(intra_kernel):
   mixer = "gated_delta_rule"
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=4)
   s0 = kw["initial_state"]
-  w_o = jax.random.normal(jax.random.key(5), args[2].shape)
-  w_s = jax.random.normal(jax.random.key(6), s0.shape)
-
-  def grads(impl):
-    def f(*a):
-      *xs, s_init = a
-      o, s = run(mixer, xs, initial_state=s_init, output_final_state=True, implementation=impl)
-      return jnp.sum(o * w_o) + jnp.sum(s * w_s)
-    return jax.grad(f, argnums=tuple(range(len(args) + 1)))(*args, s0)
-
-  for name, g, w in zip(("q", "k", "v", "g", "beta", "initial_state"), grads("pallas_gpu"),
-                        grads("scan")):
+  for name, g, w in zip(("q", "k", "v", "g", "beta", "initial_state"),
+                        output_and_state_grads(mixer, args, s0, "pallas_gpu"),
+                        output_and_state_grads(mixer, args, s0, "scan")):
     assert_close(g, w, 3e-2, f"d{name}")
 
 

@@ -372,8 +372,8 @@ def _intra_kernel_bwd(scale, c, interpret, res, cts):
       flat(G), flat(G[..., -1:] - G), segments, d_ny.astype(_MM), d_p.astype(_MM),
       d_u.astype(_MM), scale=scale, interpret=interpret)
   entry, exit_ = jnp.exp(G), jnp.exp(G[..., -1:] - G)       # [B, HV, Nc, C]
-  if segidx is not None:
-    _, cont, keep = _segment_masks(segidx, c)
+  if segments is not None:
+    cont, keep = (x.reshape(b, 1, t // c, c) for x in segments[1:])
     entry, exit_ = entry * cont, exit_ * keep
   chunks = lambda x: _to_chunks(jnp.repeat(x.astype(_F32), n_rep, axis=2), c)
   qc, kc = chunks(q), chunks(k)
@@ -431,15 +431,17 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
   t_pad = -(-t // c) * c
   pad = functools.partial(chunked.pad_time, t_pad=t_pad)
   s0 = jnp.zeros((b, hv, dk, dv), _F32) if initial_state is None else initial_state
+  segidx = None if layout.segidx is None else chunked.pad_time(layout.segidx, t_pad, mode="edge")
+  m = None
+  if layout.valid is not None:
+    # Padding rows are identity steps: no decay, no erase, no write, zero output (the write is
+    # masked below, on the path's own write factor).
+    m = layout.valid[:, :, None].astype(_F32)                 # [B, T, 1]
+    q, k = q * m[..., None], k * m[..., None]
+    g = None if g is None else g * (m if g.ndim == 3 else m[..., None])
   # (Under shard_map the kernel's outputs would lack the varying-axes types: XLA path there.)
   if _intra_kernel_applies(mixer, layout, dk, dv, chunk_size) and not _vma(q, k, v):
-    beta = gates["beta"]
-    if layout.valid is not None:  # padding rows: no decay, no write, zero output (as below)
-      m = layout.valid[:, :, None].astype(_F32)
-      q, k, beta = q * m[..., None], k * m[..., None], beta * m
-      g = None if g is None else g * m
-    segidx = None if layout.segidx is None else chunked.pad_time(layout.segidx, t_pad,
-                                                                  mode="edge")
+    beta = gates["beta"] if m is None else gates["beta"] * m
     o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                        scale=scale, c=c, interpret=_interpret_params())
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
@@ -448,13 +450,8 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
   k = jnp.repeat(k, n_rep, axis=2)
   kt = None if erase is None else k * erase
   vt = v if write is None else v * write
-  if layout.valid is not None:
-    # Padding rows are identity steps: no decay, no erase, no write, zero output.
-    m = layout.valid[:, :, None, None].astype(_F32)
-    q, k, vt = q * m, k * m, vt * m
-    kt = None if kt is None else kt * m
-    g = None if g is None else g * (m if g.ndim == 4 else m[..., 0])
-  segidx = None if layout.segidx is None else chunked.pad_time(layout.segidx, t_pad, mode="edge")
+  if m is not None:
+    vt = vt * m[..., None]
   o, e, s_final = _core(pad(q), pad(k), pad(kt), pad(vt), pad(g), s0, segidx, c=c,
                         interpret=_interpret_params())
   return o[:, :t], (s_final if output_final_state else None), e[:, :t]
