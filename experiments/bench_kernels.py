@@ -74,8 +74,10 @@ _REMAT_INTRA = flags.DEFINE_bool("remat_intra", True, "pallas_gpu: recompute the
 _INTRA = flags.DEFINE_enum("intra", "xla", ["xla", "kernel"], "pallas_gpu: who computes the "
                            "DeltaNet/GDN intra-chunk part (lineax_attn.ops.pallas_gpu.INTRA; "
                            "'kernel' is the experimental Mosaic GPU intra-chunk kernel).")
-_BREAKDOWN = flags.DEFINE_bool("breakdown", False,
-                               "Also time the parts of pallas_gpu GDN at the first shape.")
+_BREAKDOWN = flags.DEFINE_enum("breakdown", "none", ["none", "kernels", "all"],
+                               "Also time the parts of pallas_gpu GDN at the first shape: each "
+                               "Mosaic GPU kernel alone ('kernels'), plus the XLA preparation "
+                               "and the whole op with either intra-chunk path ('all').")
 
 BEGIN, END = "<!-- bench_kernels:begin -->", "<!-- bench_kernels:end -->"
 JLA_KIND = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "kda": "kda",
@@ -288,8 +290,42 @@ def _importable(name):
     return False
 
 
-def run_breakdown(shape):
-  """Where pallas_gpu GDN spends its time: XLA preparation vs the two kernels, per solve."""
+def _breakdown_whole_op(prep, args):
+  """XLA preparation per solve, and the whole GDN op with either intra-chunk path (A/B)."""
+  from lineax_attn.ops import pallas_gpu
+  rows = []
+  old = pallas_gpu.SOLVE
+  try:
+    for solve in ("inverse", "trsm"):
+      pallas_gpu.SOLVE = solve
+      rows.append((f"prepare_chunks (XLA intra-chunk, solve={solve}) fwd",
+                   time_jax(prep, args)[0]))
+      op = lambda *a: ops.gated_delta_rule(*a, implementation="pallas_gpu")[0]
+      rows.append((f"whole op, solve={solve}, fwd", time_jax(op, args)[0]))
+  finally:
+    pallas_gpu.SOLVE = old
+  old_intra = pallas_gpu.INTRA
+  try:
+    for intra in ("xla", "kernel"):
+      pallas_gpu.INTRA = intra
+      # Fresh closures per setting: jax.jit caches traces by function, and the flag is read
+      # at trace time (one shared fwdbwd timed the first setting twice).
+      fwd = lambda *a: ops.gated_delta_rule(*a, implementation="pallas_gpu")[0]
+      loss = lambda *a: jnp.sum(fwd(*a).astype(jnp.float32))
+      fwdbwd = jax.grad(loss, argnums=tuple(range(len(args))))
+      for mode, fn in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
+        try:
+          rows.append((f"whole op, INTRA={intra}, {mode}", time_jax(fn, args)[0]))
+        except Exception as e:  # noqa: BLE001 - the experimental kernel must not stop the rest
+          log(f"[breakdown] INTRA={intra} {mode} failed: {type(e).__name__}: {str(e)[:300]}")
+  finally:
+    pallas_gpu.INTRA = old_intra
+  return rows
+
+
+def run_breakdown(shape, whole_op=True):
+  """Where pallas_gpu GDN spends its time: each kernel alone and (whole_op) the XLA preparation
+  per solve and the whole op with either intra-chunk path."""
   from lineax_attn.ops import pallas_gpu
   from pallas_kernels.gpu import state_passing as sp
   b, t, h, d = shape
@@ -304,33 +340,8 @@ def run_breakdown(shape):
     return pallas_gpu.prepare_chunks(qs, kf, kf * beta[..., None],
                                      v.astype(jnp.float32) * beta[..., None], g, None, c=64)
   rows = []
-  old = pallas_gpu.SOLVE
-  try:
-    for solve in ("inverse", "trsm"):
-      pallas_gpu.SOLVE = solve
-      rows.append((f"prepare_chunks (XLA intra-chunk, solve={solve}) fwd",
-                   time_jax(prep, [q, k, v, g, beta])[0]))
-      op = lambda *a: ops.gated_delta_rule(*a, implementation="pallas_gpu")[0]
-      rows.append((f"whole op, solve={solve}, fwd", time_jax(op, [q, k, v, g, beta])[0]))
-  finally:
-    pallas_gpu.SOLVE = old
-  # A/B of who computes the intra-chunk part (pallas_gpu.INTRA), whole op, in this process.
-  def fwdbwd(*a):
-    loss = lambda *x: jnp.sum(ops.gated_delta_rule(*x, implementation="pallas_gpu")[0]
-                              .astype(jnp.float32))
-    return jax.grad(loss, argnums=tuple(range(5)))(*a)
-  old_intra = pallas_gpu.INTRA
-  try:
-    for intra in ("xla", "kernel"):
-      pallas_gpu.INTRA = intra
-      for mode, fn in (("fwd", lambda *a: ops.gated_delta_rule(
-          *a, implementation="pallas_gpu")[0]), ("fwd+bwd", fwdbwd)):
-        try:
-          rows.append((f"whole op, INTRA={intra}, {mode}", time_jax(fn, [q, k, v, g, beta])[0]))
-        except Exception as e:  # noqa: BLE001 - the experimental kernel must not stop the rest
-          log(f"[breakdown] INTRA={intra} {mode} failed: {type(e).__name__}: {str(e)[:300]}")
-  finally:
-    pallas_gpu.INTRA = old_intra
+  if whole_op:
+    rows += _breakdown_whole_op(prep, [q, k, v, g, beta])
   # The Mosaic GPU intra-chunk kernel on the same inputs (its [B, HV, T] gates made by XLA).
   from pallas_kernels.gpu import intra_chunk as ic
   def row_vectors(g, beta):  # the kernels' [B, HV, T] beta, G and Gx
@@ -583,9 +594,9 @@ def main(argv):
       if "sdpa" in impls and have["torch"]:
         attempt(Result(shape, "attention", "sdpa", mode), lambda: run_sdpa(mode, b, t, h, d))
   flush()
-  if _BREAKDOWN.value and on_gpu:
+  if _BREAKDOWN.value != "none" and on_gpu:
     try:
-      rows = run_breakdown(shapes[0])
+      rows = run_breakdown(shapes[0], whole_op=_BREAKDOWN.value == "all")
       meta["breakdown"] = {"shape": shapes[0], "rows": rows}
     except Exception as e:  # noqa: BLE001
       log(f"[error] breakdown: {type(e).__name__}: {e}")

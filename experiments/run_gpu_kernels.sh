@@ -1,6 +1,8 @@
 #!/bin/bash
 # Device-side runner for the pallas_gpu work: compiled kernel tests, then the kernel benchmark.
 # Usage (repo root, on the GPU machine, wheels carried in .whl/): bash experiments/run_gpu_kernels.sh TEST_TIMEOUT BENCH_TIMEOUT [bench flags...]
+# Env: GPU_TESTS (default: both GPU kernel test files); MOSAIC_GPU_DUMP_PTXAS=1 makes the bench log
+# ptxas's report (registers, spills) of every Mosaic GPU kernel it compiles.
 set -u
 TT=${1:-240}; BT=${2:-300}; shift 2
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -12,13 +14,13 @@ mkdir -p /tmp/triton_cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee $OUT/gpu.txt
 date -u +%FT%TZ > $OUT/date.txt
 if [ "$TT" -gt 0 ]; then
-  timeout $TT python3 -m pytest tests/test_pallas_gpu.py tests/test_pallas_gpu_intra.py -v -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>&1
+  timeout $TT env -u MOSAIC_GPU_DUMP_PTXAS python3 -m pytest ${GPU_TESTS:-tests/test_pallas_gpu.py tests/test_pallas_gpu_intra.py} -v -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|error" $OUT/test_gpu.log | tail -3
 fi
 if [ "$BT" -gt 0 ]; then
   timeout $BT python3 -u -m experiments.bench_kernels --out_md=$OUT/bench.md --out_json=$OUT/bench.json \
     --time_budget_s=$((BT - 60)) "$@" > $OUT/bench.log 2>&1
-  echo "bench rc=$?"; grep -E "^\[(ok|error|skip)\]|err\(" $OUT/bench.log | cut -c1-200
+  echo "bench rc=$?"; grep -E "^\[(ok|error|skip|breakdown)\]|err\(|registers|spill" $OUT/bench.log | cut -c1-200
 fi
 tar czf $OUT/triton_cache.tgz -C /tmp/triton_cache . 2>/dev/null
 ls -la $OUT

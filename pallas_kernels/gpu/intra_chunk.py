@@ -1,10 +1,13 @@
 """Mosaic GPU (Hopper) kernels for the intra-chunk part of the delta-rule chunk form (SPEC.md §3.2,
 §3.6), forward and backward.
 
-EXPERIMENTAL: checked in JAX's Mosaic GPU interpreter against an exact float32 reference and
-through the op against the scan; not yet compiled or timed on an H200 (docs/BENCHMARKS.md,
-"Next steps"). `lineax_attn.ops.pallas_gpu` uses them only when its module flag
-`INTRA = "kernel"`.
+Checked against an exact float32 reference and, through the op, against the scan, both in JAX's
+Mosaic GPU interpreter (CI) and compiled on an H200 (docs/BENCHMARKS.md, "Last full GPU test
+run"). `lineax_attn.ops.pallas_gpu` uses them by default (module flag `INTRA = "kernel"`).
+
+Resources at K = V = 128 (ptxas, H200): forward 248-254 registers, no spills, ~105 KiB of shared
+memory in two phases (so two CTAs share an SM); backward 255 registers with a 76-byte spill,
+~194 KiB (one CTA per SM): its live set is ordered for registers, see the kernel.
 
 What it replaces: the XLA preparation that feeds `state_passing.state_passing_fwd` (1.5 of the
 1.84 ms of the GDN forward at B=4 T=4096 H=16 D=128): the chunk-major relayout of q/k/v, the C×C
@@ -82,32 +85,60 @@ def _split(x):
   return hi, (x - hi.astype(_F32)).astype(_BF16)
 
 
-def _split_product(a_hi, a_lo, b_hi, b_lo):
-  """x · y for float32 [C, C] register arrays on wgmma with split-bf16 operands, staged
-  through the four given [C, C] bf16 smem tiles."""
-  def product(x, y):
-    a_hi[...], a_lo[...] = _split(x)
-    b_hi[...], b_lo[...] = _split(y)
-    plgpu.commit_smem()
-    (out,) = sp._matmuls((CHUNK, CHUNK, [(a_hi, b_hi), (a_hi, b_lo), (a_lo, b_hi)]))
-    return out
-  return product
+def _stage(operand, x, square=False):
+  """Writes float32 registers x [C, C] into an operand's bf16 smem tiles (hi, lo[, hi again]).
+
+  square: also write the copy of hi that x·x needs (Mosaic GPU's layout inference rejects a
+  wgmma whose two operands are the same ref)."""
+  hi, lo = _split(x)
+  operand[0][...], operand[1][...] = hi, lo
+  if square:
+    operand[2][...] = hi
 
 
-def _unit_lower_inverse(lmat, ii, jj, product):
-  """(I + L)^{-1} for strictly lower L [C, C] in registers (the module doc's blocked form)."""
+def _split_products(*operands):
+  """Each (a, b) of staged operands → a·b in float32 on wgmma ("bf16x3"), all in one wgmma
+  group: independent products of one round share a single fence and wait."""
+  plgpu.commit_smem()
+  groups = []
+  for a, b in operands:
+    b_hi = b[2] if a is b else b[0]
+    groups.append((CHUNK, CHUNK, [(a[0], b_hi), (a[0], b[1]), (a[1], b_hi)]))
+  return sp._matmuls(*groups)
+
+
+def _unit_lower_inverse(lmat, ii, jj, tiles):
+  """(I + L)^{-1} for strictly lower L [C, C] in registers (the module doc's blocked form), on
+  five [C, C] bf16 smem tiles, in seven rounds of wgmma (products of a round are independent)."""
   shift = BLOCK.bit_length() - 1
   same_block = lax.shift_right_logical(ii, shift) == lax.shift_right_logical(jj, shift)
   d = jnp.where(same_block, lmat, 0.0)
   e = lmat - d
   eye = jnp.where(ii == jj, 1.0, 0.0).astype(_F32)
-  z, pw = eye - d, d                                # (I + D)^{-1} = (I − D)(I + D²)(I + D⁴)(I + D⁸)
-  for _ in range(3):
-    pw = product(pw, pw)
-    z = z + product(z, pw)
-  f = product(z, e)                                 # F = (I + D)^{-1} E
-  f2 = product(f, f)
-  return product(eye - f + f2 - product(f, f2), z)  # (I − F)(I + F²) (I + D)^{-1}
+  s, t = (tiles[0], tiles[1], tiles[4]), (tiles[2], tiles[3])
+  # (I + D)^{-1} = (I − D)(I + D²)(I + D⁴)(I + D⁸): each power and each partial product from
+  # the previous power, so a power and a factor share a round.
+  _stage(s, d, square=True)
+  (pw,) = _split_products((s, s))                   # D²
+  z = eye - d
+  for last in (False, False, True):
+    _stage(s, pw, square=not last)
+    _stage(t, z)
+    if last:
+      (zp,) = _split_products((t, s))
+    else:
+      pw, zp = _split_products((s, s), (t, s))        # next power, z · current power
+    z = z + zp
+  _stage(s, e)
+  _stage(t, z)
+  (f,) = _split_products((t, s))                    # F = (I + D)^{-1} E
+  _stage(s, f, square=True)                         # t still holds z
+  f2, fz = _split_products((s, s), (s, t))
+  w = z - fz                                        # (I − F) z
+  _stage(s, f2)
+  _stage(t, w)
+  (f2w,) = _split_products((s, t))
+  return w + f2w                                    # (I + F²)(I − F) z
 
 
 def _in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, kh, rows):
@@ -125,7 +156,7 @@ def _copy_in(srcs, dsts, bars):
     plgpu.barrier_wait(bars.at[i])
 
 
-def _chunk_terms(q_s, k_s, vec_s):
+def _chunk_terms(q_s, k_s, vec_s, with_qk=True):
   """What forward and backward share: QKᵀ, KKᵀ, the masked decay Γ and the row factors.
 
   vec_s: the smem vectors of `_vec_refs` (G and the segment ids twice: Mosaic GPU's layout
@@ -137,8 +168,11 @@ def _chunk_terms(q_s, k_s, vec_s):
   g_row = plgpu.load(g_s, layout=row_layout)
   g_col = plgpu.load(g_col_s, layout=col_layout)
   beta_row = plgpu.load(beta_s, layout=row_layout)
-  qk, kk = sp._matmuls((c, c, [(q_s, k_s.transpose((1, 0)))]),
-                       (c, c, [(k_s, k_s.transpose((1, 0)))]))
+  kt = k_s.transpose((1, 0))
+  if with_qk:
+    qk, kk = sp._matmuls((c, c, [(q_s, kt)]), (c, c, [(k_s, kt)]))
+  else:
+    qk, (kk,) = None, sp._matmuls((c, c, [(k_s, kt)]))
   ii, jj = _iota(0), _iota(1)
   lower = ii >= jj
   diff = _rows(g_row, (c, c)) - lax.broadcast_in_dim(g_col, (c, c), [1])
@@ -205,47 +239,50 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, interpret):
     bi, hi, ci = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
     rows = pl.ds(ci * c, c)
 
-    def body(q_s, k_s, v_s, a_hi, a_lo, b_hi, b_lo, m_s, rk_s, ny_s, p_s, u_s, bars, *vec_s):
+    # Shared memory in two phases (sequential `run_scoped`s reuse the same bytes), so that two
+    # CTAs fit on an SM: ~105 KiB at K = V = 128 (q, k, v stay for the whole kernel).
+    def body(q_s, k_s, v_s, bars, *vec_s):
       _copy_in(_in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, hi // n_rep, rows),
                [q_s, k_s, v_s, *vec_s], bars)
       tm = _chunk_terms(q_s, k_s, vec_s)
 
-      p_s[...] = (tm["qk"] * (tm["decay"] * scale)).astype(_BF16)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(p_s, p_ref.at[bi, hi, ci])
+      def inverse_phase(*tiles):
+        tiles[0][...] = (tm["qk"] * (tm["decay"] * scale)).astype(_BF16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(tiles[0], p_ref.at[bi, hi, ci])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the inverse reuses the tile
+        return _unit_lower_inverse(tm["lmat"], tm["ii"], tm["jj"], tiles)
 
-      m = _unit_lower_inverse(tm["lmat"], tm["ii"], tm["jj"],
-                              _split_product(a_hi, a_lo, b_hi, b_lo))
+      cc = sp._smem((c, c), _BF16)
+      m = pl.run_scoped(inverse_phase, cc, cc, cc, cc, cc)
 
-      # Right-hand sides with β (and the entry decay for the keys) folded in, rounded once.
-      kv, qv, vv = (x[...].astype(_F32) for x in (k_s, q_s, v_s))
-      entry = _rows(tm["entry_row"], (c, dk))
-      beta_k = _rows(tm["beta_row"], (c, dk))
-      rk_s[...] = (kv * beta_k * entry).astype(_BF16)
-      m_s[...] = m.astype(_BF16)
-      plgpu.commit_smem()
-      # q, k, v are read for the last time above: their tiles now stage the outputs.
-      v_s[...] = (vv * _rows(tm["beta_row"], (c, dv))).astype(_BF16)
-      q_s[...] = (qv * (entry * scale)).astype(_BF16)
-      k_s[...] = (kv * _rows(tm["exit_row"], (c, dk))).astype(_BF16)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_s, qg_ref.at[bi, hi, ci])
-      plgpu.copy_smem_to_gmem(k_s, kg_ref.at[bi, hi, ci])
+      def output_phase(m_s, rk_s, u_s):
+        # Right-hand sides with β (and the entry decay for the keys) folded in, rounded once;
+        # q, k, v are read for the last time here, so their tiles then stage QG, KG and βV.
+        # One tile at a time keeps few [C, D] float32 arrays live.
+        m_s[...] = m.astype(_BF16)
+        entry = _rows(tm["entry_row"], (c, dk))
+        kv = k_s[...].astype(_F32)
+        rk_s[...] = (kv * _rows(tm["beta_row"], (c, dk)) * entry).astype(_BF16)
+        k_s[...] = (kv * _rows(tm["exit_row"], (c, dk))).astype(_BF16)
+        q_s[...] = (q_s[...].astype(_F32) * (entry * scale)).astype(_BF16)
+        v_s[...] = (v_s[...].astype(_F32) * _rows(tm["beta_row"], (c, dv))).astype(_BF16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_s, qg_ref.at[bi, hi, ci])
+        plgpu.copy_smem_to_gmem(k_s, kg_ref.at[bi, hi, ci])
+        y, u = sp._matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, v_s)]))
+        rk_s[...] = (-y).astype(_BF16)                   # the wgmmas are done reading rk_s
+        u_s[...] = u
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(rk_s, ny_ref.at[bi, hi, ci])
+        plgpu.copy_smem_to_gmem(u_s, u_ref.at[bi, hi, ci])
+        plgpu.wait_smem_to_gmem(0)
 
-      y, u = sp._matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, v_s)]))
-      ny_s[...] = (-y).astype(_BF16)
-      u_s[...] = u
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(ny_s, ny_ref.at[bi, hi, ci])
-      plgpu.copy_smem_to_gmem(u_s, u_ref.at[bi, hi, ci])
-      plgpu.wait_smem_to_gmem(0)
+      pl.run_scoped(output_phase, cc, sp._smem((c, dk), _BF16), sp._smem((c, dv), _F32))
 
-    cc = sp._smem((c, c), _BF16)
     pl.run_scoped(
         body,
         sp._smem((c, dk), _BF16), sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
-        cc, cc, cc, cc, cc, sp._smem((c, dk), _BF16),
-        sp._smem((c, dk), _BF16), cc, sp._smem((c, dv), _F32),
         plgpu.Barrier(num_barriers=3 + len(vecs)), *_vec_specs(packed))
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
@@ -292,76 +329,84 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale, inte
     bi, hi, ci = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
     rows = pl.ds(ci * c, c)
 
-    def body(q_s, k_s, v_s, dny_s, dp_s, du_s, a_hi, a_lo, b_hi, b_lo, m_s, rk_s, rv_s,
-             vout, bars, stage_k, *rest):
-      stage_v, vec_s = (stage_k, rest) if dv == dk else (rest[0], rest[1:])
+    def body(q_s, k_s, v_s, dny_s, dp_s, du_s, bars, *vec_s):
       srcs = _in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, hi // n_rep, rows)
       srcs += [dny_ref.at[bi, hi, ci], dp_ref.at[bi, hi, ci], du_ref.at[bi, hi, ci]]
       _copy_in(srcs, [q_s, k_s, v_s, *vec_s, dny_s, dp_s, du_s], bars)
-      tm = _chunk_terms(q_s, k_s, vec_s)
-      ii, jj, decay = tm["ii"], tm["jj"], tm["decay"]
+      tm = _chunk_terms(q_s, k_s, vec_s, with_qk=False)
+      cc = sp._smem((c, c), _BF16)
+      m = pl.run_scoped(lambda *t: _unit_lower_inverse(tm["lmat"], tm["ii"], tm["jj"], t),
+                        cc, cc, cc, cc, cc)
       beta_row, entry_row = tm["beta_row"], tm["entry_row"]
+      be_k = _rows(beta_row * entry_row, (c, dk))
 
-      m = _unit_lower_inverse(tm["lmat"], ii, jj, _split_product(a_hi, a_lo, b_hi, b_lo))
-      kv, vv = k_s[...].astype(_F32), v_s[...].astype(_F32)
-      rk_s[...] = (kv * _rows(beta_row * entry_row, (c, dk))).astype(_BF16)
-      rv_s[...] = (vv * _rows(beta_row, (c, dv))).astype(_BF16)
-      m_s[...] = m.astype(_BF16)
-      plgpu.commit_smem()
-      y, u = sp._matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, rv_s)]))
-      d_rk, d_rv = sp._matmuls((c, dk, [(m_s.transpose((1, 0)), dny_s)]),
-                               (c, dv, [(m_s.transpose((1, 0)), du_s)]))
-      d_rk = -d_rk                                      # dY = −dNY
-      rk_s[...] = y.astype(_BF16)                       # the tiles now hold Y, U, dR_k, dR_v
-      rv_s[...] = u.astype(_BF16)
-      dny_s[...] = d_rk.astype(_BF16)
-      du_s[...] = d_rv.astype(_BF16)
-      plgpu.commit_smem()
-      (d_l,) = sp._matmuls((c, c, [(dny_s, rk_s.transpose((1, 0))),
-                                   (du_s, rv_s.transpose((1, 0)))]))
-      d_l = jnp.where(ii > jj, -d_l, 0.0)
-      d_b = d_l * decay * _rows(beta_row, (c, c))
-      d_a = dp_s[...].astype(_F32) * (decay * scale)
-      w = d_a * tm["qk"] + d_b * tm["kk"]
-      dbeta = jnp.sum(d_l * tm["kk"] * decay, axis=1)
-      a_hi[...] = d_a.astype(_BF16)
-      a_lo[...] = d_b.astype(_BF16)
-      b_hi[...], b_lo[...] = _split(w)
-      m_s[...] = jnp.where(ii >= 0, 1.0, 0.0).astype(_BF16)   # ones: Wᵀ·1 gives column sums
-      plgpu.commit_smem()
-      dq, dkk, colsum = sp._matmuls(
-          (c, dk, [(a_hi, k_s)]),
-          (c, dk, [(a_hi.transpose((1, 0)), q_s), (a_lo, k_s), (a_lo.transpose((1, 0)), k_s)]),
-          (c, c, [(b_hi.transpose((1, 0)), m_s), (b_lo.transpose((1, 0)), m_s)]))
-      dkk = dkk + d_rk * _rows(beta_row * entry_row, (c, dk))
-      rk_dot = jnp.sum(d_rk * kv, axis=1)                # Σ_k dR_k ⊙ K
-      dbeta = dbeta + rk_dot * entry_row + jnp.sum(d_rv * vv, axis=1)
-      dg_row = rk_dot * beta_row * entry_row + jnp.sum(w, axis=1)
-      dg_col = jnp.sum(colsum, axis=1) * (1.0 / c)
-
-      for x, tile, dst in ((dq, stage_k, dq_ref.at[bi, hi, ci]),
-                           (dkk, stage_k, dk_ref.at[bi, hi, ci]),
-                           (d_rv * _rows(beta_row, (c, dv)), stage_v, dv_ref.at[bi, hi, ci])):
-        tile[...] = x
+      # Register pressure (255 per thread, one warpgroup) sets the order below: one [C, D]
+      # float32 array at a time, QKᵀ/KKᵀ/Γ recomputed at the end instead of kept live, the
+      # dR_k part of dk parked in the float32 staging tile until dk's own wgmma is done.
+      def grads_phase(m_s, rk_s, rv_s, t_a, t_b, t_whi, t_wlo, vout, stage_k, *stage_v):
+        stage_v = stage_v[0] if stage_v else stage_k
+        m_s[...] = m.astype(_BF16)
+        rk_s[...] = (k_s[...].astype(_F32) * be_k).astype(_BF16)
+        rv_s[...] = (v_s[...].astype(_F32) * _rows(beta_row, (c, dv))).astype(_BF16)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(tile, dst)
+        y, u = sp._matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, rv_s)]))
+        rk_s[...] = y.astype(_BF16)                     # rk_s, rv_s now hold Y and U
+        rv_s[...] = u.astype(_BF16)
+        (d_rv,) = sp._matmuls((c, dv, [(m_s.transpose((1, 0)), du_s)]))
+        dbeta = jnp.sum(d_rv * v_s[...].astype(_F32), axis=1)
+        stage_v[...] = d_rv * _rows(beta_row, (c, dv))
+        du_s[...] = d_rv.astype(_BF16)                  # du_s now holds dR_v
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage_v, dv_ref.at[bi, hi, ci])
+        (d_rk,) = sp._matmuls((c, dk, [(m_s.transpose((1, 0)), dny_s)]))
+        d_rk = -d_rk                                    # dY = −dNY
+        rk_dot = jnp.sum(d_rk * k_s[...].astype(_F32), axis=1)   # Σ_k dR_k ⊙ K
+        dny_s[...] = d_rk.astype(_BF16)                 # dny_s now holds dR_k
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        stage_k[...] = d_rk * be_k
+        plgpu.commit_smem()
+        (d_l,) = sp._matmuls((c, c, [(dny_s, rk_s.transpose((1, 0))),
+                                     (du_s, rv_s.transpose((1, 0)))]))
+        tm2 = _chunk_terms(q_s, k_s, vec_s)
+        ii, jj, decay = tm2["ii"], tm2["jj"], tm2["decay"]
+        d_l = jnp.where(ii > jj, -d_l, 0.0)
+        d_b = d_l * decay * _rows(beta_row, (c, c))
+        d_a = dp_s[...].astype(_F32) * (decay * scale)
+        w = d_a * tm2["qk"] + d_b * tm2["kk"]
+        dbeta = dbeta + jnp.sum(d_l * tm2["kk"] * decay, axis=1) + rk_dot * entry_row
+        dg_row = rk_dot * beta_row * entry_row + jnp.sum(w, axis=1)
+        t_a[...] = d_a.astype(_BF16)
+        t_b[...] = d_b.astype(_BF16)
+        t_whi[...], t_wlo[...] = _split(w)
+        m_s[...] = jnp.where(ii >= 0, 1.0, 0.0).astype(_BF16)   # ones: Wᵀ·1 gives column sums
+        plgpu.commit_smem()
+        dkk, colsum = sp._matmuls(
+            (c, dk, [(t_a.transpose((1, 0)), q_s), (t_b, k_s), (t_b.transpose((1, 0)), k_s)]),
+            (c, c, [(t_whi.transpose((1, 0)), m_s), (t_wlo.transpose((1, 0)), m_s)]))
+        stage_k[...] = dkk + stage_k[...]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage_k, dk_ref.at[bi, hi, ci])
+        dg_col = jnp.sum(colsum, axis=1) * (1.0 / c)
+        (dq,) = sp._matmuls((c, dk, [(t_a, k_s)]))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        stage_k[...] = dq
+        for i, x in enumerate((dbeta, dg_row, dg_col)):
+          vout.at[i][...] = x
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage_k, dq_ref.at[bi, hi, ci])
+        for i, dst in enumerate((dbeta_ref, dgr_ref, dgc_ref)):
+          plgpu.copy_smem_to_gmem(vout.at[i], dst.at[bi, hi, rows])
         plgpu.wait_smem_to_gmem(0)
-      for i, (x, dst) in enumerate(((dbeta, dbeta_ref), (dg_row, dgr_ref), (dg_col, dgc_ref))):
-        vout.at[i][...] = x
-      plgpu.commit_smem()
-      for i, dst in enumerate((dbeta_ref, dgr_ref, dgc_ref)):
-        plgpu.copy_smem_to_gmem(vout.at[i], dst.at[bi, hi, rows])
-      plgpu.wait_smem_to_gmem(0)
 
-    cc = sp._smem((c, c), _BF16)
+      pl.run_scoped(grads_phase, cc, sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
+                    cc, cc, cc, cc, plgpu.SMEM((3, c), _F32), sp._smem((c, dk), _F32),
+                    *([] if dv == dk else [sp._smem((c, dv), _F32)]))
+
     pl.run_scoped(
         body,
         sp._smem((c, dk), _BF16), sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
-        sp._smem((c, dk), _BF16), cc, sp._smem((c, dv), _BF16),
-        cc, cc, cc, cc, cc, sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
-        plgpu.SMEM((3, c), _F32), plgpu.Barrier(num_barriers=6 + len(vecs)),
-        sp._smem((c, dk), _F32), *([] if dv == dk else [sp._smem((c, dv), _F32)]),
-        *_vec_specs(packed))
+        sp._smem((c, dk), _BF16), sp._smem((c, c), _BF16), sp._smem((c, dv), _BF16),
+        plgpu.Barrier(num_barriers=6 + len(vecs)), *_vec_specs(packed))
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
                       grid=(nc, hv, b), grid_names=("c", "h", "b"))(q, k, v, *vecs, dny, dp, du)
