@@ -349,11 +349,12 @@ def run_breakdown(shape, whole_op=True):
     return jnp.moveaxis(beta, 1, 2), G.reshape(b, h, t), (G[..., -1:] - G).reshape(b, h, t)
   def intra_kernel(q, k, v, g, beta):
     return ic.intra_chunk_fwd(q, k, v, *row_vectors(g, beta), scale=d ** -0.5)
-  def intra_kernel_bwd(q, k, v, g, beta, dny, dp, du):
-    return ic.intra_chunk_bwd(q, k, v, *row_vectors(g, beta), None, dny, dp, du,
+  def intra_kernel_bwd(q, k, v, g, beta, m, dny, dp, du):
+    return ic.intra_chunk_bwd(q, k, v, *row_vectors(g, beta), None, m, dny, dp, du,
                               scale=d ** -0.5)
   nc = t // 64
-  cts = [jnp.ones((b, h, nc, 64, d), jnp.bfloat16), jnp.ones((b, h, nc, 64, 64), jnp.bfloat16),
+  m = ic.intra_chunk_fwd(q, k, v, *row_vectors(g, beta), scale=d ** -0.5, with_inverse=True)[-1]
+  cts = [m, jnp.ones((b, h, nc, 64, d), jnp.bfloat16), jnp.ones((b, h, nc, 64, 64), jnp.bfloat16),
          jnp.ones((b, h, nc, 64, d), jnp.bfloat16)]
   for name, fn, args in (("intra_chunk kernel (Mosaic GPU) fwd", intra_kernel, []),
                          ("intra_chunk kernel (Mosaic GPU) bwd", intra_kernel_bwd, cts)):

@@ -10,6 +10,9 @@ Oracles:
   the XLA path: rel 5e-3, NY 2e-2 on the correlated keys (measured 2e-3 and 1e-2; the XLA path's
   own error on the same inputs is 9e-3). Also with packed rows (three segments, one boundary
   inside a chunk and one on a chunk boundary).
+* the forward's optional M output (the backward's input) is unit lower triangular and inverts
+  I + L (L built in float64 from the inputs) to 1e-2 (bf16-rounded M), random and correlated
+  keys, and asking for it changes no other output;
 * the backward kernel (with the XLA glue of `pallas_gpu._intra_kernel`: QG/KG terms, Gx's chain
   rule, GVA's sum) vs autodiff of that exact reference, for random cotangents: every input's
   gradient to rel 5e-3 (bf16 matmul operands; measured dq 9e-4), random and packed inputs.
@@ -84,6 +87,29 @@ def test_kernel_matches_exact_reference(case):
   if case == "packed":  # the masks did something: P has no entry across segments
     p = np.asarray(got[2], np.float32)[0, 0, 0]
     assert np.all(p[40:, :40] == 0) and np.any(p[41:, 40:41] != 0)
+
+
+@pytest.mark.parametrize("case", ["random", "correlated"])
+def test_kernel_inverse_output(case):
+  # with_inverse=True adds M = (I + L)^{-1} (the backward's input) and changes nothing else.
+  # Oracle: M (I + L) = I, with L = diag(β)(K Kᵀ ⊙ Γ) strictly lower built here in float64.
+  args = _kernel_inputs(1, correlated=case == "correlated")
+  scale = 64 ** -0.5
+  plain = ic.intra_chunk_fwd(*args, scale=scale, interpret=INTERPRET)
+  *outs, m = ic.intra_chunk_fwd(*args, scale=scale, with_inverse=True, interpret=INTERPRET)
+  for name, a, b in zip(NAMES, plain, outs):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
+  q, k, v, beta, g, _ = (np.asarray(x, np.float64) for x in args)
+  n_rep = v.shape[2] // k.shape[2]
+  for hv, ci in ((0, 0), (1, 1)):
+    rows = slice(ci * 64, (ci + 1) * 64)
+    kc, gc, bc = k[0, rows, hv // n_rep], g[0, hv, rows], beta[0, hv, rows]
+    lmat = np.tril(bc[:, None] * (kc @ kc.T) * np.exp(gc[:, None] - gc[None, :]), -1)
+    resid = np.asarray(m[0, hv, ci], np.float64) @ (np.eye(64) + lmat) - np.eye(64)
+    # M is rounded to bf16 (2^-9 relative per entry) as the forward applies it: measured 5e-4
+    # (random) and 5e-3 (correlated).
+    assert np.abs(resid).max() < 1e-2, (case, hv, ci, np.abs(resid).max())
+    assert np.all(np.triu(np.asarray(m[0, hv, ci], np.float32), 1) == 0)
 
 
 @pytest.mark.parametrize("case", ["random", "packed"])
@@ -185,19 +211,21 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(dk, dv):
   rows = [sds((b, hv, t), f32)] * 3
   inputs = [sds((b, t, h, dk), bf), sds((b, t, h, dk), bf), sds((b, t, hv, dv), bf)] + rows
   segments = [sds((b, t), f32)] * 3
-  cts = [sds((b, hv, nc, c, dk), bf), sds((b, hv, nc, c, c), bf), sds((b, hv, nc, c, dv), bf)]
+  cts = [sds((b, hv, nc, c, c), bf), sds((b, hv, nc, c, dk), bf), sds((b, hv, nc, c, c), bf),
+         sds((b, hv, nc, c, dv), bf)]                     # m, dny, dp, du
   state = [sds((b, hv, nc, c, dk), bf), sds((b, hv, nc, c, dk), bf), sds((b, hv, nc, c, c), bf),
            sds((b, hv, nc, c, dv), f32), sds((b, hv, nc, c, dk), bf), sds((b, hv, nc, dk), f32),
            sds((b, hv, dk, dv), f32)]
   cases = {
       "state pass": (lambda *a: sp._state_passing_fwd(*a, save_states=True, interpret=None),
                      state),
-      "intra fwd": (lambda *a: ic._intra_chunk_fwd(*a, None, scale=0.1, interpret=None), inputs),
-      "intra fwd packed": (lambda *a: ic._intra_chunk_fwd(*a[:6], a[6:], scale=0.1,
-                                                           interpret=None), inputs + segments),
+      "intra fwd": (lambda *a: ic._intra_chunk_fwd(*a, None, scale=0.1, with_inverse=False,
+                                                   interpret=None), inputs),
+      "intra fwd packed, with M": (lambda *a: ic._intra_chunk_fwd(
+          *a[:6], a[6:], scale=0.1, with_inverse=True, interpret=None), inputs + segments),
       "intra bwd": (lambda *a: ic._intra_chunk_bwd(*a[:6], None, *a[6:], scale=0.1,
                                                    interpret=None), inputs + cts),
-      "intra bwd packed": (lambda *a: ic._intra_chunk_bwd(*a[:6], a[9:], *a[6:9], scale=0.1,
+      "intra bwd packed": (lambda *a: ic._intra_chunk_bwd(*a[:6], a[10:], *a[6:10], scale=0.1,
                                                           interpret=None),
                            inputs + cts + segments),
   }

@@ -156,6 +156,20 @@ def _copy_in(srcs, dsts, bars):
     plgpu.barrier_wait(bars.at[i])
 
 
+def _row_factors(vec_s):
+  """β, the entry factor e^{G}(·cont) and the exit factor e^{Gx}(·keep), as row vectors."""
+  beta_s, g_s, gx_s, _, *seg_s = vec_s
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  beta_row = plgpu.load(beta_s, layout=row_layout)
+  entry_row = jnp.exp(plgpu.load(g_s, layout=row_layout))   # entry state decay up to each row
+  exit_row = jnp.exp(plgpu.load(gx_s, layout=row_layout))   # from each row to the chunk's end
+  if seg_s:
+    _, cont_s, keep_s, _ = seg_s
+    entry_row = entry_row * plgpu.load(cont_s, layout=row_layout)
+    exit_row = exit_row * plgpu.load(keep_s, layout=row_layout)
+  return beta_row, entry_row, exit_row
+
+
 def _chunk_terms(q_s, k_s, vec_s, with_qk=True):
   """What forward and backward share: QKᵀ, KKᵀ, the masked decay Γ and the row factors.
 
@@ -163,11 +177,11 @@ def _chunk_terms(q_s, k_s, vec_s, with_qk=True):
   inference gives one smem ref one register layout, and Γ needs them as rows and as columns).
   """
   c = CHUNK
-  beta_s, g_s, gx_s, g_col_s, *seg_s = vec_s
+  _, g_s, _, g_col_s, *seg_s = vec_s
   row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
   g_row = plgpu.load(g_s, layout=row_layout)
   g_col = plgpu.load(g_col_s, layout=col_layout)
-  beta_row = plgpu.load(beta_s, layout=row_layout)
+  beta_row, entry_row, exit_row = _row_factors(vec_s)
   kt = k_s.transpose((1, 0))
   if with_qk:
     qk, kk = sp._matmuls((c, c, [(q_s, kt)]), (c, c, [(k_s, kt)]))
@@ -177,15 +191,11 @@ def _chunk_terms(q_s, k_s, vec_s, with_qk=True):
   lower = ii >= jj
   diff = _rows(g_row, (c, c)) - lax.broadcast_in_dim(g_col, (c, c), [1])
   decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
-  entry_row = jnp.exp(g_row)                            # decay of the entry state up to each row
-  exit_row = jnp.exp(plgpu.load(gx_s, layout=row_layout))   # from each row to the chunk's end
   if seg_s:
-    ids, cont_s, keep_s, ids_col = seg_s
+    ids, _, _, ids_col = seg_s
     same = (_rows(plgpu.load(ids, layout=row_layout), (c, c))
             == lax.broadcast_in_dim(plgpu.load(ids_col, layout=col_layout), (c, c), [1]))
     decay = jnp.where(same, decay, 0.0)
-    entry_row = entry_row * plgpu.load(cont_s, layout=row_layout)
-    exit_row = exit_row * plgpu.load(keep_s, layout=row_layout)
   lmat = jnp.where(ii > jj, kk * decay * _rows(beta_row, (c, c)), 0.0)
   return dict(qk=qk, kk=kk, decay=decay, lmat=lmat, ii=ii, jj=jj, beta_row=beta_row,
               entry_row=entry_row, exit_row=exit_row)
@@ -211,19 +221,23 @@ def _vec_specs(packed):
   return [plgpu.SMEM((CHUNK,), _F32)] * (8 if packed else 4)
 
 
-def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, interpret=None):
+def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_inverse=False,
+                    interpret=None):
   """The intra-chunk part of the delta rule (DeltaNet / GDN) for every chunk; see the module doc.
 
   segments: None or (seg, cont, keep), each `[B, T]` float32.
-  Returns (ny, qg, p, u, kg), the inputs of `state_passing.state_passing_fwd` besides gc and s0.
+  with_inverse: also return M = (I + L)^{-1} `[B, HV, Nc, C, C]` bf16, exactly the operand the
+    forward applied: `intra_chunk_bwd` takes it instead of inverting again (8 KiB per chunk).
+  Returns (ny, qg, p, u, kg[, m]), the inputs of `state_passing.state_passing_fwd` besides gc
+  and s0.
   """
   outs = _intra_chunk_fwd(q, k, v, beta, g, gx, segments, scale=float(scale),
-                          interpret=interpret)
+                          with_inverse=bool(with_inverse), interpret=interpret)
   return sp._sync_if_interpreted(outs, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "with_inverse", "interpret"))
+def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, interpret):
   b, t, h, dk, hv, dv, nc, n_rep = _dims(q, v)
   c = CHUNK
   packed = segments is not None
@@ -233,9 +247,11 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, interpret):
               jax.ShapeDtypeStruct((b, hv, nc, c, c), _BF16),    # p
               jax.ShapeDtypeStruct((b, hv, nc, c, dv), _F32),    # u
               jax.ShapeDtypeStruct((b, hv, nc, c, dk), _BF16))   # kg
+  if with_inverse:
+    out_type += (jax.ShapeDtypeStruct((b, hv, nc, c, c), _BF16),)  # m
 
   def kernel(q_ref, k_ref, v_ref, *refs):
-    vec_refs, (ny_ref, qg_ref, p_ref, u_ref, kg_ref) = refs[:len(vecs)], refs[len(vecs):]
+    vec_refs, (ny_ref, qg_ref, p_ref, u_ref, kg_ref, *m_ref) = refs[:len(vecs)], refs[len(vecs):]
     bi, hi, ci = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
     rows = pl.ds(ci * c, c)
 
@@ -270,13 +286,15 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, interpret):
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s, qg_ref.at[bi, hi, ci])
         plgpu.copy_smem_to_gmem(k_s, kg_ref.at[bi, hi, ci])
+        if with_inverse:
+          plgpu.copy_smem_to_gmem(m_s, m_ref[0].at[bi, hi, ci])
         y, u = sp._matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, v_s)]))
         rk_s[...] = (-y).astype(_BF16)                   # the wgmmas are done reading rk_s
         u_s[...] = u
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(rk_s, ny_ref.at[bi, hi, ci])
         plgpu.copy_smem_to_gmem(u_s, u_ref.at[bi, hi, ci])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       pl.run_scoped(output_phase, cc, sp._smem((c, dk), _BF16), sp._smem((c, dv), _F32))
 
@@ -289,7 +307,7 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, interpret):
                       grid=(nc, hv, b), grid_names=("c", "h", "b"))(q, k, v, *vecs)
 
 
-def intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale: float,
+def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: float,
                     interpret=None):
   """Backward of the kernel's NY, P and U for every chunk (QG and KG are elementwise: the caller).
 
@@ -298,18 +316,18 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale: float
     dq = dA·K,  dk = dAᵀ·Q + (dB + dBᵀ)·K + (β e)_row ⊙ dR_k,  dv = β_row ⊙ dR_v
     dβ = Σ_j dL ⊙ KKᵀ ⊙ Γ + Σ_k dR_k ⊙ K ⊙ e + Σ_v dR_v ⊙ V
     dG_row = e β Σ_k dR_k ⊙ K + Σ_j W,  dG_col = Σ_i W   (dG_i += dG_row_i − dG_col_i)
-  (e = the entry factor e^{G}·cont). Inputs as `intra_chunk_fwd` plus dny `[B, HV, Nc, C, K]`,
-  dp `[B, HV, Nc, C, C]` and du `[B, HV, Nc, C, V]`, all bf16.
+  (e = the entry factor e^{G}·cont). Inputs as `intra_chunk_fwd` plus its M (`with_inverse`)
+  and dny `[B, HV, Nc, C, K]`, dp `[B, HV, Nc, C, C]` and du `[B, HV, Nc, C, V]`, all bf16.
   Returns dq, dk `[B, HV, Nc, C, K]` (per value head), dv `[B, HV, Nc, C, V]`, and dbeta,
   dg_row, dg_col `[B, HV, T]`, all float32.
   """
-  outs = _intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, scale=float(scale),
+  outs = _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, scale=float(scale),
                           interpret=interpret)
   return sp._sync_if_interpreted(outs, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale, interpret):
+def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, interpret):
   b, t, h, dk, hv, dv, nc, n_rep = _dims(q, v)
   c = CHUNK
   packed = segments is not None
@@ -324,28 +342,22 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale, inte
   def kernel(q_ref, k_ref, v_ref, *refs):
     nv = len(vecs)
     vec_refs = refs[:nv]
-    dny_ref, dp_ref, du_ref = refs[nv:nv + 3]
-    dq_ref, dk_ref, dv_ref, dbeta_ref, dgr_ref, dgc_ref = refs[nv + 3:]
+    m_ref, dny_ref, dp_ref, du_ref = refs[nv:nv + 4]
+    dq_ref, dk_ref, dv_ref, dbeta_ref, dgr_ref, dgc_ref = refs[nv + 4:]
     bi, hi, ci = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
     rows = pl.ds(ci * c, c)
 
-    def body(q_s, k_s, v_s, dny_s, dp_s, du_s, bars, *vec_s):
+    def body(q_s, k_s, v_s, m_s, dny_s, dp_s, du_s, bars, *vec_s):
       srcs = _in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, hi // n_rep, rows)
-      srcs += [dny_ref.at[bi, hi, ci], dp_ref.at[bi, hi, ci], du_ref.at[bi, hi, ci]]
-      _copy_in(srcs, [q_s, k_s, v_s, *vec_s, dny_s, dp_s, du_s], bars)
-      tm = _chunk_terms(q_s, k_s, vec_s, with_qk=False)
-      cc = sp._smem((c, c), _BF16)
-      m = pl.run_scoped(lambda *t: _unit_lower_inverse(tm["lmat"], tm["ii"], tm["jj"], t),
-                        cc, cc, cc, cc, cc)
-      beta_row, entry_row = tm["beta_row"], tm["entry_row"]
+      srcs += [m_ref.at[bi, hi, ci], dny_ref.at[bi, hi, ci], dp_ref.at[bi, hi, ci],
+               du_ref.at[bi, hi, ci]]
+      _copy_in(srcs, [q_s, k_s, v_s, *vec_s, m_s, dny_s, dp_s, du_s], bars)
+      beta_row, entry_row, _ = _row_factors(vec_s)
       be_k = _rows(beta_row * entry_row, (c, dk))
+      cc = sp._smem((c, c), _BF16)
 
-      # Register pressure (255 per thread, one warpgroup) sets the order below: one [C, D]
-      # float32 array at a time, QKᵀ/KKᵀ/Γ recomputed at the end instead of kept live, the
-      # dR_k part of dk parked in the float32 staging tile until dk's own wgmma is done.
-      def grads_phase(m_s, rk_s, rv_s, t_a, t_b, t_whi, t_wlo, vout, stage_k, *stage_v):
+      def grads_phase(rk_s, rv_s, ones, t_a, t_b, t_whi, t_wlo, vout, stage_k, *stage_v):
         stage_v = stage_v[0] if stage_v else stage_k
-        m_s[...] = m.astype(_BF16)
         rk_s[...] = (k_s[...].astype(_F32) * be_k).astype(_BF16)
         rv_s[...] = (v_s[...].astype(_F32) * _rows(beta_row, (c, dv))).astype(_BF16)
         plgpu.commit_smem()
@@ -378,11 +390,11 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale, inte
         t_a[...] = d_a.astype(_BF16)
         t_b[...] = d_b.astype(_BF16)
         t_whi[...], t_wlo[...] = _split(w)
-        m_s[...] = jnp.where(ii >= 0, 1.0, 0.0).astype(_BF16)   # ones: Wᵀ·1 gives column sums
+        ones[...] = jnp.where(ii >= 0, 1.0, 0.0).astype(_BF16)   # Wᵀ·1 gives column sums
         plgpu.commit_smem()
         dkk, colsum = sp._matmuls(
             (c, dk, [(t_a.transpose((1, 0)), q_s), (t_b, k_s), (t_b.transpose((1, 0)), k_s)]),
-            (c, c, [(t_whi.transpose((1, 0)), m_s), (t_wlo.transpose((1, 0)), m_s)]))
+            (c, c, [(t_whi.transpose((1, 0)), ones), (t_wlo.transpose((1, 0)), ones)]))
         stage_k[...] = dkk + stage_k[...]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(stage_k, dk_ref.at[bi, hi, ci])
@@ -396,20 +408,22 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, dny, dp, du, *, scale, inte
         plgpu.copy_smem_to_gmem(stage_k, dq_ref.at[bi, hi, ci])
         for i, dst in enumerate((dbeta_ref, dgr_ref, dgc_ref)):
           plgpu.copy_smem_to_gmem(vout.at[i], dst.at[bi, hi, rows])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      pl.run_scoped(grads_phase, cc, sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
-                    cc, cc, cc, cc, plgpu.SMEM((3, c), _F32), sp._smem((c, dk), _F32),
+      pl.run_scoped(grads_phase, sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
+                    cc, cc, cc, cc, cc, plgpu.SMEM((3, c), _F32), sp._smem((c, dk), _F32),
                     *([] if dv == dk else [sp._smem((c, dv), _F32)]))
 
+    cc = sp._smem((c, c), _BF16)
     pl.run_scoped(
         body,
-        sp._smem((c, dk), _BF16), sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
-        sp._smem((c, dk), _BF16), sp._smem((c, c), _BF16), sp._smem((c, dv), _BF16),
-        plgpu.Barrier(num_barriers=6 + len(vecs)), *_vec_specs(packed))
+        sp._smem((c, dk), _BF16), sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16), cc,
+        sp._smem((c, dk), _BF16), cc, sp._smem((c, dv), _BF16),
+        plgpu.Barrier(num_barriers=7 + len(vecs)), *_vec_specs(packed))
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
-                      grid=(nc, hv, b), grid_names=("c", "h", "b"))(q, k, v, *vecs, dny, dp, du)
+                      grid=(nc, hv, b), grid_names=("c", "h", "b"))(q, k, v, *vecs, m, dny, dp,
+                                                                     du)
 
 
 def intra_chunk_reference(q, k, v, beta, g, gx, segments=None, *, scale: float):
