@@ -71,9 +71,9 @@ _OUT_PNG = flags.DEFINE_string("out_png", "", "Plot of the sweep: time against T
 _REMAT_INTRA = flags.DEFINE_bool("remat_intra", True, "pallas_gpu: recompute the XLA "
                                   "intra-chunk part in the backward (lineax_attn.ops.pallas_gpu."
                                   "REMAT_INTRA).")
-_INTRA = flags.DEFINE_enum("intra", "xla", ["xla", "kernel"], "pallas_gpu: who computes the "
-                           "DeltaNet/GDN intra-chunk part (lineax_attn.ops.pallas_gpu.INTRA; "
-                           "'kernel' is the experimental Mosaic GPU intra-chunk kernel).")
+_INTRA = flags.DEFINE_enum("intra", "kernel", ["xla", "kernel"], "pallas_gpu: who computes the "
+                           "DeltaNet/GDN intra-chunk part (lineax_attn.ops.pallas_gpu.INTRA: the "
+                           "Mosaic GPU kernel, the library's default, or the XLA path).")
 _BREAKDOWN = flags.DEFINE_enum("breakdown", "none", ["none", "kernels", "all"],
                                "Also time the parts of pallas_gpu GDN at the first shape: each "
                                "Mosaic GPU kernel alone ('kernels'), plus the XLA preparation "
