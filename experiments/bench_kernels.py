@@ -569,6 +569,8 @@ def main(argv):
     if old["meta"].get("breakdown") and "breakdown" not in meta:
       meta["breakdown"] = old["meta"]["breakdown"]
     meta["merged"] = meta.get("merged", []) + [old["meta"]["date"]]
+    if not on_gpu:  # re-plotting / re-tabling a GPU run here: label it with that run's device
+      meta.update(device=old["meta"]["device"], date=old["meta"]["date"])
 
   def flush():
     # This run's numbers override merged ones; merged notes ("skipped") are dropped.
