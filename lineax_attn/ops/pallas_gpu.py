@@ -1,15 +1,20 @@
-"""The `pallas_gpu` implementation: XLA intra-chunk math + Mosaic GPU state-passing kernels.
+"""The `pallas_gpu` implementation: Mosaic GPU kernels (Hopper) for the chunk form, with XLA glue.
 
-Split of the chunk form (SPEC.md §3.2):
+Split of the chunk form (SPEC.md §3.2); docs/KERNELS_GPU.md has the call path and the kernels'
+resources:
 
-* **Intra-chunk, all chunks in parallel (XLA, differentiated by autodiff):** the masked
+* **Intra-chunk, DeltaNet and GDN (Mosaic GPU, the default `INTRA = "kernel"`):**
+  `pallas_kernels.gpu.intra_chunk`, forward and backward kernels, one CTA per chunk; the
+  forward's bf16 inverse is the backward's residual; QG/KG cotangents, Gx's chain rule and GVA's
+  head sum stay in XLA (`_intra_kernel_bwd`).
+* **Intra-chunk otherwise (XLA, differentiated by autodiff):** the masked
   intra-chunk attention P, the WY/UT solve Y = Z(K̃⊙Γ), U = ZṼ, the gated queries/keys QG, KG
   and the chunk decay gc. For scalar gates (GDN) and no gate (DeltaNet, linear attention) the
   C×C products take bf16 operands with float32 accumulation; the unit-lower-triangular
   systems are inverted in float32 (blocked inverse by matmuls, closed-form VJP) and the inverse
   is applied with bf16 operands; per-channel gates (KDA, GDN-2) reuse the overflow-free
-  sub-chunk form of `chunked._intra_chunk` (float32). Experimental alternative for DeltaNet and
-  GDN: the Mosaic GPU kernel `pallas_kernels.gpu.intra_chunk` (module flag `INTRA`).
+  sub-chunk form of `chunked._intra_chunk` (float32). DeltaNet and GDN take this path with
+  `INTRA = "xla"` and under `shard_map` (the kernel outputs carry no varying-axes types).
 * **Sequential state pass (Mosaic GPU kernels, `pallas_kernels.gpu.state_passing`):**
   E = U − Y·S, O = QG·S + P·E, S' = gc⊙S + KGᵀ·E with the float32 state on chip; its backward is
   a reverse kernel for the state cotangent (SPEC.md §3.6 steps 1-2) plus batched matmuls, wired

@@ -6,8 +6,8 @@ Mosaic GPU interpreter (CI) and compiled on an H200 (docs/BENCHMARKS.md, "Last f
 run"). `lineax_attn.ops.pallas_gpu` uses them by default (module flag `INTRA = "kernel"`).
 
 Resources at K = V = 128 (ptxas, H200): forward 248-254 registers, no spills, ~105 KiB of shared
-memory in two phases (so two CTAs share an SM); backward 255 registers with a 76-byte spill,
-~194 KiB (one CTA per SM): its live set is ordered for registers, see the kernel.
+memory in two phases (so two CTAs share an SM); backward 255 registers with a 164-byte spill,
+~202 KiB (one CTA per SM): its live set is ordered for registers, see the kernel.
 
 What it replaces: the XLA preparation that feeds `state_passing.state_passing_fwd` (1.5 of the
 1.84 ms of the GDN forward at B=4 T=4096 H=16 D=128): the chunk-major relayout of q/k/v, the C×C
