@@ -24,7 +24,8 @@ Oracles:
 * Both kernels (and the state pass, the reference point: it compiles and runs on the H200) lower
   to Mosaic GPU for CUDA on this CPU, at K, V in {64, 128}, with and without segments: Mosaic
   GPU's layout inference runs at lowering, so the interpreter-only constructs it rejects fail
-  here, in CI, rather than on the GPU.
+  here, in CI, rather than on the GPU. Their shared memory (Pallas's estimate, what the launch
+  requests) fits a Hopper CTA (227 KiB), and the forward fits twice per SM (113 KiB).
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def test_op_with_segments_and_padding_matches_scan(intra_kernel):
 
 
 @pytest.mark.parametrize("dk,dv", [(64, 64), (128, 128), (64, 128)])
-def test_kernels_lower_to_mosaic_gpu_for_cuda(dk, dv):
+def test_kernels_lower_to_mosaic_gpu_for_cuda(dk, dv, monkeypatch):
   from pallas_kernels.gpu import state_passing as sp  # pylint: disable=g-import-not-at-top
   sds = jax.ShapeDtypeStruct
   bf, f32 = jnp.bfloat16, jnp.float32
@@ -229,6 +230,24 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(dk, dv):
                                                           interpret=None),
                            inputs + cts + segments),
   }
+  # Pallas's own shared-memory estimate of each kernel, as the launch will request it (private
+  # API of the pinned jax: the outermost call is the kernel's total).
+  from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # pylint: disable=g-import-not-at-top
+  estimates = []
+  estimate = mgpu_lowering._estimate_resources
+  def recording_estimate(*a, **kw):
+    rs = estimate(*a, **kw)
+    estimates.append(rs.smem_scratch_bytes)
+    return rs
+  monkeypatch.setattr(mgpu_lowering, "_estimate_resources", recording_estimate)
+  smem = {}
   for name, (fn, args) in cases.items():
+    estimates.clear()
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text(), name
+    smem[name] = estimates[-1]
+  # Hopper: at most 227 KiB per CTA; two CTAs share an SM only below 113 KiB each (228 KiB per
+  # SM, 1 KiB reserved per CTA), which the intra-chunk forward's two phases are there for.
+  for name, nbytes in smem.items():
+    assert 0 < nbytes <= 227 * 1024, (name, nbytes)
+  assert smem["intra fwd"] <= 113 * 1024, smem

@@ -5,9 +5,10 @@ Checked against an exact float32 reference and, through the op, against the scan
 Mosaic GPU interpreter (CI) and compiled on an H200 (docs/BENCHMARKS.md, "Last full GPU test
 run"). `lineax_attn.ops.pallas_gpu` uses them by default (module flag `INTRA = "kernel"`).
 
-Resources at K = V = 128 (ptxas, H200): forward 248-254 registers, no spills, ~105 KiB of shared
-memory in two phases (so two CTAs share an SM); backward 255 registers with a 164-byte spill,
-~202 KiB (one CTA per SM): its live set is ordered for registers, see the kernel.
+Resources at K = V = 128 (registers from ptxas on the H200, shared memory as the launch requests
+it): forward 248-254 registers, no spills, 108 KiB of shared memory in two phases (so two CTAs
+share an SM); backward 255 registers with a 164-byte spill, 207 KiB (one CTA per SM): its live
+set is ordered for registers, see the kernel.
 
 What it replaces: the XLA preparation that feeds `state_passing.state_passing_fwd` (1.5 of the
 1.84 ms of the GDN forward at B=4 T=4096 H=16 D=128): the chunk-major relayout of q/k/v, the C×C
@@ -256,7 +257,7 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
     rows = pl.ds(ci * c, c)
 
     # Shared memory in two phases (sequential `run_scoped`s reuse the same bytes), so that two
-    # CTAs fit on an SM: ~105 KiB at K = V = 128 (q, k, v stay for the whole kernel).
+    # CTAs fit on an SM: 108 KiB at K = V = 128 (q, k, v stay for the whole kernel).
     def body(q_s, k_s, v_s, bars, *vec_s):
       _copy_in(_in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, hi // n_rep, rows),
                [q_s, k_s, v_s, *vec_s], bars)
