@@ -74,6 +74,10 @@ _REMAT_INTRA = flags.DEFINE_bool("remat_intra", True, "pallas_gpu: recompute the
 _INTRA = flags.DEFINE_enum("intra", "kernel", ["xla", "kernel"], "pallas_gpu: who computes the "
                            "DeltaNet/GDN intra-chunk part (lineax_attn.ops.pallas_gpu.INTRA: the "
                            "Mosaic GPU kernel, the library's default, or the XLA path).")
+_PROFILE_DIR = flags.DEFINE_string(
+    "profile_dir", "", "With --breakdown: also run each intra-chunk kernel once under Mosaic GPU's "
+    "in-kernel profiler, write its traces here and log the time per named phase "
+    "(experiments/kernel_trace.py).")
 _BREAKDOWN = flags.DEFINE_enum("breakdown", "none", ["none", "kernels", "all"],
                                "Also time the parts of pallas_gpu GDN at the first shape: each "
                                "Mosaic GPU kernel alone ('kernels'), plus the XLA preparation "
@@ -362,6 +366,8 @@ def run_breakdown(shape, whole_op=True):
       rows.append((name, time_jax(fn, [q, k, v, g, beta] + args)[0]))
     except Exception as e:  # noqa: BLE001 - an experimental kernel must not stop the breakdown
       log(f"[breakdown] {name} failed: {type(e).__name__}: {str(e)[:300]}")
+  if _PROFILE_DIR.value:
+    profile_intra_kernels(q, k, v, *row_vectors(g, beta), cts, scale=d ** -0.5)
   inputs = jax.block_until_ready(jax.jit(prep)(q, k, v, g, beta))
   s0 = jnp.zeros((b, h, d, d), jnp.float32)
   for save in (False, True):
@@ -375,6 +381,29 @@ def run_breakdown(shape, whole_op=True):
   for name, ms in rows:
     log(f"[breakdown] {name}: {ms:.3f} ms")
   return rows
+
+
+def profile_intra_kernels(q, k, v, beta, g, gx, cts, *, scale):
+  """One profiled call of each intra-chunk kernel; logs the time per phase of the kernel."""
+  import glob  # pylint: disable=g-import-not-at-top
+  from experiments import kernel_trace  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.gpu import intra_chunk as ic  # pylint: disable=g-import-not-at-top
+  calls = (("fwd", lambda d: ic.intra_chunk_fwd(q, k, v, beta, g, gx, scale=scale,
+                                                with_inverse=True, profile_dir=d)),
+           ("bwd", lambda d: ic.intra_chunk_bwd(q, k, v, beta, g, gx, None, *cts, scale=scale,
+                                                profile_dir=d)))
+  for name, call in calls:
+    out_dir = os.path.join(_PROFILE_DIR.value, f"intra_chunk_{name}")
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+      jax.block_until_ready(call(out_dir))
+      newest = max(glob.glob(os.path.join(out_dir, "*-trace.json")), key=os.path.getmtime)
+      with open(newest) as f:
+        rows, span = kernel_trace.summarize(json.load(f))
+      log(f"[profile] intra_chunk {name} ({newest}):\n"
+          + kernel_trace.to_markdown(rows, span))
+    except Exception as e:  # noqa: BLE001 - a measurement aid must not stop the breakdown
+      log(f"[profile] intra_chunk {name} failed: {type(e).__name__}: {str(e)[:300]}")
 
 
 # ------------------------------------------------------------------------------ report

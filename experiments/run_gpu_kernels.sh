@@ -2,7 +2,8 @@
 # Device-side runner for the pallas_gpu work: compiled kernel tests, then the kernel benchmark.
 # Usage (repo root, on the GPU machine, wheels carried in .whl/): bash experiments/run_gpu_kernels.sh TEST_TIMEOUT BENCH_TIMEOUT [bench flags...]
 # Env: GPU_TESTS (default: both GPU kernel test files); MOSAIC_GPU_DUMP_PTXAS=1 makes the bench log
-# ptxas's report (registers, spills) of every Mosaic GPU kernel it compiles.
+# ptxas's report (registers, spills) of every Mosaic GPU kernel it compiles; bench flag
+# --profile_dir=/tmp/prof (with --breakdown) logs the intra-chunk kernels' time per phase.
 set -u
 TT=${1:-240}; BT=${2:-300}; shift 2
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -20,7 +21,7 @@ fi
 if [ "$BT" -gt 0 ]; then
   timeout $BT python3 -u -m experiments.bench_kernels --out_md=$OUT/bench.md --out_json=$OUT/bench.json \
     --time_budget_s=$((BT - 60)) "$@" > $OUT/bench.log 2>&1
-  echo "bench rc=$?"; grep -E "^\[(ok|error|skip|breakdown)\]|err\(|registers|spill" $OUT/bench.log | cut -c1-200
+  echo "bench rc=$?"; grep -E "^\[(ok|error|skip|breakdown|profile)\]|^\||err\(|registers|spill" $OUT/bench.log | cut -c1-200
 fi
 tar czf $OUT/triton_cache.tgz -C /tmp/triton_cache . 2>/dev/null
 ls -la $OUT

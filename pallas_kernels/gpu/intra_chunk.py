@@ -58,6 +58,7 @@ from pallas_kernels.gpu import state_passing as sp
 
 CHUNK = sp.CHUNK
 BLOCK = 16            # diagonal block of the inverse
+PROFILE_EVENTS = 32   # profiler ranges per CTA (the kernels have fewer than 16 named phases)
 _BF16 = jnp.bfloat16
 _F32 = jnp.float32
 
@@ -119,26 +120,28 @@ def _unit_lower_inverse(lmat, ii, jj, tiles):
   s, t = (tiles[0], tiles[1], tiles[4]), (tiles[2], tiles[3])
   # (I + D)^{-1} = (I − D)(I + D²)(I + D⁴)(I + D⁸): each power and each partial product from
   # the previous power, so a power and a factor share a round.
-  _stage(s, d, square=True)
-  (pw,) = _split_products((s, s))                   # D²
-  z = eye - d
-  for last in (False, False, True):
-    _stage(s, pw, square=not last)
+  with jax.named_scope("diagonal blocks"):
+    _stage(s, d, square=True)
+    (pw,) = _split_products((s, s))                 # D²
+    z = eye - d
+    for last in (False, False, True):
+      _stage(s, pw, square=not last)
+      _stage(t, z)
+      if last:
+        (zp,) = _split_products((t, s))
+      else:
+        pw, zp = _split_products((s, s), (t, s))      # next power, z · current power
+      z = z + zp
+  with jax.named_scope("off-diagonal"):
+    _stage(s, e)
     _stage(t, z)
-    if last:
-      (zp,) = _split_products((t, s))
-    else:
-      pw, zp = _split_products((s, s), (t, s))        # next power, z · current power
-    z = z + zp
-  _stage(s, e)
-  _stage(t, z)
-  (f,) = _split_products((t, s))                    # F = (I + D)^{-1} E
-  _stage(s, f, square=True)                         # t still holds z
-  f2, fz = _split_products((s, s), (s, t))
-  w = z - fz                                        # (I − F) z
-  _stage(s, f2)
-  _stage(t, w)
-  (f2w,) = _split_products((s, t))
+    (f,) = _split_products((t, s))                  # F = (I + D)^{-1} E
+    _stage(s, f, square=True)                       # t still holds z
+    f2, fz = _split_products((s, s), (s, t))
+    w = z - fz                                      # (I − F) z
+    _stage(s, f2)
+    _stage(t, w)
+    (f2w,) = _split_products((s, t))
   return w + f2w                                    # (I + F²)(I − F) z
 
 
@@ -218,27 +221,39 @@ def _vec_inputs(beta, g, gx, segments):
   return vecs
 
 
+def _compiler_params(profile_dir):
+  """Mosaic GPU's in-kernel profiler when asked for: one trace per call, the phases below
+  (`jax.named_scope`) as ranges per CTA. Off (None) otherwise: then the scopes cost nothing."""
+  if not profile_dir:
+    return None
+  return plgpu.CompilerParams(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
+
+
 def _vec_specs(packed):
   return [plgpu.SMEM((CHUNK,), _F32)] * (8 if packed else 4)
 
 
 def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_inverse=False,
-                    interpret=None):
+                    profile_dir: str = "", interpret=None):
   """The intra-chunk part of the delta rule (DeltaNet / GDN) for every chunk; see the module doc.
 
   segments: None or (seg, cont, keep), each `[B, T]` float32.
   with_inverse: also return M = (I + L)^{-1} `[B, HV, Nc, C, C]` bf16, exactly the operand the
     forward applied: `intra_chunk_bwd` takes it instead of inverting again (8 KiB per chunk).
+  profile_dir: if set, Mosaic GPU's in-kernel profiler writes a trace of the kernel's named
+    phases (per CTA, Chrome trace JSON) there on every call; for measurement, not training.
   Returns (ny, qg, p, u, kg[, m]), the inputs of `state_passing.state_passing_fwd` besides gc
   and s0.
   """
   outs = _intra_chunk_fwd(q, k, v, beta, g, gx, segments, scale=float(scale),
-                          with_inverse=bool(with_inverse), interpret=interpret)
+                          with_inverse=bool(with_inverse), profile_dir=profile_dir,
+                          interpret=interpret)
   return sp._sync_if_interpreted(outs, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "with_inverse", "interpret"))
-def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "with_inverse", "profile_dir", "interpret"))
+def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, interpret,
+                     profile_dir=""):
   b, t, h, dk, hv, dv, nc, n_rep = _dims(q, v)
   c = CHUNK
   packed = segments is not None
@@ -259,9 +274,11 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
     # Shared memory in two phases (sequential `run_scoped`s reuse the same bytes), so that two
     # CTAs fit on an SM: 108 KiB at K = V = 128 (q, k, v stay for the whole kernel).
     def body(q_s, k_s, v_s, bars, *vec_s):
-      _copy_in(_in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, hi // n_rep, rows),
-               [q_s, k_s, v_s, *vec_s], bars)
-      tm = _chunk_terms(q_s, k_s, vec_s)
+      with jax.named_scope("load"):
+        _copy_in(_in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, hi // n_rep, rows),
+                 [q_s, k_s, v_s, *vec_s], bars)
+      with jax.named_scope("QK, KK, decay"):
+        tm = _chunk_terms(q_s, k_s, vec_s)
 
       def inverse_phase(*tiles):
         tiles[0][...] = (tm["qk"] * (tm["decay"] * scale)).astype(_BF16)
@@ -271,7 +288,8 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
         return _unit_lower_inverse(tm["lmat"], tm["ii"], tm["jj"], tiles)
 
       cc = sp._smem((c, c), _BF16)
-      m = pl.run_scoped(inverse_phase, cc, cc, cc, cc, cc)
+      with jax.named_scope("P out, inverse"):
+        m = pl.run_scoped(inverse_phase, cc, cc, cc, cc, cc)
 
       def output_phase(m_s, rk_s, u_s):
         # Right-hand sides with β (and the entry decay for the keys) folded in, rounded once;
@@ -297,7 +315,8 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
         plgpu.copy_smem_to_gmem(u_s, u_ref.at[bi, hi, ci])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      pl.run_scoped(output_phase, cc, sp._smem((c, dk), _BF16), sp._smem((c, dv), _F32))
+      with jax.named_scope("Y, U, outputs"):
+        pl.run_scoped(output_phase, cc, sp._smem((c, dk), _BF16), sp._smem((c, dv), _F32))
 
     pl.run_scoped(
         body,
@@ -305,11 +324,12 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
         plgpu.Barrier(num_barriers=3 + len(vecs)), *_vec_specs(packed))
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
+                      compiler_params=_compiler_params(profile_dir),
                       grid=(nc, hv, b), grid_names=("c", "h", "b"))(q, k, v, *vecs)
 
 
 def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: float,
-                    interpret=None):
+                    profile_dir: str = "", interpret=None):
   """Backward of the kernel's NY, P and U for every chunk (QG and KG are elementwise: the caller).
 
   With dY = −dNY, dR = Mᵀ[dY | dU] and dL = −dR_k Yᵀ − dR_v Uᵀ (from δM = −M δL M):
@@ -323,12 +343,13 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: fl
   dg_row, dg_col `[B, HV, T]`, all float32.
   """
   outs = _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, scale=float(scale),
-                          interpret=interpret)
+                          profile_dir=profile_dir, interpret=interpret)
   return sp._sync_if_interpreted(outs, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "profile_dir", "interpret"))
+def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, interpret,
+                     profile_dir=""):
   b, t, h, dk, hv, dv, nc, n_rep = _dims(q, v)
   c = CHUNK
   packed = segments is not None
@@ -352,64 +373,72 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
       srcs = _in_specs(q_ref, k_ref, v_ref, vec_refs, bi, hi, hi // n_rep, rows)
       srcs += [m_ref.at[bi, hi, ci], dny_ref.at[bi, hi, ci], dp_ref.at[bi, hi, ci],
                du_ref.at[bi, hi, ci]]
-      _copy_in(srcs, [q_s, k_s, v_s, *vec_s, m_s, dny_s, dp_s, du_s], bars)
+      with jax.named_scope("load"):
+        _copy_in(srcs, [q_s, k_s, v_s, *vec_s, m_s, dny_s, dp_s, du_s], bars)
       beta_row, entry_row, _ = _row_factors(vec_s)
       be_k = _rows(beta_row * entry_row, (c, dk))
       cc = sp._smem((c, c), _BF16)
 
       def grads_phase(rk_s, rv_s, ones, t_a, t_b, t_whi, t_wlo, vout, stage_k, *stage_v):
         stage_v = stage_v[0] if stage_v else stage_k
-        rk_s[...] = (k_s[...].astype(_F32) * be_k).astype(_BF16)
-        rv_s[...] = (v_s[...].astype(_F32) * _rows(beta_row, (c, dv))).astype(_BF16)
-        plgpu.commit_smem()
-        y, u = sp._matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, rv_s)]))
-        rk_s[...] = y.astype(_BF16)                     # rk_s, rv_s now hold Y and U
-        rv_s[...] = u.astype(_BF16)
-        (d_rv,) = sp._matmuls((c, dv, [(m_s.transpose((1, 0)), du_s)]))
-        dbeta = jnp.sum(d_rv * v_s[...].astype(_F32), axis=1)
-        stage_v[...] = d_rv * _rows(beta_row, (c, dv))
-        du_s[...] = d_rv.astype(_BF16)                  # du_s now holds dR_v
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage_v, dv_ref.at[bi, hi, ci])
-        (d_rk,) = sp._matmuls((c, dk, [(m_s.transpose((1, 0)), dny_s)]))
-        d_rk = -d_rk                                    # dY = −dNY
-        rk_dot = jnp.sum(d_rk * k_s[...].astype(_F32), axis=1)   # Σ_k dR_k ⊙ K
-        dny_s[...] = d_rk.astype(_BF16)                 # dny_s now holds dR_k
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        stage_k[...] = d_rk * be_k
-        plgpu.commit_smem()
-        (d_l,) = sp._matmuls((c, c, [(dny_s, rk_s.transpose((1, 0))),
-                                     (du_s, rv_s.transpose((1, 0)))]))
-        tm2 = _chunk_terms(q_s, k_s, vec_s)
-        ii, jj, decay = tm2["ii"], tm2["jj"], tm2["decay"]
-        d_l = jnp.where(ii > jj, -d_l, 0.0)
-        d_b = d_l * decay * _rows(beta_row, (c, c))
-        d_a = dp_s[...].astype(_F32) * (decay * scale)
-        w = d_a * tm2["qk"] + d_b * tm2["kk"]
-        dbeta = dbeta + jnp.sum(d_l * tm2["kk"] * decay, axis=1) + rk_dot * entry_row
-        dg_row = rk_dot * beta_row * entry_row + jnp.sum(w, axis=1)
-        t_a[...] = d_a.astype(_BF16)
-        t_b[...] = d_b.astype(_BF16)
-        t_whi[...], t_wlo[...] = _split(w)
-        ones[...] = jnp.where(ii >= 0, 1.0, 0.0).astype(_BF16)   # Wᵀ·1 gives column sums
-        plgpu.commit_smem()
-        dkk, colsum = sp._matmuls(
-            (c, dk, [(t_a.transpose((1, 0)), q_s), (t_b, k_s), (t_b.transpose((1, 0)), k_s)]),
-            (c, c, [(t_whi.transpose((1, 0)), ones), (t_wlo.transpose((1, 0)), ones)]))
-        stage_k[...] = dkk + stage_k[...]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage_k, dk_ref.at[bi, hi, ci])
-        dg_col = jnp.sum(colsum, axis=1) * (1.0 / c)
-        (dq,) = sp._matmuls((c, dk, [(t_a, k_s)]))
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        stage_k[...] = dq
-        for i, x in enumerate((dbeta, dg_row, dg_col)):
-          vout.at[i][...] = x
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage_k, dq_ref.at[bi, hi, ci])
-        for i, dst in enumerate((dbeta_ref, dgr_ref, dgc_ref)):
-          plgpu.copy_smem_to_gmem(vout.at[i], dst.at[bi, hi, rows])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        with jax.named_scope("Y, U"):
+          rk_s[...] = (k_s[...].astype(_F32) * be_k).astype(_BF16)
+          rv_s[...] = (v_s[...].astype(_F32) * _rows(beta_row, (c, dv))).astype(_BF16)
+          plgpu.commit_smem()
+          y, u = sp._matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, rv_s)]))
+          rk_s[...] = y.astype(_BF16)                     # rk_s, rv_s now hold Y and U
+          rv_s[...] = u.astype(_BF16)
+        with jax.named_scope("dR_v, dv"):
+          (d_rv,) = sp._matmuls((c, dv, [(m_s.transpose((1, 0)), du_s)]))
+          dbeta = jnp.sum(d_rv * v_s[...].astype(_F32), axis=1)
+          stage_v[...] = d_rv * _rows(beta_row, (c, dv))
+          du_s[...] = d_rv.astype(_BF16)                  # du_s now holds dR_v
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(stage_v, dv_ref.at[bi, hi, ci])
+        with jax.named_scope("dR_k"):
+          (d_rk,) = sp._matmuls((c, dk, [(m_s.transpose((1, 0)), dny_s)]))
+          d_rk = -d_rk                                    # dY = −dNY
+          rk_dot = jnp.sum(d_rk * k_s[...].astype(_F32), axis=1)   # Σ_k dR_k ⊙ K
+          dny_s[...] = d_rk.astype(_BF16)                 # dny_s now holds dR_k
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          stage_k[...] = d_rk * be_k
+          plgpu.commit_smem()
+        with jax.named_scope("dL"):
+          (d_l,) = sp._matmuls((c, c, [(dny_s, rk_s.transpose((1, 0))),
+                                       (du_s, rv_s.transpose((1, 0)))]))
+        with jax.named_scope("QK, KK, decay; dA, dB, W"):
+          tm2 = _chunk_terms(q_s, k_s, vec_s)
+          ii, jj, decay = tm2["ii"], tm2["jj"], tm2["decay"]
+          d_l = jnp.where(ii > jj, -d_l, 0.0)
+          d_b = d_l * decay * _rows(beta_row, (c, c))
+          d_a = dp_s[...].astype(_F32) * (decay * scale)
+          w = d_a * tm2["qk"] + d_b * tm2["kk"]
+          dbeta = dbeta + jnp.sum(d_l * tm2["kk"] * decay, axis=1) + rk_dot * entry_row
+          dg_row = rk_dot * beta_row * entry_row + jnp.sum(w, axis=1)
+          t_a[...] = d_a.astype(_BF16)
+          t_b[...] = d_b.astype(_BF16)
+          t_whi[...], t_wlo[...] = _split(w)
+          ones[...] = jnp.where(ii >= 0, 1.0, 0.0).astype(_BF16)   # Wᵀ·1 gives column sums
+          plgpu.commit_smem()
+        with jax.named_scope("dk, column sums"):
+          dkk, colsum = sp._matmuls(
+              (c, dk, [(t_a.transpose((1, 0)), q_s), (t_b, k_s), (t_b.transpose((1, 0)), k_s)]),
+              (c, c, [(t_whi.transpose((1, 0)), ones), (t_wlo.transpose((1, 0)), ones)]))
+          stage_k[...] = dkk + stage_k[...]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(stage_k, dk_ref.at[bi, hi, ci])
+          dg_col = jnp.sum(colsum, axis=1) * (1.0 / c)
+        with jax.named_scope("dq, vectors out"):
+          (dq,) = sp._matmuls((c, dk, [(t_a, k_s)]))
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          stage_k[...] = dq
+          for i, x in enumerate((dbeta, dg_row, dg_col)):
+            vout.at[i][...] = x
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(stage_k, dq_ref.at[bi, hi, ci])
+          for i, dst in enumerate((dbeta_ref, dgr_ref, dgc_ref)):
+            plgpu.copy_smem_to_gmem(vout.at[i], dst.at[bi, hi, rows])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       pl.run_scoped(grads_phase, sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
                     cc, cc, cc, cc, cc, plgpu.SMEM((3, c), _F32), sp._smem((c, dk), _F32),
@@ -423,6 +452,7 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
         plgpu.Barrier(num_barriers=7 + len(vecs)), *_vec_specs(packed))
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
+                      compiler_params=_compiler_params(profile_dir),
                       grid=(nc, hv, b), grid_names=("c", "h", "b"))(q, k, v, *vecs, m, dny, dp,
                                                                      du)
 
