@@ -54,7 +54,7 @@ SOLVE = "inverse"
 # experiments/bench_kernels.py (--remat_intra) can time both.
 REMAT_INTRA = True
 # Who computes the intra-chunk part of DeltaNet / GDN: "kernel" (`pallas_kernels.gpu.intra_chunk`,
-# forward and backward Mosaic GPU kernels: GDN fwd+bwd 2.7 ms vs 4.6 ms at B4 T4096 H16 D128 on
+# forward and backward Mosaic GPU kernels: GDN fwd+bwd 2.5 ms vs 4.6 ms at B4 T4096 H16 D128 on
 # an H200, docs/BENCHMARKS.md run 5) or "xla" (below; also what runs under shard_map). Linear
 # attention, KDA and GDN-2 always take the XLA part. Module-level for bench_kernels' A/B.
 INTRA = "kernel"

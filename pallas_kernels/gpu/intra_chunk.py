@@ -36,7 +36,8 @@ rounded to bf16 for its application, as the XLA path rounds it.
 Layouts: q, k `[B, T, H, K]`, v `[B, T, HV, V]` bf16 (value head j reads key head j // (HV/H));
 beta, G, Gx `[B, HV, T]` float32; T a multiple of 64; K, V in {64, 128}. Outputs as
 `state_passing.state_passing_fwd` takes them: ny, qg, kg `[B, HV, Nc, C, K]` bf16,
-p `[B, HV, Nc, C, C]` bf16, u `[B, HV, Nc, C, V]` float32.
+p `[B, HV, Nc, C, C]` bf16, u `[B, HV, Nc, C, V]` float32; and on request (`with_inverse`, the
+backward's residual) m `[B, HV, Nc, C, C]` bf16.
 
 Packed rows (SPEC.md §3.5), optional: seg `[B, T]` float32 segment ids (exact below 2^24), cont
 `[B, T]` (1 where the token continues the segment entering its chunk) and keep `[B, T]` (1 where
