@@ -347,14 +347,19 @@ def _kernel_segments(segidx, c):
   return segidx.astype(_F32), cont.reshape(b, t), keep.reshape(b, t)
 
 
-def _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse):
+def _kernel_inputs(q, k, v, beta, G, segidx, c):
+  """The intra-chunk kernels' shared inputs: bf16 q, k, v, the [B, HV, T] rows β, G and
+  Gx = G_C − G, and the segment rows (or None)."""
   b, t, hv = v.shape[:3]
-  flat = G.reshape(b, hv, t)
-  exit_ = (G[..., -1:] - G).reshape(b, hv, t)
+  flat = lambda x: x.reshape(b, hv, t)
   segments = None if segidx is None else _kernel_segments(segidx, c)
-  return ic.intra_chunk_fwd(q.astype(_MM), k.astype(_MM), v.astype(_MM),
-                            jnp.moveaxis(beta.astype(_F32), 1, 2), flat, exit_, segments,
-                            scale=scale, with_inverse=with_inverse, interpret=interpret)
+  return (q.astype(_MM), k.astype(_MM), v.astype(_MM), jnp.moveaxis(beta.astype(_F32), 1, 2),
+          flat(G), flat(G[..., -1:] - G), segments)
+
+
+def _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse):
+  return ic.intra_chunk_fwd(*_kernel_inputs(q, k, v, beta, G, segidx, c), scale=scale,
+                            with_inverse=with_inverse, interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -375,12 +380,11 @@ def _intra_kernel_bwd(scale, c, interpret, res, cts):
   d_ny, d_qg, d_p, d_u, d_kg = cts
   b, t, hv = v.shape[:3]
   h, n_rep = q.shape[2], hv // q.shape[2]
-  segments = None if segidx is None else _kernel_segments(segidx, c)
-  flat = lambda x: x.reshape(b, hv, t)
+  inputs = _kernel_inputs(q, k, v, beta, G, segidx, c)
+  segments = inputs[-1]
   dq, dk, dv, dbeta, dg_row, dg_col = ic.intra_chunk_bwd(
-      q.astype(_MM), k.astype(_MM), v.astype(_MM), jnp.moveaxis(beta.astype(_F32), 1, 2),
-      flat(G), flat(G[..., -1:] - G), segments, m, d_ny.astype(_MM), d_p.astype(_MM),
-      d_u.astype(_MM), scale=scale, interpret=interpret)
+      *inputs, m, d_ny.astype(_MM), d_p.astype(_MM), d_u.astype(_MM), scale=scale,
+      interpret=interpret)
   entry, exit_ = jnp.exp(G), jnp.exp(G[..., -1:] - G)       # [B, HV, Nc, C]
   if segments is not None:
     cont, keep = (x.reshape(b, 1, t // c, c) for x in segments[1:])
@@ -419,7 +423,7 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret):
   return _from_chunks(o), _from_chunks(e), s_final
 
 
-def _intra_kernel_applies(mixer, layout, dk, dv, chunk_size) -> bool:
+def _intra_kernel_applies(mixer, dk, dv, chunk_size) -> bool:
   return (INTRA == "kernel" and mixer in ("delta_rule", "gated_delta_rule")
           and ic.supported(chunk_size, dk, dv) is None)
 
@@ -450,7 +454,7 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
     q, k = q * m[..., None], k * m[..., None]
     g = None if g is None else g * (m if g.ndim == 3 else m[..., None])
   # (Under shard_map the kernel's outputs would lack the varying-axes types: XLA path there.)
-  if _intra_kernel_applies(mixer, layout, dk, dv, chunk_size) and not _vma(q, k, v):
+  if _intra_kernel_applies(mixer, dk, dv, chunk_size) and not _vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
     o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                        scale=scale, c=c, interpret=_interpret_params())

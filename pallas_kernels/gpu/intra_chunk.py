@@ -178,7 +178,7 @@ def _row_factors(vec_s):
 def _chunk_terms(q_s, k_s, vec_s, with_qk=True):
   """What forward and backward share: QKᵀ, KKᵀ, the masked decay Γ and the row factors.
 
-  vec_s: the smem vectors of `_vec_refs` (G and the segment ids twice: Mosaic GPU's layout
+  vec_s: the smem vectors of `_vec_inputs` (G and the segment ids twice: Mosaic GPU's layout
   inference gives one smem ref one register layout, and Γ needs them as rows and as columns).
   """
   c = CHUNK

@@ -1,11 +1,12 @@
 """Mosaic GPU (Hopper) kernels for the sequential part of the chunk form (SPEC.md §3.2, §3.6).
 
 Everything intra-chunk (P, the WY/UT solve Y, U, the gated keys) is computed for all chunks in
-parallel outside (`intra_chunk.py` for DeltaNet/GDN, XLA otherwise). What remains is the chunk-to-chunk state pass, which XLA runs as a
-`lax.scan` of tiny matmuls. Here one CTA (one warpgroup) owns one (batch, value head, V-tile)
-and walks the chunks with the float32 state held in registers; every product is a wgmma with
-bf16 operands and a float32 accumulator, and the next chunk's inputs arrive by TMA into a second
-shared-memory slot while the current chunk computes.
+parallel outside (`intra_chunk.py` for DeltaNet/GDN, XLA otherwise). What remains is the
+chunk-to-chunk state pass, which XLA runs as a `lax.scan` of tiny matmuls. Here one CTA (one
+warpgroup) owns one (batch, value head, V-tile) and walks the chunks with the float32 state held
+in registers; every product is a wgmma with bf16 operands and a float32 accumulator, and the
+next chunk's inputs arrive by TMA into a second shared-memory slot while the current chunk
+computes.
 
 Forward, per chunk c (S = state entering c, K×Vt; gc = decay of S across the chunk, [K]):
 
