@@ -189,6 +189,10 @@ def _state_passing(QG, P, Y, U, KG, gC, S0, starts=None, keep_states=False):
     return S_next, (O, E, S_next if keep_states else None)
 
   n_chunks = P.shape[0]
+  # XLA CPU's YNNPACK fusion miscompiles (garbage, differing between compiles) a fusion holding
+  # the dots of a one-iteration scan once a zero S0 is folded in as a broadcast constant; the
+  # barrier keeps S0 opaque. Reproduction: tests/test_xla_cpu_workarounds.py.
+  S0 = jax.lax.optimization_barrier(S0)
   xs = (QG, P, Y, U, KG, gC, jnp.arange(n_chunks))
   S, (O, E, states) = jax.lax.scan(step, S0, xs)
   return O, E, S, states
