@@ -55,6 +55,9 @@ _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls after compilation.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls; the median is reported.")
 _SCAN_MAX_T = flags.DEFINE_integer("scan_max_t", 4096, "Time the scan forward only up to this T.")
 _BUDGET = flags.DEFINE_float("time_budget_s", 1e9, "Skip what is left after this many seconds.")
+_ERR_TOL = flags.DEFINE_float(
+    "err_tol", 6e-3, "Largest forward rms(o_pallas_gpu - o_chunk)/rms(o_chunk) a row may have; "
+    "rows above it are marked WRONG and the program exits 1 (bf16 kernels measure 3-5e-3).")
 _OUT_MD = flags.DEFINE_string("out_md", "", "Markdown output (marker section or whole file).")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Raw results as JSON.")
 _SKIP = flags.DEFINE_list("skip", "", "mixer:impl[:T] not to time (impl may be *), e.g. "
@@ -453,7 +456,7 @@ def to_markdown(results, meta):
             f"{_fmt(cud)} | {_fmt(ms('sdpa', 'attention'))} | {_ratio(ours, ms('jla'))} | "
             f"{_ratio(ours, ms('fla'))} | {_ratio(ours, ms('chunk'))} | {_ratio(ours, cud)} | "
             f"{_fmt(peak('pallas_gpu'))} | {_fmt(peak('chunk'))} | {_fmt(peak('jla'))} | "
-            f"{'–' if err is None else f'{err:.1e}'} |")
+            f"{_err_cell(err)} |")
   if meta.get("breakdown"):
     bd = meta["breakdown"]
     lines += ["", f"pallas_gpu GDN parts at B,T,H,D = {','.join(map(str, bd['shape']))} "
@@ -465,6 +468,16 @@ def to_markdown(results, meta):
     lines += [f"- {','.join(map(str, r.shape))} {r.mixer} {r.impl} {r.mode}: {r.note}"
               for r in notes]
   return "\n".join(lines) + "\n"
+
+
+def _err_cell(err: float | None) -> str:
+  if err is None:
+    return "–"
+  return f"{err:.1e}" if _err_ok(err) else f"**{err:.1e} WRONG**"
+
+
+def _err_ok(err: float) -> bool:
+  return bool(np.isfinite(err)) and err <= _ERR_TOL.value
 
 
 def sweep_shapes() -> list[tuple]:
@@ -671,6 +684,12 @@ def main(argv):
 
   log("\n" + flush())
   log(f"total {time.time() - start:.0f} s")
+  wrong = [r for r in merged + results
+           if r.err_vs_chunk is not None and not _err_ok(r.err_vs_chunk)]
+  if wrong:
+    log(f"error: {len(wrong)} row(s) over --err_tol={_ERR_TOL.value:g}: " + ", ".join(
+        f"{r.mixer} {','.join(map(str, r.shape))} ({r.err_vs_chunk:.2e})" for r in wrong))
+    sys.exit(1)
 
 
 if __name__ == "__main__":

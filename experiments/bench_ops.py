@@ -38,7 +38,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 COLUMNS = (
     ("mixer", "mixer"), ("implementation", "implementation"), ("shape", "shape"),
     ("ms_fwd", "ms fwd"), ("ms_fwd_bwd", "ms fwd+bwd"), ("err_vs", "err vs"),
-    ("max_rel_err", "max rel err"), ("note", "note"),
+    ("max_rel_err", "max rel err"), ("check", "check"), ("note", "note"),
 )
 
 
@@ -156,6 +156,7 @@ def _measure_row(row: dict[str, Any], fwd, fwd_bwd, args, cotangent, check, cfg:
     notes.append(note)
   else:
     row["max_rel_err"] = check(o)
+    row["check"] = bench.error_verdict(row["max_rel_err"], row["tolerance"])
     del o
     row["ms_fwd"], note = _attempt(f"{label} fwd timing", lambda: bench.time_fn(
         fwd, *args, repeats=cfg.repeats, warmup=cfg.warmup))
@@ -202,7 +203,8 @@ def _linear_rows(mixer: str, impls: Sequence[str], cfg: BenchConfig) -> list[dic
   rows = []
   for name in impls:
     row = dict(mixer=mixer, implementation=name, shape=shape, ms_fwd=None, ms_fwd_bwd=None,
-               err_vs=err_vs, max_rel_err=None,
+               err_vs=err_vs, max_rel_err=None, check="",
+               tolerance=bench.error_tolerance(DTYPES[cfg.dtype], name),
                note="; ".join(n for n in (ref_note, _fallback_note(name, cfg)) if n))
     if name == "scan":
       row["err_vs"] = "(reference)"
@@ -228,7 +230,7 @@ def _attention_rows(impls: Sequence[str], cfg: BenchConfig) -> list[dict[str, An
   for name in impls:
     dtype, notes = DTYPES[cfg.dtype], []
     row = dict(mixer=ATTENTION, implementation=name, shape=shape, ms_fwd=None, ms_fwd_bwd=None,
-               err_vs="n/a", max_rel_err=None, note="")
+               err_vs="n/a", max_rel_err=None, check="", note="")
     if name == "cudnn" and not gpu:
       row["note"] = f"skipped: cuDNN needs a GPU (backend {jax.default_backend()})"
       rows.append(row)
@@ -236,6 +238,7 @@ def _attention_rows(impls: Sequence[str], cfg: BenchConfig) -> list[dict[str, An
     if name == "cudnn" and dtype == jnp.float32:
       dtype = jnp.bfloat16  # cuDNN's fused attention takes fp16/bf16 only
       notes.append("inputs cast to bfloat16 (cuDNN needs fp16/bf16)")
+    row["tolerance"] = bench.error_tolerance(dtype, name)
     args = bench.attention_inputs(batch=b, seq_len=t, heads=hq, kv_heads=hkv, head_dim=d,
                                   dtype=dtype, seed=cfg.seed)
     # Reference on the same (possibly bf16-rounded) inputs, upcast to float32, causal prefix.
@@ -278,8 +281,15 @@ def describe_backend() -> str:
   return f"{jax.default_backend()} ({len(devices)} x {devices[0].device_kind}), jax {jax.__version__}"
 
 
+def wrong_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """Rows whose output error exceeds their tolerance (NaN and Inf included)."""
+  return [r for r in rows if r.get("check", "").startswith("WRONG")]
+
+
 def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> str:
-  """The program's body: run, print the table, optionally write JSON. Returns the table."""
+  """The program's body: run, print the table, optionally write JSON. Returns the table.
+
+  Raises SystemExit(1) after printing (and writing the JSON) if any row's output is wrong."""
   cfg = config_from_flags(flag_values)
   rows = run_benchmark(cfg)
   table = format_table(rows)
@@ -296,6 +306,11 @@ def run_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> str:
     bench.write_json(flag_values.json_out, rows, backend=describe_backend(),
                      config=dataclasses.asdict(cfg))
     print(f"\nWrote {len(rows)} rows to {flag_values.json_out}")
+  wrong = wrong_rows(rows)
+  if wrong:
+    print(f"\nerror: {len(wrong)} row(s) exceed their error tolerance: " + ", ".join(
+        f"{r['mixer']}/{r['implementation']} ({r['check']})" for r in wrong))
+    raise SystemExit(1)
   return table
 
 

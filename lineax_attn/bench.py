@@ -65,6 +65,32 @@ def forward_backward(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
   return lambda cotangent, *args: grad_fn(args, cotangent)
 
 
+# Bounds on `max_rel_err` (max|o − o_ref| / max|o_ref|) above which a benchmark row is marked
+# wrong and the program exits non-zero. They are loose on purpose: a benchmark catches broken
+# numbers (a miscompile reads 1e+34), the tests hold the tight tolerances. float32 paths agree
+# with the scan to ~1e-6; bf16/fp16 inputs or matmul operands (pallas_gpu's kernels, cuDNN)
+# round at ~4e-3 per element and accumulate to ~1e-2 worst-case over a row.
+MAX_REL_ERR_FLOAT32 = 1e-3
+MAX_REL_ERR_LOW_PRECISION = 5e-2
+# Implementations whose matmul operands are bf16 whatever the input dtype.
+LOW_PRECISION_IMPLEMENTATIONS = ("pallas_gpu", "cudnn")
+
+
+def error_tolerance(dtype, implementation: str) -> float:
+  """The `max_rel_err` bound for a row of `implementation` on inputs of `dtype`."""
+  low = (jnp.dtype(dtype) != jnp.float32) or implementation in LOW_PRECISION_IMPLEMENTATIONS
+  return MAX_REL_ERR_LOW_PRECISION if low else MAX_REL_ERR_FLOAT32
+
+
+def error_verdict(err: float | None, tol: float) -> str:
+  """"ok", "" (no error measured) or "WRONG: ..." for a row's error against its bound."""
+  if err is None:
+    return ""
+  if np.isfinite(err) and err <= tol:
+    return "ok"
+  return f"WRONG: max rel err {err:.2e} > {tol:.0e}"
+
+
 def max_rel_err(x, ref) -> float:
   """max|x − ref| / max|ref| in float64 (0 when both are 0): a worst-case relative error."""
   x = np.asarray(x, np.float64)

@@ -119,3 +119,68 @@ def test_bench_kernels_sweep_writes_table_json_and_plot(tmp_path):
   assert "| 4,64,2,32 | gated_delta_rule | fwd |" in text
   assert "| 1,256,2,32 | gated_delta_rule | fwd |" in text
   assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_error_verdict_marks_nan_inf_and_large_errors():
+  tol = bench.error_tolerance(jnp.float32, "chunk")
+  assert tol == bench.MAX_REL_ERR_FLOAT32
+  assert bench.error_tolerance(jnp.bfloat16, "chunk") == bench.MAX_REL_ERR_LOW_PRECISION
+  assert bench.error_tolerance(jnp.float32, "pallas_gpu") == bench.MAX_REL_ERR_LOW_PRECISION
+  assert bench.error_verdict(None, tol) == ""
+  assert bench.error_verdict(tol / 2, tol) == "ok"
+  for bad in (2 * tol, float("nan"), float("inf"), 1.85e34):
+    assert bench.error_verdict(bad, tol).startswith("WRONG"), bad
+
+
+@pytest.fixture
+def doubled_implementation():
+  """A registered implementation whose output is twice the chunk form's: a wrong kernel."""
+  from lineax_attn.ops import api
+  from lineax_attn.ops import chunked
+
+  def doubled(*args, **kwargs):
+    o, s, r = chunked.chunk_delta_family(*args, **kwargs)
+    return 2.0 * o, s, r
+
+  api.register_implementation("doubled", doubled)
+  yield "doubled"
+  del api._IMPLEMENTATIONS["doubled"]  # pylint: disable=protected-access
+
+
+def test_wrong_row_is_marked_and_the_program_exits_nonzero(tmp_path, doubled_implementation):
+  fv = flags.FlagValues()
+  bench_ops.define_flags(fv)
+  out = tmp_path / "rows.json"
+  fv(["bench_ops", "--batch=1", "--seq_len=32", "--heads=1", "--v_heads=1", "--head_dim_k=16",
+      "--head_dim_v=16", "--chunk_size=16", "--repeats=1", "--warmup=0",
+      "--mixers=delta_rule", f"--implementations=chunk,{doubled_implementation}",
+      f"--json_out={out}"])
+  with pytest.raises(SystemExit) as exit_info:
+    bench_ops.run_from_flags(fv)
+  assert exit_info.value.code == 1
+  rows = {r["implementation"]: r for r in json.loads(out.read_text())["rows"]}  # still written
+  assert rows["chunk"]["check"] == "ok"
+  assert rows["doubled"]["check"].startswith("WRONG") and rows["doubled"]["max_rel_err"] > 0.5
+
+
+def test_bench_kernels_exits_nonzero_on_a_row_over_its_error_tolerance(tmp_path):
+  # Re-tabling a run (--merge_json) whose pallas_gpu forward was off from the chunk form by 2 %:
+  # above --err_tol (6e-3) the row is marked WRONG in the table and the program exits 1.
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  old = {"meta": {"date": "2026-12-01", "device": "NVIDIA H200", "jax": "0.11.2"},
+         "results": [{"shape": [1, 64, 2, 64], "mixer": "kda", "impl": "pallas_gpu",
+                      "mode": "fwd", "ms": 1.0, "q20": 1.0, "q80": 1.0, "peak_gib": 0.1,
+                      "err_vs_chunk": 0.02, "note": ""}]}
+  js, md = tmp_path / "old.json", tmp_path / "b.md"
+  js.write_text(json.dumps(old))
+  cmd = [sys.executable, "-m", "experiments.bench_kernels", "--shapes=", "--sweep_lengths=",
+         "--impls=chunk", "--modes=fwd", "--mixers=kda", f"--merge_json={js}", f"--out_md={md}"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
+  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert "2.0e-02 WRONG" in md.read_text()
+  assert "over --err_tol=0.006" in proc.stdout
