@@ -14,7 +14,7 @@ Sizes:
   vocabulary), T 1024, batch 32 (32K tokens per step), 1000 steps (33M tokens). Measured on one
   H200 (GDN 2:1, chunked pure-JAX GDN, bf16): 165K tokens/s, so about 3.5 minutes per arm
   after compiling.
-* `paper`: the 350M runs of SPEC.md §6.3-6.6: GDN 2:1 hybrid, 20 layers, d 1024, FFN 2816,
+* `paper`: the 350M runs of docs/MATH.md §6.3-6.6: GDN 2:1 hybrid, 20 layers, d 1024, FFN 2816,
   vocabulary 32,000, T 4096, batch 128 x 4096 tokens, 28,610 steps (15B tokens); AdamW 3e-4 ->
   3e-5 (the Muon arms: matrix LR 3.6e-4, scalar Adam 1.5e-3), WSD with 200 warmup steps and a
   minus_sqrt decay over the last 20 %, clip 1.0, weight decay 0.1; documents concatenated with
@@ -81,13 +81,14 @@ def _paper(config: ml_collections.ConfigDict) -> None:
   m.dtype, m.param_dtype = "bfloat16", "float32"
 
   d = config.data
-  d.reset_at_document_boundaries = False   # SPEC §6.4: concatenated, no state/attention reset
+  d.reset_at_document_boundaries = False   # docs/MATH.md §6.4: concatenated, no state reset
   d.seed = 42
   d.shuffle_window = 1024
 
   t = config.train
   t.steps, t.global_batch_size, t.seq_len = 28_610, 128, 4096
-  t.grad_accum_steps = 8              # 16 rows per micro-batch: 2 per GPU on 8 GPUs (SPEC §6.5)
+  # 16 rows per micro-batch: 2 per GPU on 8 GPUs (docs/MATH.md §6.5).
+  t.grad_accum_steps = 8
   t.log_every, t.eval_every, t.eval_batches = 10, 500, 10
   t.checkpoint_every, t.keep_checkpoints = 1000, 3
   t.seed = 42
@@ -125,7 +126,7 @@ def get_config(size: str = "tiny") -> ml_collections.ConfigDict:
 
 
 def mixer_overrides(mixer: str, size: str) -> dict:
-  """Model overrides that turn the size's base model into `mixer`'s (SPEC.md §6.3 rows at
+  """Model overrides that turn the size's base model into `mixer`'s (docs/MATH.md §6.3 rows at
   "paper" size: Transformer++ = 24 softmax layers, FFN 2560; DeltaNet = 4 heads of (64, 128),
   SDPA without output gate; KDA and GDN-2 = the GDN shapes)."""
   model: dict = {"mixer": mixer}

@@ -1,5 +1,5 @@
 """Hybrid stacks compared: pure GDN vs 2:1 vs 3:1 linear:softmax, with pure softmax as the
-reference (SPEC.md §6.2, §6.7 F3).
+reference (docs/MATH.md §6.2, §6.7 F3).
 
 The stacks follow the repo's rule on a fixed depth: layer i is softmax iff (i + 1) mod N == 0,
 N = 3 ("2:1") or N = 4 ("3:1"). On the tiny 6-layer model that is LLSLLS and LLLSLL.

@@ -1,4 +1,4 @@
-"""Token mixers compared: softmax vs DeltaNet vs GDN vs KDA vs GDN-2 (SPEC.md §6.3, §6.7 F1).
+"""Token mixers compared: softmax vs DeltaNet vs GDN vs KDA vs GDN-2 (docs/MATH.md §6.3, §6.7 F1).
 
     python -m experiments.compare --config=configs/mixers.py:tiny --workdir=runs/mixers_tiny
     python -m experiments.train --config=configs/mixers.py:small --config.arm=kda --workdir=...
@@ -6,8 +6,9 @@
 * tiny: pure 2-layer stacks of each mixer (softmax = a 2-layer Transformer++), AdamW.
 * small: 8 layers, the 2:1 linear:softmax hybrid (linear_attention_freq 3) for every linear
   mixer, pure softmax as the reference, AdamW.
-* paper: the controlled 20-layer 2:1 grid of SPEC §6.3 (softmax: the 24-layer Transformer++),
-  AdamW 3e-4 (the GDN-2 launchers' default; `configs/optimizers.py` crosses with Muon).
+* paper: the controlled 20-layer 2:1 grid of docs/MATH.md §6.3 (softmax: the 24-layer
+  Transformer++), AdamW 3e-4 (the GDN-2 launchers' default; `configs/optimizers.py` crosses with
+  Muon).
 """
 
 from __future__ import annotations

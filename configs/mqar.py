@@ -1,4 +1,4 @@
-"""MQAR sweeps (SPEC.md §7.1) and NIAH settings (§7.2) for `experiments/eval_recall.py`.
+"""MQAR sweeps (docs/MATH.md §7.1) and NIAH settings (§7.2) for `experiments/eval_recall.py`.
 
     python -m experiments.eval_recall --config=configs/mqar.py:cpu --workdir=runs/mqar_cpu
     python -m experiments.eval_recall --config=configs/mqar.py:gpu --workdir=runs/mqar_gpu

@@ -1,5 +1,5 @@
 """Optimisers compared: AdamW vs Muon (+ Adam on non-matrix parameters), on GDN (the base
-stack of each size) and on softmax attention (SPEC.md §6.5, §6.7 F4).
+stack of each size) and on softmax attention (docs/MATH.md §6.5, §6.7 F4).
 
     python -m experiments.compare --config=configs/optimizers.py:tiny --workdir=runs/optim_tiny
 """

@@ -1,5 +1,5 @@
 """Cross-layer routing compared: GDN and DeltaNet, each without routing and with CLER (v1),
-CLER-H and CLVR (SPEC.md §5, §6.7 Table A, F5, F6).
+CLER-H and CLVR (docs/MATH.md §5, §6.7 Table A, F5, F6).
 
 As in Table A: the 2:1 hybrid, Muon. The tiny model has 3 layers (LLS), so CLER v1 routes
 between the two linear layers.
@@ -20,7 +20,8 @@ except ImportError:  # loaded by path from another working directory
   from configs import base
 
 ROUTINGS = {"": None, "_cler": "cler", "_cler_h": "cler_h", "_clvr": "clvr"}
-# SPEC.md §6.7 Table A: final validation loss at iteration 28,610 (350M, 2:1, Muon, 15B tokens).
+# docs/MATH.md §6.7 Table A: final validation loss at iteration 28,610 (350M, 2:1, Muon, 15B
+# tokens).
 # CLER v1 runs are not in the table.
 TABLE_A = {"gdn": 2.341689, "gdn_clvr": 2.335839, "gdn_cler_h": 2.337488,
            "deltanet": 2.334680, "deltanet_clvr": 2.333069, "deltanet_cler_h": 2.334493}

@@ -1,4 +1,4 @@
-"""Op-level timing of every linear mixer against its peers (SPEC.md §7.3), in one process.
+"""Op-level timing of every linear mixer against its peers (docs/MATH.md §7.3), in one process.
 
     python3 -m experiments.bench_kernels --shapes=4,4096,16,128 --out_md=/tmp/bench.md
 
@@ -114,7 +114,7 @@ def log(*a):
 
 
 def make_inputs(mixer, b, t, h, d, seed=0):
-  """bf16 inputs of SPEC.md §9 (unit q/k, σ gates, logsigmoid decays) as numpy float32."""
+  """bf16 inputs of docs/MATH.md §9 (unit q/k, σ gates, logsigmoid decays) as numpy float32."""
   rng = np.random.default_rng(seed)
   n = lambda *s: rng.standard_normal(s, dtype=np.float32)
   unit = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)

@@ -4,7 +4,7 @@
     python -m experiments.bench_ops --seq_len=4096 --batch=4 --heads=16 --v_heads=16 \
         --head_dim_k=128 --head_dim_v=128 --dtype=bfloat16 --json_out=/tmp/ops.json
 
-Each linear mixer runs with each implementation on the same random inputs (SPEC.md §9); its
+Each linear mixer runs with each implementation on the same random inputs (docs/MATH.md §9); its
 output o is checked against the `scan` reference (max |o − o_scan| / max |o_scan|). Above
 --scan_max_len the scan is not timed (its backward is slow and memory-hungry) and the check uses
 the first --scan_max_len positions, which a causal mixer computes independently of the rest.

@@ -36,8 +36,8 @@ tokens/s / (devices x tokens/s of the one-device row), and of a `data=2` row whe
 (tokens/s / (devices / 2 x its tokens/s)). A mesh larger than the local devices, or one the
 config's batch, length or heads do not split over, becomes a row with a note saying why; the
 other rows still run. `--reference=paper` (or any text) adds a line under the table with the
-paper's Megatron throughput (SPEC.md §6.7 Table C). The table and JSON are rewritten after every
-row, and `--merge_json=<an earlier run's .json>` continues a study split over several calls
+paper's Megatron throughput (docs/MATH.md §6.7 Table C). The table and JSON are rewritten after
+every row, and `--merge_json=<an earlier run's .json>` continues a study split over several calls
 (its meshes are not run again). docs/PODS.md has the 8-GPU study commands.
 """
 
@@ -59,9 +59,9 @@ from lineax_attn.train import experiment
 
 MODES = ("single", "data", "context")
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
-# SPEC.md §6.7 Table C: Megatron on 4 GH200s, 50-iteration smoke runs, AdamW.
+# docs/MATH.md §6.7 Table C: Megatron on 4 GH200s, 50-iteration smoke runs, AdamW.
 PAPER_REFERENCE = ("paper (Megatron, 4 x GH200, 350M 2:1 GDN-2 hybrid, AdamW, seq 4096): "
-                   "147,756 tokens/s per GPU, 265.0 TFLOP/s per GPU (SPEC.md §6.7 Table C)")
+                   "147,756 tokens/s per GPU, 265.0 TFLOP/s per GPU (docs/MATH.md §6.7 Table C)")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file and size, e.g. configs/mixers.py:small.", lock_config=True)
@@ -87,7 +87,7 @@ _MERGE_JSON = flags.DEFINE_string(
     "put first; their meshes are not run again (split a study over several calls).")
 _REFERENCE = flags.DEFINE_string(
     "reference", "", "A line under the --meshes table; 'paper' = the paper's Megatron "
-    "throughput of SPEC.md §6.7 Table C.")
+    "throughput of docs/MATH.md §6.7 Table C.")
 
 
 def _log(message: str) -> None:

@@ -1,4 +1,4 @@
-"""The paper's sequence-length timing study (SPEC.md §7.3): training-step time against T at a
+"""The paper's sequence-length timing study (docs/MATH.md §7.3): training-step time against T at a
 fixed number of tokens per step.
 
     python -m experiments.bench_seq_scaling                          # tiny CPU default
@@ -14,7 +14,7 @@ Presets:
 
 * `tiny` (default; CPU, a few minutes): 3 layers (LLL / LLS / SSS), d 64, vocab 256,
   T in {128, 256, 512}, 2,048 tokens per step, 3 timed steps after 1 warm-up.
-* `paper`: the repo's timing model (SPEC.md §6.3: 6 layers, d 256, FFN 256, GDN 4 x 64 keys /
+* `paper`: the repo's timing model (docs/MATH.md §6.3: 6 layers, d 256, FFN 256, GDN 4 x 64 keys /
   8 x 64 values, SDPA 4/1 heads of 64, vocabulary 32,000), T in {1K, ..., 64K}, 131,072 tokens
   per step (the paper's micro-batch x T; its 4M-token global batch is 32 such micro-batches, so
   tokens/s are comparable and step times scale by 32), bf16 compute, 30 timed steps after 5.

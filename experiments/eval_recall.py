@@ -1,4 +1,4 @@
-"""Recall evaluations: the MQAR sweep (SPEC.md §7.1), or NIAH on a trained LM (§7.2).
+"""Recall evaluations: the MQAR sweep (docs/MATH.md §7.1), or NIAH on a trained LM (§7.2).
 
     python -m experiments.eval_recall --config=configs/mqar.py:cpu --workdir=runs/mqar_cpu
     python -m experiments.eval_recall --config=configs/mqar.py:gpu --workdir=runs/mqar_gpu \

@@ -3,7 +3,7 @@
     fwd = jax.jit(f)
     ms = time_fn(fwd, *args, repeats=10, warmup=3)      # median wall time, compile excluded
 
-Methodology (SPEC.md §7.3): compile once (the first call, untimed), run `warmup` more calls,
+Methodology (docs/MATH.md §7.3): compile once (the first call, untimed), run `warmup` more calls,
 then time `repeats` calls one by one with `jax.block_until_ready`; report the median (and the
 20/80 quantiles with `measure`).
 """
@@ -112,7 +112,7 @@ def _l2norm(x):
 
 def mixer_inputs(mixer: str, *, batch: int, seq_len: int, heads: int, v_heads: int,
                  head_dim_k: int, head_dim_v: int, dtype=jnp.float32, seed: int = 0):
-  """Random positional inputs of `lineax_attn.ops.<mixer>` as in SPEC.md §9.
+  """Random positional inputs of `lineax_attn.ops.<mixer>` as in docs/MATH.md §9.
 
   q, k `[B, T, H, K]` unit-norm, v `[B, T, HV, V]` ~ N(0, 1) in `dtype`; float32 gates:
   β, b, w = σ(N(0, 1)), g = logsigmoid(N(0, 1)) (scalar `[B, T, HV]` for GDN, per channel

@@ -17,8 +17,9 @@ How `capture` sees inside a layer without a second copy of its code: `LinearMixe
 `nnx.capture` with `method_outputs`, which also records every module method's output (each
 mixer's `forward` result y and each block's normalised mixer input). The state after every token,
 S_t `[B, T, HV, K, V]` float32, is then recomputed from the captured tensors by the step
-functions of the `lax.scan` reference (`lineax_attn.ops.reference`), so it is exact (SPEC.md §2)
-and costs T·HV·K·V floats per row: `capture` refuses prompts longer than `MAX_TRAJECTORY_LEN`.
+functions of the `lax.scan` reference (`lineax_attn.ops.reference`), so it is exact
+(docs/MATH.md §2) and costs T·HV·K·V floats per row: `capture` refuses prompts longer than
+`MAX_TRAJECTORY_LEN`.
 
 Memory readout: for a state S_t and an earlier key k_j, Sᵀ_t k_j is what the memory returns for
 that key; its cosine with the written value v_j says how well token j is still recalled at t.
@@ -79,7 +80,7 @@ def state_trajectory(mixer: str, q, k, v, gates: Mapping[str, Any] | None = None
     gates: the op's gates by argument name: beta / g `[B, T, HV]` (KDA, GDN-2 g and b
       `[B, T, HV, K]`, GDN-2 w `[B, T, HV, V]`); None or {} for linear attention.
     scale: query scale (default K ** -0.5, as the ops).
-    segment_ids: `[B, T]` int, SPEC.md §1.7 (resets; 0 = padding, an identity step).
+    segment_ids: `[B, T]` int, docs/MATH.md §1.7 (resets; 0 = padding, an identity step).
     initial_state: `[B, HV, K, V]` float32 or None.
     max_len: the longest T accepted.
 
@@ -147,7 +148,7 @@ class LayerCapture:
   Attributes:
     layer: the block index in the model; kind: the layer's mixer ("gdn", ...).
     x: `[B, T, d]` the mixer's input (after the block's pre-norm).
-    q, k: `[B, T, H, K]` (L2-normalised); v: `[B, T, HV, V]` the write value (SPEC.md §2.7).
+    q, k: `[B, T, H, K]` (L2-normalised); v: `[B, T, HV, V]` the write value (docs/MATH.md §2.7).
     gates: the op's gates by argument name: "g" (log decay, `[B, T, HV]` for GDN, `[B, T, HV, K]`
       for KDA and GDN-2), "beta" `[B, T, HV]`, GDN-2's erase "b" `[B, T, HV, K]` and write "w"
       `[B, T, HV, V]`.
@@ -221,7 +222,7 @@ def capture(model, tokens, segment_ids=None, *, max_len: int = MAX_TRAJECTORY_LE
   Args:
     model: a `lineax_attn.models.LanguageModel`.
     tokens: `[B, T]` int, T <= max_len.
-    segment_ids: `[B, T]` int or None (SPEC.md §1.7).
+    segment_ids: `[B, T]` int or None (docs/MATH.md §1.7).
     max_len: the longest prompt accepted (the trajectory holds T·HV·K·V floats per row).
 
   Returns:
@@ -380,7 +381,7 @@ def half_life(g) -> jax.Array:
 
 
 def routing_summary(model) -> list[dict[str, Any]]:
-  """The routing parameters of every routed layer (SPEC.md §5), one dict per layer.
+  """The routing parameters of every routed layer (docs/MATH.md §5), one dict per layer.
 
   Keys: "layer" (block index), "kind" (mixer), "mode" ("cler", "cler_h", "clvr"), and
   * CLER v1: "gamma" (numpy, scalar / `[HV, 1]` / `[HV, d_v]`), "gamma_abs_mean";

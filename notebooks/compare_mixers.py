@@ -14,7 +14,7 @@
 # %% [markdown]
 # # DeltaNet, GDN, KDA and GDN-2 side by side
 #
-# Each mixer is trained on multi-query associative recall (MQAR, SPEC.md §7.1: key-value pairs,
+# Each mixer is trained on multi-query associative recall (MQAR, docs/MATH.md §7.1: key-value pairs,
 # then queries of the keys; the model must answer each query with its value) with
 # `lineax_attn.evals.recall`. Then one MQAR example goes through each trained model while
 # `lineax_attn.inspect.capture` records the gates and states: how strongly each mixer decays

@@ -17,7 +17,7 @@
 # A small Gated DeltaNet hybrid is trained for a moment on the embedded Shakespeare corpus (or
 # loaded from an `experiments/train.py` run), then one prompt is run through it while
 # `lineax_attn.inspect.capture` records, for every linear layer, the q, k, v and gates it used
-# and the state S_t after every token (SPEC.md §2: S_t = Diag(α_t)(I − β_t k_t k_tᵀ)… in float32).
+# and the state S_t after every token (docs/MATH.md §2: S_t = Diag(α_t)(I − β_t k_t k_tᵀ)… in float32).
 #
 # Environment variables:
 # * `LINEAX_NOTEBOOK_FAST` (default `1`): tiny sizes so the notebook runs in seconds on a CPU;

@@ -14,7 +14,7 @@
 # %% [markdown]
 # # Cross-layer routing: what CLER and CLVR learn
 #
-# Two small GDN hybrids with routing (SPEC.md §5) are trained briefly on the embedded corpus:
+# Two small GDN hybrids with routing (docs/MATH.md §5) are trained briefly on the embedded corpus:
 #
 # * **CLER v1** adds γ_ℓ · r^{(ℓ−1)} (the previous linear layer's write residual) to each linear
 #   layer's value target; γ starts at 0, so the model starts as the baseline.

@@ -1,4 +1,4 @@
-"""Shared test utilities: random mixer inputs (SPEC.md §9) and the relative-error metric."""
+"""Shared test utilities: random mixer inputs (docs/MATH.md §9) and the relative-error metric."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ MIXERS = ops.MIXERS  # linear_attention, delta_rule, gated_delta_rule, kda, gdn2
 
 
 def rel_err(x, ref) -> float:
-  """rms(x − ref) / rms(ref), FLA's metric (SPEC.md §9); 0 when both are ~0."""
+  """rms(x − ref) / rms(ref), FLA's metric (docs/MATH.md §9); 0 when both are ~0."""
   x = np.asarray(x, np.float64)
   ref = np.asarray(ref, np.float64)
   num = np.sqrt(np.mean((x - ref) ** 2))
@@ -23,7 +23,7 @@ def rel_err(x, ref) -> float:
 
 
 def assert_close(x, ref, tol, name=""):
-  """Passes if max|x − ref| <= 1e-6 or rel_err < tol (SPEC.md §9)."""
+  """Passes if max|x − ref| <= 1e-6 or rel_err < tol (docs/MATH.md §9)."""
   x = np.asarray(x, np.float64)
   ref = np.asarray(ref, np.float64)
   assert x.shape == ref.shape, f"{name}: shape {x.shape} != {ref.shape}"
@@ -40,7 +40,7 @@ def l2norm(x, axis=-1):
 
 def make_inputs(mixer, *, b=2, t=75, h=2, hv=None, dk=16, dv=24, tau=1.0, dtype=jnp.float32,
                 seed=0, with_state=True):
-  """Random inputs of SPEC.md §9: unit q/k, β/b/w = σ(N(0,1)), g = logsigmoid(N(0,1))/τ.
+  """Random inputs of docs/MATH.md §9: unit q/k, β/b/w = σ(N(0,1)), g = logsigmoid(N(0,1))/τ.
 
   Returns (args, kwargs): args are the positional arrays of `getattr(ops, mixer)`.
   """

@@ -1,10 +1,10 @@
-"""Tests of `softmax_attention` (SPEC.md §2.1, §9.18).
+"""Tests of `softmax_attention` (docs/MATH.md §2.1, §9.18).
 
 Oracles: a float64 numpy loop that builds the neighbourhood N(t) of §2.1 position by position
 (its own segment index, not `segments.py`), a hand-computed tiny case, per-segment runs, and the
 dense "reference" implementation for "xla" and "cudnn".
-Tolerances (SPEC.md §9): float32 outputs 1e-5, float32 gradients 5e-5; bfloat16 (cuDNN) outputs
-5e-3 and gradients 1e-2 against the float32 reference on the same bf16-rounded inputs.
+Tolerances (docs/MATH.md §9): float32 outputs 1e-5, float32 gradients 5e-5; bfloat16 (cuDNN)
+outputs 5e-3 and gradients 1e-2 against the float32 reference on the same bf16-rounded inputs.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _qkv(b=2, t=24, h=4, h_kv=2, d=16, seed=0, dtype=jnp.float32):
 
 
 def _np_segidx(ids):
-  """Running segment index of one row (SPEC.md §1.7), written as plain Python."""
+  """Running segment index of one row (docs/MATH.md §1.7), written as plain Python."""
   ids = [int(i) for i in ids]
   real = [i for i in ids if i != 0]
   last = real[0] if real else 0  # leading padding takes the first real id
@@ -152,7 +152,7 @@ def _per_segment_expected(q, k, v, segment_ids):
 
 @pytest.mark.parametrize("impl", ["reference", "xla"])
 def test_segments_equal_separate_runs(impl):
-  """Packing = separate (SPEC.md §9.3) with a reused id and leading/middle/trailing padding."""
+  """Packing = separate (docs/MATH.md §9.3), a reused id, leading/middle/trailing padding."""
   q, k, v = _qkv(t=SEGMENT_IDS.shape[1], seed=3)
   seg = jnp.asarray(SEGMENT_IDS)
   o = np.asarray(_attn(q, k, v, impl, segment_ids=seg))

@@ -1,7 +1,7 @@
 """Tests of the op benchmark (`experiments/bench_ops.py`) and its helpers (`lineax_attn/bench.py`).
 
 The benchmark doubles as a consistency check: every chunk row must match the scan reference
-(max relative error < 1e-4 in float32, a loose bound on the 1e-5 rms tolerance of SPEC.md §9)
+(max relative error < 1e-4 in float32, a loose bound on the 1e-5 rms tolerance of docs/MATH.md §9)
 and every attention row its dense reference.
 """
 

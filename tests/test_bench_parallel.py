@@ -146,7 +146,7 @@ def test_study_configs_resolve_on_8_devices(size, arm, overrides):
                       ("attn_heads", m.attn_heads), ("attn_kv_heads", kv_heads),
                       ("mlp_hidden", m.mlp_hidden), ("vocab_size", m.vocab_size)]:
     assert value % 2 == 0, (name, value)
-  if size == "paper":  # SPEC §6.3: 20 layers, d 1024, T 4096, vocabulary 32,000
+  if size == "paper":  # docs/MATH.md §6.3: 20 layers, d 1024, T 4096, vocabulary 32,000
     assert (m.n_layers, m.d_model, exp.train.seq_len, m.vocab_size) == (20, 1024, 4096, 32000)
   for spec, sizes in bench_parallel.parse_meshes(STUDY_MESHES):
     assert bench_parallel.mesh_problem(config, sizes, local_devices=8) is None, spec

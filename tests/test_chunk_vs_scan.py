@@ -1,8 +1,8 @@
-"""The chunked form against the `lax.scan` reference (SPEC.md §9 identities 1, 5, 14, 15).
+"""The chunked form against the `lax.scan` reference (docs/MATH.md §9 identities 1, 5, 14, 15).
 
 Every mixer, float32 at HIGHEST: o, final_state and r of `implementation="chunk"` equal
 `"scan"` (rel <= 1e-5), and so do the gradients of a loss with cotangents on all three
-(rel <= 5e-5, SPEC §9). bf16 inputs are compared with the float32 scan on the same rounded
+(rel <= 5e-5, docs/MATH.md §9). bf16 inputs are compared with the float32 scan on the same rounded
 inputs (rel <= 5e-3). Shapes are small and shared between tests (XLA compiles, not the math,
 dominate the run time on CPU); each case mixes several properties (T not a multiple of C,
 K != V, GVA, B > 1, initial state).
@@ -20,9 +20,10 @@ import pytest
 from helpers import MIXERS, assert_close, make_inputs, run
 from lineax_attn.ops import api
 
-FWD_TOL = 1e-5    # SPEC §9: fp32 outputs, states and r
-GRAD_TOL = 5e-5   # SPEC §9: fp32 gradients. dg under g ~ U[-10, -5] measures ~3e-5: do not tighten.
-BF16_TOL = 5e-3   # SPEC §9: bf16 inputs vs the fp32 reference on the same rounded inputs
+FWD_TOL = 1e-5    # docs/MATH.md §9: fp32 outputs, states and r
+# docs/MATH.md §9: fp32 gradients. dg under g ~ U[-10, -5] measures ~3e-5: do not tighten.
+GRAD_TOL = 5e-5
+BF16_TOL = 5e-3   # docs/MATH.md §9: bf16 inputs vs the fp32 reference on the same rounded inputs
 
 CHANNEL_GATE_MIXERS = ("kda", "gdn2")
 
@@ -40,7 +41,7 @@ def forward(args, initial_state, segment_ids, *, mixer, implementation, chunk_si
 
 
 def _loss(args, initial_state, segment_ids, cotangents, *, mixer, implementation, chunk_size):
-  """<o, dO> + <S_T, dS> + <r, dR>: a cotangent on every output at once (SPEC §9.5)."""
+  """<o, dO> + <S_T, dS> + <r, dR>: a cotangent on every output at once (docs/MATH.md §9.5)."""
   outs = forward(args, initial_state, segment_ids, mixer=mixer, implementation=implementation,
                  chunk_size=chunk_size)
   return sum(jnp.sum(x.astype(jnp.float32) * c) for x, c in zip(outs, cotangents))
@@ -126,8 +127,8 @@ def test_forward_chunk_equals_scan(mixer, case):
 
 
 def strong_decay_inputs(mixer, decay, shape):
-  """g from logsigmoid(N(0,1))/0.1, or g ~ U[-10, -5] (SPEC §9), at an existing case's shape
-  (so the jitted calls are already compiled)."""
+  """g from logsigmoid(N(0,1))/0.1, or g ~ U[-10, -5] (docs/MATH.md §9), at an existing case's
+  shape (so the jitted calls are already compiled)."""
   args, s0 = inputs(mixer, **shape, tau=0.1 if decay == "tau0.1" else 1.0)
   if decay == "uniform_-10_-5":
     g = np.random.default_rng(11).uniform(-10.0, -5.0, args[3].shape)

@@ -1,7 +1,7 @@
 """Experiment configs (configs/*.py, lineax_attn.train.experiment): every comparison file at
 every size resolves every arm into valid Model/Data/Optimizer configs; the paper size carries
-SPEC.md §6 numbers; bad configs (unknown field, unknown arm, impossible mesh, a batch that does
-not split over the mesh) fail before any compute with a message naming the culprit, in the
+docs/MATH.md §6 numbers; bad configs (unknown field, unknown arm, impossible mesh, a batch that
+does not split over the mesh) fail before any compute with a message naming the culprit, in the
 library and through the `experiments/train.py` command line."""
 
 from __future__ import annotations
@@ -67,16 +67,16 @@ def test_paper_size_matches_spec():
   exp = experiment.resolve(routing.get_config("paper"), arm="gdn", device_count=8,
                            process_count=1)
   t, o, d = exp.train, exp.optim, exp.train_data
-  assert (t.seq_len, t.global_batch_size, t.steps) == (4096, 128, 28_610)  # SPEC §6.4: 15B
+  assert (t.seq_len, t.global_batch_size, t.steps) == (4096, 128, 28_610)  # docs/MATH.md §6.4: 15B
   assert t.steps * t.global_batch_size * t.seq_len == pytest.approx(15.0e9, rel=1e-3)
   assert (o.warmup_steps, o.decay_fraction, o.decay_shape) == (200, 0.2, "minus_sqrt")
   assert (o.clip_norm, o.weight_decay, o.b1, o.b2) == (1.0, 0.1, 0.9, 0.95)
-  assert (t.eval_every, t.eval_batches) == (500, 10)                      # SPEC §6.6
+  assert (t.eval_every, t.eval_batches) == (500, 10)                      # docs/MATH.md §6.6
   assert not d.reset_at_document_boundaries and d.seed == 42
   adamw = experiment.resolve(mixers.get_config("paper"), arm="gdn", device_count=8,
                              process_count=1).optim
   assert (adamw.name, adamw.learning_rate, adamw.min_learning_rate) == ("adamw", 3e-4, 3e-5)
-  # The GDN arm is the gdn_350m preset: its parameter count is the preset's (SPEC §4.5).
+  # The GDN arm is the gdn_350m preset: its parameter count is the preset's (docs/MATH.md §4.5).
   preset = get_config("gdn_350m", dtype="bfloat16")
   assert exp.model.layer_types == preset.layer_types
   assert count_params(abstract_model(exp.model)) == count_params(abstract_model(preset))

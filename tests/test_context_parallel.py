@@ -99,7 +99,7 @@ def _unsharded(mixer, segmented):
   """(args, initial_state, segment_ids or None, cotangents, (outputs, grads) of the oracle).
 
   Without segments the oracle runs with all-ones ids (one segment per row: the same thing,
-  SPEC.md §1.7), so one compile serves both cases.
+  docs/MATH.md §1.7), so one compile serves both cases.
   """
   args, s0, cot, run = _oracle(mixer)
   seg = _segment_ids() if segmented else None

@@ -1,5 +1,5 @@
-"""Decoding tests (SPEC.md §8, §9 item 4): a prefill followed by one-token steps reproduces the
-parallel forward over the whole sequence, for every mixer (one stack holding all six, with a
+"""Decoding tests (docs/MATH.md §8, §9 item 4): a prefill followed by one-token steps reproduces
+the parallel forward over the whole sequence, for every mixer (one stack holding all six, with a
 sliding-window KV cache and a right-padded ragged prefill), for hybrids with each routing mode,
 and for a prefill continued by a multi-token chunk; `generate` is consistent with the parallel
 logits; cache sizes.

@@ -1,6 +1,6 @@
-"""Exact identities of the linear mixers (SPEC.md §9, items 6-13), for "scan" and "chunk".
+"""Exact identities of the linear mixers (docs/MATH.md §9, items 6-13), for "scan" and "chunk".
 
-Each test builds inputs for which the recurrence of SPEC.md §2 has a closed form (or reduces
+Each test builds inputs for which the recurrence of docs/MATH.md §2 has a closed form (or reduces
 to another mixer) and checks the op against that oracle, computed in numpy float64 where it is
 a formula. Tolerances follow §9: fp32 outputs/states/r at rel 1e-5 (`helpers.assert_close`).
 
@@ -22,8 +22,8 @@ from lineax_attn import ops
 
 IMPLS = ("scan", "chunk")
 DELTA_MIXERS = ("delta_rule", "gated_delta_rule", "kda", "gdn2")
-TOL = 1e-5        # SPEC.md §9: fp32 o, states and r
-GRAD_TOL = 5e-5   # SPEC.md §9: fp32 gradients
+TOL = 1e-5        # docs/MATH.md §9: fp32 o, states and r
+GRAD_TOL = 5e-5   # docs/MATH.md §9: fp32 gradients
 CHUNK = 16
 # Default shapes: T = 40 crosses two chunk boundaries at C = 16; HV = 2·H exercises GVA.
 B, T, H, HV, DK, DV = 2, 40, 2, 4, 8, 12
@@ -66,7 +66,7 @@ def _base(seed, b=B, t=T, h=H, hv=HV, dk=DK, dv=DV):
 
 
 def _gates(rng, mixer, b=B, t=T, hv=HV, dk=DK, dv=DV, tau=1.0):
-  """SPEC.md §9 gates: β, b, w = σ(N(0,1)); g = logsigmoid(N(0,1)) / τ."""
+  """docs/MATH.md §9 gates: β, b, w = σ(N(0,1)); g = logsigmoid(N(0,1)) / τ."""
   beta = _sigmoid(rng.standard_normal((b, t, hv)))
   g_scalar = _log_sigmoid(rng.standard_normal((b, t, hv))) / tau
   g_channel = _log_sigmoid(rng.standard_normal((b, t, hv, dk))) / tau
@@ -267,7 +267,7 @@ def _prefix_segment_ids(t):
 @pytest.mark.parametrize("mixer", DELTA_MIXERS)
 def test_exact_read_back_every_prefix(mixer, impl):
   """Same identity at every t: row i of a [T, T] batch holds the sequence's first i + 1 tokens
-  followed by padding, so its final_state is S_{i+1} (SPEC.md §1.7)."""
+  followed by padding, so its final_state is S_{i+1} (docs/MATH.md §1.7)."""
   t = 24
   rng, q, k, v, s0 = _base(9, b=1, t=t)
   gates = _unit_write_gates(rng, mixer, t, b=1)
@@ -397,7 +397,7 @@ def test_long_sequence_chunk_matches_scan(mixer):
 
 
 # ----------------------------------------------------------------------------------------------
-# Hand-computed two-token case (SPEC.md §2 step formulas), K = V = 2.
+# Hand-computed two-token case (docs/MATH.md §2 step formulas), K = V = 2.
 
 
 def _hand_steps(q, k, v, beta, g, s0, scale):

@@ -6,7 +6,7 @@
   the op's final state (`output_final_state=True`) and the model's own prefill cache state.
 * The measures against hand-built oracles: effective rank of a rank-2 matrix with equal singular
   values (2), of the identity (n), of zero (0); a linear-attention state built from orthonormal
-  keys returns every stored value exactly (SPEC.md §2.2: S_t = Σ_{j<=t} k_j v_jᵀ, so
+  keys returns every stored value exactly (docs/MATH.md §2.2: S_t = Σ_{j<=t} k_j v_jᵀ, so
   S_tᵀ k_j = v_j); forgetting curves of a constant decay; routing summaries.
 * The plots draw the panels they promise; validation errors name the argument.
 """
@@ -29,7 +29,7 @@ from lineax_attn import ops  # noqa: E402
 from lineax_attn.models import LanguageModel, ModelConfig  # noqa: E402
 from helpers import assert_close  # noqa: E402
 
-TOL = 1e-5  # float32 scan vs chunk / model path (SPEC.md §9: forward rel. error)
+TOL = 1e-5  # float32 scan vs chunk / model path (docs/MATH.md §9: forward rel. error)
 
 
 def _config(**overrides) -> ModelConfig:
@@ -43,7 +43,7 @@ def _config(**overrides) -> ModelConfig:
 def captured():
   model = LanguageModel(_config(), rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 64, jnp.int32)
-  # Row 0: two packed segments; row 1: one segment with trailing padding (SPEC.md §1.7).
+  # Row 0: two packed segments; row 1: one segment with trailing padding (docs/MATH.md §1.7).
   segment_ids = jnp.array([[1] * 10 + [2] * 14, [1] * 20 + [0] * 4], jnp.int32)
   return model, tokens, segment_ids, li.capture(model, tokens, segment_ids)
 
@@ -167,7 +167,7 @@ def test_routing_summary():
                        rngs=nnx.Rngs(0))
   summary = li.routing_summary(clvr)
   assert [(s["layer"], s["mode"], s["rank"]) for s in summary] == [(0, "clvr", 3), (1, "clvr", 3)]
-  assert summary[0]["proj_norm"] == 0.0  # the up factor starts at zero (SPEC.md §5.2)
+  assert summary[0]["proj_norm"] == 0.0  # the up factor starts at zero (docs/MATH.md §5.2)
   route = clvr.blocks[1].route
   route.up.kernel[...] = jnp.ones_like(route.up.kernel[...])
   effective = np.asarray(route.down.kernel[...]) @ np.ones(route.up.kernel[...].shape)

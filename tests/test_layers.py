@@ -1,9 +1,9 @@
 """Tests of the NNX layers (lineax_attn.layers): shapes, dtypes, gradients, scan = chunk through
 the whole layer, the segment-aware short conv against a direct loop, packing = separate at the
-layer level, softmax attention's window and RoPE, SPEC.md §4.4 initialisation, §4.5 per-layer
+layer level, softmax attention's window and RoPE, docs/MATH.md §4.4 initialisation, §4.5 per-layer
 parameter counts and construction-time errors.
 
-Tolerances (SPEC.md §9, float32 at HIGHEST precision): layer outputs 1e-5.
+Tolerances (docs/MATH.md §9, float32 at HIGHEST precision): layer outputs 1e-5.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_linear_mixer_shapes_scan_equals_chunk_and_grads(kind):
 
 
 def test_linear_attention_residual_is_the_value():
-  # SPEC.md §2.7: linear attention's r equals its v.
+  # docs/MATH.md §2.7: linear attention's r equals its v.
   out = nnx.jit(lambda layer, x: layer.forward(x))(_mixer("linear_attention"), _x(t=20))
   assert_close(out.r, out.v, 1e-6, "r vs v")
 
@@ -87,7 +87,7 @@ def test_linear_attention_residual_is_the_value():
 
 
 def _segidx_numpy(ids):
-  """SPEC.md §1.7 by hand: forward-fill padding, count segment starts."""
+  """docs/MATH.md §1.7 by hand: forward-fill padding, count segment starts."""
   ids = np.asarray(ids)
   out = np.zeros_like(ids)
   for b in range(ids.shape[0]):
@@ -152,7 +152,7 @@ def test_short_conv_init_is_pytorch_default():
 
 
 # ------------------------------------------------------------------------------------------
-# Packing = separate at the layer level (conv reset), SPEC.md §9 item 3, trailing padding.
+# Packing = separate at the layer level (conv reset), docs/MATH.md §9 item 3, trailing padding.
 
 
 @nnx.jit(static_argnames="max_len")
@@ -245,7 +245,7 @@ def test_bf16_layer_keeps_float32_state_and_tracks_float32():
 
 
 # ------------------------------------------------------------------------------------------
-# Initialisation (SPEC.md §4.4).
+# Initialisation (docs/MATH.md §4.4).
 
 
 def test_initialisation_follows_spec():
@@ -293,7 +293,7 @@ def test_initialisation_follows_spec():
 
 
 # ------------------------------------------------------------------------------------------
-# Per-layer parameter counts at d = 1024 (SPEC.md §4.5), counted on abstract layers.
+# Per-layer parameter counts at d = 1024 (docs/MATH.md §4.5), counted on abstract layers.
 
 
 def _count(make):

@@ -1,7 +1,7 @@
 """Tests of the models (lineax_attn.models): stack resolution, configuration errors, the 350M
-parameter counts of SPEC.md §4.5, a training step through every mixer and a routing mode,
-zero-initialised routing = baseline (SPEC.md §9 item 16), causality (item 17), packing = separate
-at the model level (item 3) and sharding the parameters by their logical axis names.
+parameter counts of docs/MATH.md §4.5, a training step through every mixer and a routing mode,
+zero-initialised routing = baseline (docs/MATH.md §9 item 16), causality (item 17), packing =
+separate at the model level (item 3) and sharding the parameters by their logical axis names.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _tokens(b, t, seed=0, vocab=64):
 
 def test_layer_types_from_frequency_and_patterns():
   freq3 = get_config("gdn_350m").layer_types
-  # SPEC.md §6.2: N = 3 on 20 layers puts SDPA at 2, 5, 8, 11, 14, 17 (14 GDN + 6 SDPA).
+  # docs/MATH.md §6.2: N = 3 on 20 layers puts SDPA at 2, 5, 8, 11, 14, 17 (14 GDN + 6 SDPA).
   assert [i for i, k in enumerate(freq3) if k == "softmax"] == [2, 5, 8, 11, 14, 17]
   assert freq3.count("gdn") == 14
   assert ModelConfig(n_layers=20, pattern="LLS").layer_types == freq3
@@ -87,7 +87,7 @@ def test_model_rejects_a_non_config():
 
 
 # ------------------------------------------------------------------------------------------
-# Parameter counts of the 350M presets (SPEC.md §4.5, §9 item 19), within 2 %.
+# Parameter counts of the 350M presets (docs/MATH.md §4.5, §9 item 19), within 2 %.
 
 
 @pytest.mark.parametrize("preset, total, non_embedding", [
@@ -108,7 +108,7 @@ def test_350m_parameter_counts_match_the_paper(preset, total, non_embedding):
 
 
 def test_hidden_routing_adds_one_projection_per_linear_layer():
-  # SPEC.md §4.5: CLVR and CLER-H add 512 × 1024 per linear layer, 7,340,032 over 14 layers.
+  # docs/MATH.md §4.5: CLVR and CLER-H add 512 × 1024 per linear layer, 7,340,032 over 14 layers.
   base = params_lib.count_params(params_lib.abstract_model(get_config("gdn_350m")))
   for mode in ("clvr", "cler_h"):
     routed = params_lib.count_params(params_lib.abstract_model(get_config("gdn_350m", routing=mode)))
@@ -155,7 +155,7 @@ def test_training_steps_through_every_mixer_with_routing():
 
 
 # ------------------------------------------------------------------------------------------
-# Zero-initialised routing starts at the baseline (SPEC.md §9 item 16).
+# Zero-initialised routing starts at the baseline (docs/MATH.md §9 item 16).
 
 _ROUTING_PARAMS = nnx.All(nnx.Param, nnx.Any(nnx.PathContains("cler"), nnx.PathContains("route")))
 

@@ -1,5 +1,6 @@
-"""Optimisers and schedule (SPEC §6.5): WSD values by hand, the parameter split (which group gets
-Muon, which AdamW, which weight decay and LR), clipping, and loss reduction on a tiny model."""
+"""Optimisers and schedule (docs/MATH.md §6.5): WSD values by hand, the parameter split (which
+group gets Muon, which AdamW, which weight decay and LR), clipping, and loss reduction on a tiny
+model."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_wsd_minus_sqrt_values():
 
 
 def test_wsd_paper_settings_and_other_shapes():
-  # SPEC §6.5: 28,610 iterations, warmup 200, the last 20% (5,722 iterations) decay.
+  # docs/MATH.md §6.5: 28,610 iterations, warmup 200, the last 20% (5,722 iterations) decay.
   lr = optim.wsd_schedule(3.6e-4, 3.6e-5, 28_610, 200)
   np.testing.assert_allclose(float(lr(28_610 - 5_722)), 3.6e-4, rtol=1e-6)
   np.testing.assert_allclose(float(lr(28_610 - 5_722 + 1)), 3.6e-5 + 3.24e-4 * (1 - math.sqrt(1 / 5722)),

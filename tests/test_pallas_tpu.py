@@ -1,15 +1,15 @@
 """The Pallas TPU kernels (`implementation="pallas_tpu"`, `pallas_kernels.tpu`) against the
 scan reference and the chunk form: outputs, final states, residuals and every gradient
-(SPEC.md §9 identities 1, 3, 5, 14, 15).
+(docs/MATH.md §9 identities 1, 3, 5, 14, 15).
 
 On a CPU the kernels run in Mosaic's TPU interpreter with race detection over two simulated
 cores (the "parallel" grid axes are split between them) and NaN-filled uninitialised buffers, so
 a missing zero-init or a cross-core write shows up. On a TPU the same tests run compiled.
 
-Tolerances (rel = rms(x − ref)/rms(ref), SPEC.md §9): float32 inputs: outputs, states and r
+Tolerances (rel = rms(x − ref)/rms(ref), docs/MATH.md §9): float32 inputs: outputs, states and r
 1e-4, gradients 1e-3 (the brief's budget; measured errors are ~1e-6). bfloat16 q/k/v against the
 float32 reference on the same rounded inputs: o, r, states 5e-3; dq, dk, dv, d(initial_state)
-1e-2; gate gradients 2e-2 (SPEC.md §9 starting points).
+1e-2; gate gradients 2e-2 (docs/MATH.md §9 starting points).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Hypothesis draws the shapes (B, T, H, n_rep, K, V), the chunk size, the decay strength τ,
 whether an initial state is given and whether segment ids (random runs, reused ids, padding
 anywhere) are used; the arrays come from a numpy generator seeded by a drawn integer. The oracle
-is the `lax.scan` reference (SPEC.md §9.1): o, final_state and r agree at rel 1e-5.
+is the `lax.scan` reference (docs/MATH.md §9.1): o, final_state and r agree at rel 1e-5.
 
 Each example is a new shape, hence a fresh compile of both implementations, so the example
 counts are small; the database is off so runs leave no files behind.
@@ -23,7 +23,7 @@ from hypothesis import given, settings, strategies as st
 from helpers import assert_close
 from lineax_attn import ops
 
-TOL = 1e-5  # SPEC.md §9: fp32 o, states and r
+TOL = 1e-5  # docs/MATH.md §9: fp32 o, states and r
 # ~2 s of compiling per example on a 2-core CPU: 12 + 12 + 8 examples keep the file near 60 s.
 SETTINGS = settings(max_examples=12, deadline=None, database=None, derandomize=True)
 
@@ -68,7 +68,7 @@ def problems(draw):
 
 
 def _inputs(mixer, p: Problem):
-  """SPEC.md §9 inputs: unit q, k; v, S0 ~ N(0,1); β, b, w = σ(N); g = logsigmoid(N)/τ."""
+  """docs/MATH.md §9 inputs: unit q, k; v, S0 ~ N(0,1); β, b, w = σ(N); g = logsigmoid(N)/τ."""
   rng = np.random.default_rng(p.seed)
   hv = p.h * p.n_rep
   normal = lambda *shape: rng.standard_normal(shape)

@@ -1,4 +1,4 @@
-"""Segments, padding and varlen (SPEC.md §1.7; §9 identities 2 and 3) for the five linear mixers.
+"""Segments, padding and varlen (docs/MATH.md §1.7; §9 identities 2 and 3), five linear mixers.
 
 The oracle for "each sequence on its own" is one call of the scan reference *without* segment
 ids or cu_seqlens: every sequence is a row of a batch, started from its own initial state and
@@ -8,7 +8,7 @@ final_state is the state after its last real token, and no segment logic takes p
 
 All inputs share one shape ([2, 75] tokens, H = 1, HV = 2, K = 8, V = 12, so GVA is on), so
 each jitted call compiles once per mixer and implementation. float32: rel <= 1e-5 on o, r and
-states, 5e-5 on gradients (SPEC §9).
+states, 5e-5 on gradients (docs/MATH.md §9).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import pytest
 from helpers import MIXERS, assert_close, make_inputs, run
 from lineax_attn.ops import api
 
-TOL = 1e-5        # SPEC §9: fp32 outputs, states and r
-GRAD_TOL = 5e-5   # SPEC §9: fp32 gradients
+TOL = 1e-5        # docs/MATH.md §9: fp32 outputs, states and r
+GRAD_TOL = 5e-5   # docs/MATH.md §9: fp32 gradients
 IMPLEMENTATIONS = ("scan", "chunk")
 CHUNK = 16
 SHAPE = dict(b=2, t=75, h=1, hv=2, dk=8, dv=12)
@@ -46,7 +46,7 @@ def _inputs(mixer):
 
 
 def inputs(mixer):
-  """numpy (args, initial_state [2, HV, K, V]) of SPEC §9's distributions, at SHAPE."""
+  """numpy (args, initial_state [2, HV, K, V]) of docs/MATH.md §9's distributions, at SHAPE."""
   return _inputs(mixer)
 
 
@@ -79,7 +79,7 @@ def run_separately(mixer, args, pieces, length):
 
 
 def segments_of(ids):
-  """Real positions of each segment of one row, straight from SPEC §1.7.
+  """Real positions of each segment of one row, straight from docs/MATH.md §1.7.
 
   Padding (0) takes the id before it, leading padding the first real id; a segment starts
   wherever that filled id changes (so ids 1, 2, 1 are three segments); padding is dropped.
@@ -237,7 +237,7 @@ def test_varlen_with_zero_later_states_equals_segments(mixer, implementation):
 
 
 def _varlen_loss(args, initial_state, cu_seqlens, cotangents, *, mixer, implementation):
-  """<o, dO> + <final_states, dS> + <r, dR>: cotangents on every output (SPEC §9.5)."""
+  """<o, dO> + <final_states, dS> + <r, dR>: cotangents on every output (docs/MATH.md §9.5)."""
   outs = forward(args, initial_state, None, cu_seqlens, mixer=mixer, implementation=implementation)
   return sum(jnp.sum(x * c) for x, c in zip(outs, cotangents))
 

@@ -1,4 +1,4 @@
-"""Synthetic recall data (lineax_attn.data.synthetic, SPEC.md §7.1-7.2).
+"""Synthetic recall data (lineax_attn.data.synthetic, docs/MATH.md §7.1-7.2).
 
 MQAR, against the definition of §7.1 checked row by row with plain Python:
 * every labelled position holds a key of the context whose paired value is the label, and

@@ -1,4 +1,4 @@
-"""The sharded train step equals the single-device step (the pjit way, SPEC.md §6 / issue #4).
+"""The sharded train step equals the single-device step (the pjit way, docs/MATH.md §6 / issue #4).
 
 The same jitted step (explicit in/out shardings from the logical-axis rules) runs on the 8 fake
 CPU devices of conftest.py with meshes (data, fsdp, tensor) = (8,1,1), (2,2,2), (1,1,8) and

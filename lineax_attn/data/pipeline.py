@@ -23,7 +23,8 @@ Stages, in order (`build_dataset`):
    `ShardOptions`. Each process packs and batches only its own documents.
 3. **Shuffle** documents with `seed` (a different permutation each epoch), then **repeat**
    `num_epochs` times (None = forever, for training).
-4. **Tokenize**: `[BOS] + encode(doc) + [EOS]` (BOS only if `add_bos`; EOS always, SPEC §6.4).
+4. **Tokenize**: `[BOS] + encode(doc) + [EOS]` (BOS only if `add_bos`; EOS always,
+   docs/MATH.md §6.4).
    Empty documents are dropped.
 5. **Pack** greedily (grain's `ConcatThenSplitIterDataset`): documents are concatenated in order
    and cut into rows of exactly `seq_len + 1` tokens; a document that does not fit in the rest of
@@ -36,8 +37,9 @@ Stages, in order (`build_dataset`):
    token of the *same* segment as its input: padding targets are masked, and so is the first
    token of the next document (with resets the model cannot see it coming). The target of a
    document's last token is its EOS, which is kept. With `reset_at_document_boundaries=False`
-   (the paper's setting, SPEC §1.7: documents concatenated with no reset) segment_ids are 1 for
-   every real token (0 for padding), positions count along the row, and only padding is masked.
+   (the paper's setting, docs/MATH.md §1.7: documents concatenated with no reset) segment_ids are
+   1 for every real token (0 for padding), positions count along the row, and only padding is
+   masked.
 8. **Batch** `global_batch_size / shard_count` rows per process, dropping a partial batch.
    With `worker_count > 0` the stages run in grain worker processes (`mp_prefetch`; needs absl
    flags parsed, e.g. under `absl.app.run`, see INSTALL.md). Each worker packs its own slice of

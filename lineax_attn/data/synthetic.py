@@ -1,4 +1,4 @@
-"""Synthetic recall tasks: MQAR (SPEC.md §7.1) and RULER-style needle-in-a-haystack (§7.2).
+"""Synthetic recall tasks: MQAR (docs/MATH.md §7.1) and RULER-style needle-in-a-haystack (§7.2).
 
 MQAR (Zoology's multi-query associative recall), per example of length T with N pairs:
 
@@ -57,7 +57,7 @@ BLOCK = 1024  # examples per independently seeded block
 
 @dataclasses.dataclass(frozen=True)
 class MQARConfig:
-  """One MQAR task (SPEC §7.1): vocabulary V, length T, N key-value pairs, gap power a."""
+  """One MQAR task (docs/MATH.md §7.1): vocabulary V, length T, N key-value pairs, gap power a."""
 
   vocab: int = 8192
   seq_len: int = 64
@@ -142,7 +142,7 @@ def _cached_block(cfg: MQARConfig, seed: int, block: int) -> tuple[np.ndarray, n
 
 def mqar(vocab: int, seq_len: int, num_pairs: int, *, count: int, seed: int = 0,
          power: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
-  """`count` MQAR examples (SPEC §7.1).
+  """`count` MQAR examples (docs/MATH.md §7.1).
 
   Args:
     vocab: V (> seq_len). Keys come from [1, V/2), values from [V/2, V).

@@ -30,7 +30,7 @@ EOS_ID = 2
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
-  """The embedding size: vocab_size rounded up to a multiple (SPEC §6.1: multiple of 128)."""
+  """The embedding size: vocab_size rounded up to a multiple (docs/MATH.md §6.1: of 128)."""
   return -(-vocab_size // multiple) * multiple
 
 

@@ -1,4 +1,5 @@
-"""Recall evaluations: MQAR training sweeps (SPEC.md §7.1) and NIAH scoring of a trained LM (§7.2).
+"""Recall evaluations: MQAR training sweeps (docs/MATH.md §7.1) and NIAH scoring of a trained LM
+(§7.2).
 
     model, history = train_mqar(ModelConfig(mixer="gdn", vocab_size=256), MQARConfig(256, 64, 4),
                                 lr=3e-3, steps=300, batch_size=64)

@@ -1,4 +1,4 @@
-"""Flax NNX layers over `lineax_attn.ops` (SPEC.md §4).
+"""Flax NNX layers over `lineax_attn.ops` (docs/MATH.md §4).
 
     from lineax_attn.layers import LinearMixer, SoftmaxAttention
     mixer = LinearMixer("gdn", d_model=256, num_heads=2, num_v_heads=4, head_dim_k=64,

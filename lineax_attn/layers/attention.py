@@ -1,4 +1,5 @@
-"""Softmax attention layer: RoPE, GQA, optional sliding window and output gate, KV cache (SPEC.md §2.1, §8).
+"""Softmax attention layer: RoPE, GQA, optional sliding window and output gate, KV cache
+(docs/MATH.md §2.1, §8).
 
     q, k, v = x W_qkv  (H_q, H_kv, H_kv heads of d_h)       one fused projection, no bias
     q, k ← RoPE(q, k; base 500000)                           rotate-half convention, float32
@@ -31,7 +32,7 @@ from lineax_attn.ops import segments as seg_lib
 from lineax_attn.parallel import attention as parallel_attention
 from lineax_attn.parallel import context as context_parallel
 
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, as in SPEC.md §2.1
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite, as in docs/MATH.md §2.1
 
 
 def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:

@@ -1,10 +1,11 @@
-"""The short causal depthwise convolution in front of q, k, v, and its decoding cache (SPEC.md §4.2, §8).
+"""The short causal depthwise convolution in front of q, k, v, and its decoding cache
+(docs/MATH.md §4.2, §8).
 
     y[t, c] = Σ_{j=0}^{W−1} w[j, c] · u[t − W + 1 + j, c]        (w[W−1] multiplies the current token)
 
 u at positions before 0 comes from the conv cache (zeros when there is none); u at padding
-positions and at positions of another segment (a different running segment index, SPEC.md §1.7)
-is 0, so the convolution never mixes documents packed in one row.
+positions and at positions of another segment (a different running segment index,
+docs/MATH.md §1.7) is 0, so the convolution never mixes documents packed in one row.
 
 The cache holds the last W − 1 *real* pre-conv inputs of the row's current segment, oldest
 first, left-filled with zeros. After a right-padded prefill those are not the last W − 1 rows
@@ -45,7 +46,7 @@ def causal_depthwise_conv(u: jax.Array, weight: jax.Array, *, valid: jax.Array |
     u: `[B, T, C]` pre-conv inputs.
     weight: `[W, C]` taps; `weight[W−1]` multiplies the current token.
     valid: `[B, T]` bool, False at padding (its inputs are zeroed); None = all real.
-    segidx: `[B, T]` running segment index (SPEC.md §1.7); None = one segment per row.
+    segidx: `[B, T]` running segment index (docs/MATH.md §1.7); None = one segment per row.
     state: `[B, W−1, C]` cache of earlier real inputs (oldest first), or None for zeros.
 
   Returns:
@@ -85,7 +86,10 @@ def _last_real_inputs(u_ext, valid_ext, seg_ext, n: int) -> jax.Array:
 
 
 def conv_weight_init(width: int):
-  """PyTorch's Conv1d default for a depthwise conv: U(−1/√W, 1/√W) (fan_in = W), SPEC.md §4.2."""
+  """PyTorch's Conv1d default for a depthwise conv: U(−1/√W, 1/√W) (fan_in = W).
+
+  docs/MATH.md §4.2.
+  """
   bound = width ** -0.5
 
   def init(key, shape, dtype=jnp.float32):
@@ -95,7 +99,7 @@ def conv_weight_init(width: int):
 
 
 class ShortConv(nnx.Module):
-  """Causal depthwise convolution of width W over `[B, T, C]`, no bias (SPEC.md §4.2).
+  """Causal depthwise convolution of width W over `[B, T, C]`, no bias (docs/MATH.md §4.2).
 
   The activation (SiLU) is applied by the caller, so the gates can bypass it.
   """

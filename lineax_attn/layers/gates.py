@@ -1,4 +1,4 @@
-"""Gate parametrisations and their initialisers (SPEC.md §2.3-2.6, §4.4).
+"""Gate parametrisations and their initialisers (docs/MATH.md §2.3-2.6, §4.4).
 
 Every decay leaves here as a log decay g = log α ≤ 0 in float32, the form the ops take (§1.5):
 
@@ -46,7 +46,7 @@ def dt_bias_ones_init(key, shape, dtype=jnp.float32):
 
 
 def gate_initializers(kind: str, gate_init: str):
-  """(A_log init, dt_bias init) of SPEC.md §4.4 for a mixer kind and preset ("repo", "fla", or
+  """(A_log init, dt_bias init) of docs/MATH.md §4.4 for a mixer kind and preset ("repo", "fla", or
   "long": a slow initial decay for short synthetic runs)."""
   if gate_init not in GATE_INITS:
     raise ValueError(f"unknown gate_init {gate_init!r}; expected one of {GATE_INITS}.")

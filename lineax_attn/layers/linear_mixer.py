@@ -1,6 +1,6 @@
 """One NNX layer shell for the five linear mixers: linear attention, DeltaNet, GDN, KDA, GDN-2.
 
-SPEC.md §4.1 with the per-mixer differences of §4.3:
+docs/MATH.md §4.1 with the per-mixer differences of §4.3:
 
     p = x W_in                                   one fused projection, no bias
     (q̂, k̂, v̂, extras) = split(p)
@@ -23,12 +23,12 @@ Fused in-projection layout (fixed, so checkpoints stay stable), in this order:
 
 Per-mixer parameters: GDN A_log[HV], dt_bias[HV]; KDA A_log[HV], dt_bias[HV, d_k]; GDN-2
 A_log[H], dt_bias[H, d_k] (GDN-2's f, b, A_log and dt_bias live per key head and are repeated to
-the value heads, SPEC.md §2.6).
+the value heads, docs/MATH.md §2.6).
 
 Linear attention has no β projection here (the repo computes one and never uses it: 4·d fewer
 parameters than its §4.5 row).
 
-The layer also exports what cross-layer routing needs (SPEC.md §2.7): the write residual r and
+The layer also exports what cross-layer routing needs (docs/MATH.md §2.7): the write residual r and
 the write value v, both `[B, T, HV, d_v]`, and accepts a `value_delta` added to v before the
 recurrence (CLER v1). Decoding reuses the op: a one-token step is the op with T = 1, the cached
 state as `initial_state` and `implementation=decode_implementation` (the scan by default).
@@ -69,7 +69,8 @@ _OPS = {
     "gdn2": ops.gdn2,
 }
 
-# SPEC.md §4.3: SiLU for GDN and GDN-2, sigmoid for KDA, none for DeltaNet and linear attention.
+# docs/MATH.md §4.3: SiLU for GDN and GDN-2, sigmoid for KDA, none for DeltaNet and linear
+# attention.
 DEFAULT_OUTPUT_GATE = {
     "linear_attention": "none", "deltanet": "none", "gdn": "silu", "kda": "sigmoid", "gdn2": "silu",
 }
@@ -118,7 +119,7 @@ class LinearMixer(nnx.Module):
     head_dim_k, head_dim_v: d_k (default d_model // num_heads, which must divide) and d_v
       (default d_k).
     conv_width: short-conv width W (4); 1 makes it a per-channel scale.
-    output_gate: "none", "silu" or "sigmoid"; None = the mixer's SPEC.md §4.3 default.
+    output_gate: "none", "silu" or "sigmoid"; None = the mixer's docs/MATH.md §4.3 default.
     gate_rank: rank of KDA's low-rank f/z branch (default d_v).
     gate_init: "repo" (paper reproduction), "fla" (§4.4) or "long" (slow initial decay, for
       short synthetic runs) initialisation of A_log / dt_bias.
@@ -288,8 +289,8 @@ class LinearMixer(nnx.Module):
 
     Args:
       x: `[B, T, d]`.
-      segment_ids: `[B, T]` int (SPEC.md §1.7): conv and state reset where the id changes, 0 is
-        padding. With a cache, the row's first segment continues the cached one.
+      segment_ids: `[B, T]` int (docs/MATH.md §1.7): conv and state reset where the id changes,
+        0 is padding. With a cache, the row's first segment continues the cached one.
       value_delta: `[B, T, HV, d_v]` added to v after conv/SiLU (CLER v1 injection).
       cache: a cache from `init_cache` or an earlier call: continue from it.
       max_len: ask for a cache without passing one (a prefill from empty).

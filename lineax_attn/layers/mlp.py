@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward block (SPEC.md §6.1): W_down(SiLU(x W_gate) ⊙ (x W_up)), no biases."""
+"""SwiGLU feed-forward block (docs/MATH.md §6.1): W_down(SiLU(x W_gate) ⊙ (x W_up)), no bias."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Normalisations: RMSNorm over the model width, the per-head gated output norm, and L2N.
 
-All three compute in float32 and cast back to the input dtype (SPEC.md §1.1, §1.4, §4.1).
+All three compute in float32 and cast back to the input dtype (docs/MATH.md §1.1, §1.4, §4.1).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class RMSNorm(nnx.Module):
 
 class GatedHeadNorm(nnx.Module):
   """The mixers' output norm: per-head RMSNorm over the head dim (one weight γ ∈ R^{d_v} shared
-  by all heads), times an optional output gate act(z) (SPEC.md §4.1, §4.3).
+  by all heads), times an optional output gate act(z) (docs/MATH.md §4.1, §4.3).
 
   Input o `[B, T, HV, V]`, gate logits z `[B, T, HV, V]` (or None with `gate="none"`).
   """

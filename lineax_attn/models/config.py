@@ -1,5 +1,5 @@
 """`ModelConfig`: a frozen dataclass that says everything about a decoder-only model, validated
-at construction, plus named presets (SPEC.md §6.1-6.3).
+at construction, plus named presets (docs/MATH.md §6.1-6.3).
 
 The stack is a mixer per layer, resolved from (in this order of precedence):
 
@@ -62,7 +62,7 @@ class ModelConfig:
     attn_heads, attn_kv_heads, attn_head_dim, attn_output_gate (None = on when the linear mixer
       is GDN, KDA or GDN-2, as in the repo's runs), attn_implementation, rope_base, window.
     mlp_hidden (default round(mlp_ratio · d_model)), tie_embeddings.
-    routing: None | "cler" (CLER v1) | "cler_h" | "clvr" (SPEC.md §5);
+    routing: None | "cler" (CLER v1) | "cler_h" | "clvr" (docs/MATH.md §5);
       routing_rank: rank of the CLER-H/CLVR projection P (None = full rank);
       routing_norm: RMS-normalise the routed residual (CLER v1's N, CLER-H's input norm);
       cler_gamma: "scalar" | "head" | "channel"; cler_gamma_init (0.0).
@@ -241,7 +241,7 @@ class ModelConfig:
 
 
 # ------------------------------------------------------------------------------------------
-# Presets. The 350M rows of SPEC.md §6.3 (Llama-2 vocabulary 32,000, untied, d = 1024).
+# Presets. The 350M rows of docs/MATH.md §6.3 (Llama-2 vocabulary 32,000, untied, d = 1024).
 
 _350M = dict(vocab_size=32000, d_model=1024, attn_heads=16, attn_kv_heads=4, attn_head_dim=64,
              rope_base=500000.0, tie_embeddings=False)

@@ -1,4 +1,4 @@
-"""Decoding: caches, prefill, one-token steps and `generate` under `jax.jit` (SPEC.md §8).
+"""Decoding: caches, prefill, one-token steps and `generate` under `jax.jit` (docs/MATH.md §8).
 
 Per layer the cache is the mixer's own: for a linear mixer the conv cache (the last W − 1 real
 pre-conv inputs) and the float32 recurrent state, constant in the sequence length; for softmax

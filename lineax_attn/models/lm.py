@@ -1,4 +1,5 @@
-"""Decoder-only language model over the mixer layers (SPEC.md §6.1), with cross-layer routing (§5).
+"""Decoder-only language model over the mixer layers (docs/MATH.md §6.1), with cross-layer
+routing (§5).
 
     h_0 = Embed(tokens)
     for each layer ℓ:  h ← h + Mixer_ℓ(RMSNorm(h));  h ← h + SwiGLU(RMSNorm(h));  [+ routing]

@@ -1,4 +1,4 @@
-"""Parameter counting and a per-layer breakdown (SPEC.md §4.5, §9 item 19).
+"""Parameter counting and a per-layer breakdown (docs/MATH.md §4.5, §9 item 19).
 
 Counts come from the model's own parameters, built abstractly (`nnx.eval_shape`), so a 350M
 preset is counted without allocating it:

@@ -1,4 +1,4 @@
-"""Cross-layer routing (SPEC.md §5.1-5.3): the parameters and the routed terms.
+"""Cross-layer routing (docs/MATH.md §5.1-5.3): the parameters and the routed terms.
 
 * **CLER v1** (`"cler"`): the value target of linear layer ℓ_m gets the write residual of the
   most recent earlier linear layer, v′ = v + γ ⊙ N(r^{(ℓ_{m−1})}). γ is zero-initialised, so the

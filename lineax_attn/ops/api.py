@@ -229,7 +229,7 @@ def run_mixer(mixer: str, q, k, v, gates: Mapping[str, Any], *, scale=None, init
 _COMMON_DOC = """scale: query scale, default K ** -0.5.
     initial_state: `[B, HV, K, V]` float32 (varlen: `[N, HV, K, V]`), or None for zeros.
     output_final_state: also return the state after the last real token (per sequence in varlen).
-    segment_ids: `[B, T]` int; the state resets where the id changes, 0 marks padding (SPEC.md §1.7).
+    segment_ids: `[B, T]` int; the state resets where the id changes, 0 marks padding (docs/MATH.md §1.7).
     cu_seqlens: `[N + 1]` int, FLA-style varlen with B = 1; sequence n starts from initial_state[n].
     chunk_size: rows per chunk of the chunked forms (a multiple of 16).
     return_residual: also return the write residual r `[B, T, HV, V]` (what CLER routes).

@@ -1,4 +1,4 @@
-"""Softmax attention, the mixer of the hybrids' SDPA layers (SPEC.md §2.1).
+"""Softmax attention, the mixer of the hybrids' SDPA layers (docs/MATH.md §2.1).
 
 Three implementations behind one signature: "reference" (dense masked fp32, the oracle), "xla"
 and "cudnn" (both through `jax.nn.dot_product_attention`). Masks follow §2.1: causal, optional

@@ -1,6 +1,6 @@
-"""The chunkwise-parallel form (SPEC.md §3) in pure JAX, for all five linear mixers.
+"""The chunkwise-parallel form (docs/MATH.md §3) in pure JAX, for all five linear mixers.
 
-All five mixers are the one template of SPEC.md §2.0 with a decay α = exp(g), an erase key
+All five mixers are the one template of docs/MATH.md §2.0 with a decay α = exp(g), an erase key
 k̃ and a write value ṽ. Per chunk of C tokens (rows i = 1..C, G = in-chunk cumsum of g):
 
     L_ij = Σ_c k̃_ic k_jc e^{G_ic − G_jc}   (j < i)        P_ij = Σ_c q_ic k_jc e^{G_ic − G_jc}   (j ≤ i)
@@ -14,11 +14,11 @@ residual r that cross-layer routing exports.
 Three gate kinds share the code: none (linear attention, DeltaNet), scalar (GDN, a C×C decay
 matrix) and per key channel (KDA, GDN-2). For per-channel gates e^{G_i − G_j} cannot be split
 into e^{G_i}·e^{−G_j} (e^{−G} overflows once −G > 88), so L and P are built from 16-row
-sub-chunks (SPEC.md §3.4 rule 3): pairs of different sub-chunks are anchored at the first row
+sub-chunks (docs/MATH.md §3.4 rule 3): pairs of different sub-chunks are anchored at the first row
 of the later sub-chunk, which keeps every exponent ≤ 0, and the 16×16 diagonal blocks use the
 exact elementwise form. Log gates down to −1e4 per step stay finite, forward and backward.
 
-Segments (SPEC.md §3.5) are handled exactly inside chunks with a same-segment mask on L and P,
+Segments (docs/MATH.md §3.5) are handled exactly inside chunks with a same-segment mask on L and P,
 a continuation flag c_i on the S_0 terms and a keep flag on the state update; G is never
 restarted. Varlen (`cu_seqlens`) re-lays each sequence on its own chunk grid (as FLA does), so
 a sequence start always falls on a chunk start and takes its own initial state there.

@@ -1,6 +1,6 @@
 """The `pallas_gpu` implementation: Mosaic GPU kernels (Hopper) for the chunk form, with XLA glue.
 
-Split of the chunk form (SPEC.md §3.2); docs/KERNELS_GPU.md has the call path and the kernels'
+Split of the chunk form (docs/MATH.md §3.2); docs/KERNELS_GPU.md has the call path and the kernels'
 resources:
 
 * **Intra-chunk, DeltaNet and GDN (Mosaic GPU, the default `INTRA = "kernel"`):**
@@ -17,8 +17,8 @@ resources:
   `INTRA = "xla"` and under `shard_map` (the kernel outputs carry no varying-axes types).
 * **Sequential state pass (Mosaic GPU kernels, `pallas_kernels.gpu.state_passing`):**
   E = U − Y·S, O = QG·S + P·E, S' = gc⊙S + KGᵀ·E with the float32 state on chip; its backward is
-  a reverse kernel for the state cotangent (SPEC.md §3.6 steps 1-2) plus batched matmuls, wired
-  as a `jax.custom_vjp`.
+  a reverse kernel for the state cotangent (docs/MATH.md §3.6 steps 1-2) plus batched matmuls,
+  wired as a `jax.custom_vjp`.
 
 Handled: all five linear mixers, initial_state / final_state, GVA, segment_ids, T not a multiple
 of the chunk, return_residual. Needs chunk_size 64, K = 64 or 128, V a multiple of 64. Anything
@@ -144,7 +144,7 @@ def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes):
 
 
 def _mm(spec, a, b):
-  """Batched matmul with bf16 operands and float32 accumulation (SPEC.md §3.7)."""
+  """Batched matmul with bf16 operands and float32 accumulation (docs/MATH.md §3.7)."""
   return jnp.einsum(spec, a.astype(_MM), b.astype(_MM), preferred_element_type=_F32)
 
 
@@ -223,7 +223,7 @@ def _unit_lower_inverse_fwd_math(L, block=16):
   Matmuls only (a batched `triangular_solve` of many 64×64 systems is slow on GPU). Each 16×16
   diagonal block N = −L_bb is nilpotent, so (I − N)^{-1} = Σ_{j<16} N^j
   = (I + N)(I + N²)(I + N⁴)(I + N⁸); blocks are then merged pairwise with
-  [[A, 0], [B, D]]^{-1} = [[A^{-1}, 0], [−D^{-1} B A^{-1}, D^{-1}]] (SPEC.md §3.7).
+  [[A, 0], [B, D]]^{-1} = [[A^{-1}, 0], [−D^{-1} B A^{-1}, D^{-1}]] (docs/MATH.md §3.7).
   """
   c = L.shape[-1]
   b = min(block, c)
@@ -294,7 +294,7 @@ def _from_chunks(x):
 
 
 def _segment_masks(segidx, c):
-  """segidx [B, T] -> same [B, 1, Nc, C, C], cont and keep [B, 1, Nc, C] (SPEC.md §3.5)."""
+  """segidx [B, T] -> same [B, 1, Nc, C, C], cont and keep [B, 1, Nc, C] (docs/MATH.md §3.5)."""
   b, t = segidx.shape
   sc = segidx.reshape(b, 1, t // c, c)
   prev = jnp.concatenate([segidx[:, :1], segidx[:, c - 1:-1:c]], axis=1)   # [B, Nc]

@@ -1,4 +1,4 @@
-"""The `lax.scan` references: one token at a time, exactly the step recurrences of SPEC.md §2.
+"""The `lax.scan` references: one token at a time, exactly the step recurrences of docs/MATH.md §2.
 
 These are the truth every other implementation is tested against, so they are written to be
 read, not to be fast. Per value head the state is S ∈ R^{K×V} (FLA orientation, o = Sᵀq), the
@@ -8,7 +8,7 @@ decay is applied before the delta edit, and the edit reads the decayed state:
 
 Each `*_step` below is that template for one mixer, on one (batch, value head) and one token.
 `scan_reference` runs a step over time, vmapped over batch and value heads, and handles
-padding (identity steps, zero outputs), segment resets and varlen start states (SPEC.md §1.7).
+padding (identity steps, zero outputs), segment resets and varlen start states (docs/MATH.md §1.7).
 All arithmetic is float32 with `Precision.HIGHEST` matmuls.
 """
 

@@ -1,4 +1,4 @@
-"""Segment ids, padding and variable-length layouts (SPEC.md §1.7).
+"""Segment ids, padding and variable-length layouts (docs/MATH.md §1.7).
 
 Two ways to put several sequences in one tensor:
 

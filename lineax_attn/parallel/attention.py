@@ -3,8 +3,8 @@
 Each device keeps its shard of the queries (tokens [d·T_local, (d+1)·T_local)) and all-gathers
 the keys, values and segment ids of the whole sequence over the sequence axis; the causal mask
 compares the query's *global* position (offset d·T_local) with the key's. The segment layout
-(SPEC.md §1.7: forward-filled ids, running segment index) is computed from the gathered ids, so
-segments crossing shard boundaries, padding and reused ids behave exactly as unsharded.
+(docs/MATH.md §1.7: forward-filled ids, running segment index) is computed from the gathered ids,
+so segments crossing shard boundaries, padding and reused ids behave exactly as unsharded.
 
 Why all-gather and not a ring (ppermute of K/V blocks with an online softmax): the hybrids have
 few softmax layers with grouped K/V heads, so gathering K/V costs (P−1)/P · T · 2·H_kv·d_h

@@ -1,7 +1,7 @@
 """Context parallelism for the five linear mixers: the sequence axis sharded over devices.
 
 Every linear mixer is S_t = A_t S_{t−1} + (write), with A_t acting on the key side only, and its
-outputs are linear in the state read-out (SPEC.md §2.0). So the pass of one device over its
+outputs are linear in the state read-out (docs/MATH.md §2.0). So the pass of one device over its
 shard of the sequence is *affine* in the state S_in that enters the shard (per batch row and
 value head, S_in is `[K, V]`):
 
@@ -18,7 +18,7 @@ write gate w is padded with ones, its value is irrelevant since those values are
    ring), and the first/last real segment id of each shard;
 2. every device composes the prefix S_in(d) = M_{d−1}(…(M_0 S_init + B_0)…) + B_{d−1} (P small
    `[K, K] x [K, V]` matmuls, float32), dropping the carried state at a shard boundary where a new
-   segment starts (SPEC.md §1.7);
+   segment starts (docs/MATH.md §1.7);
 3. corrects its outputs with one `[T, K] x [K, V]` matmul per head.
 
 Linear attention needs no augmentation: its transition is I (0 after a reset inside the shard),
@@ -191,7 +191,7 @@ def _entry_states(apply, pairs, s_init, firsts, lasts, n_shards):
   for j in range(n_shards):
     if j > 0 and firsts is not None:
       # The shard's first real token starts a new segment iff its id differs from the last
-      # real id before the shard (SPEC.md §1.7: a start is where the filled id changes); with
+      # real id before the shard (docs/MATH.md §1.7: a start is where the filled id changes); with
       # no real token before it (leading padding) or none in it, the state flows on unchanged.
       first = firsts[j]
       cont = (carry == 0) | (first == 0) | (carry == first)
@@ -224,7 +224,7 @@ def context_parallel(mixer, q, k, v, *gates, axis_name: str = SEQUENCE_AXIS, sca
       the same value, but shard_map types it as varying over `axis_name` (it comes from an
       all_gather): return it with a leading axis over `axis_name` and keep the last entry, as
       `sharded_mixer` does.
-    segment_ids: `[B, T_local]` int, the local shard of the ids (SPEC.md §1.7); segments may
+    segment_ids: `[B, T_local]` int, the local shard of the ids (docs/MATH.md §1.7); segments may
       cross shard boundaries and may start exactly at one.
     cu_seqlens: not supported (ValueError): pack the sequences with segment_ids instead.
     implementation: the op implementation of the local pass ("chunk" by default; a kernel name

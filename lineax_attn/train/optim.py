@@ -1,4 +1,4 @@
-"""Optimisers (AdamW, Muon + AdamW) and the WSD learning-rate schedule (SPEC §6.5).
+"""Optimisers (AdamW, Muon + AdamW) and the WSD learning-rate schedule (docs/MATH.md §6.5).
 
 Parameter groups (`param_group`), decided from each leaf's path in the parameter tree (the
 path's keys joined by "/", lower-cased) and its ndim:
@@ -94,7 +94,7 @@ def wsd_schedule(
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """Optimiser and schedule settings; defaults are SPEC §6.5's (350M runs, 28,610 steps)."""
+  """Optimiser and schedule settings; defaults are docs/MATH.md §6.5's (350M runs, 28,610 steps)."""
 
   name: str = "adamw"                     # "adamw" or "muon"
   learning_rate: float = 3e-4             # peak: AdamW's, or Muon's matrix LR (paper: 3.6e-4)

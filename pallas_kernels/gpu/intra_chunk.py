@@ -1,5 +1,5 @@
-"""Mosaic GPU (Hopper) kernels for the intra-chunk part of the delta-rule chunk form (SPEC.md §3.2,
-§3.6), forward and backward.
+"""Mosaic GPU (Hopper) kernels for the intra-chunk part of the delta-rule chunk form
+(docs/MATH.md §3.2, §3.6), forward and backward.
 
 Checked against an exact float32 reference and, through the op, against the scan, both in JAX's
 Mosaic GPU interpreter (CI) and compiled on an H200 (docs/BENCHMARKS.md, "Last full GPU test
@@ -39,9 +39,9 @@ beta, G, Gx `[B, HV, T]` float32; T a multiple of 64; K, V in {64, 128}. Outputs
 p `[B, HV, Nc, C, C]` bf16, u `[B, HV, Nc, C, V]` float32; and on request (`with_inverse`, the
 backward's residual) m `[B, HV, Nc, C, C]` bf16.
 
-Packed rows (SPEC.md §3.5), optional: seg `[B, T]` float32 segment ids (exact below 2^24), cont
-`[B, T]` (1 where the token continues the segment entering its chunk) and keep `[B, T]` (1 where
-it belongs to the chunk's last segment). Then Γ_ij is zeroed across segments, the entry-state
+Packed rows (docs/MATH.md §3.5), optional: seg `[B, T]` float32 segment ids (exact below 2^24),
+cont `[B, T]` (1 where the token continues the segment entering its chunk) and keep `[B, T]` (1
+where it belongs to the chunk's last segment). Then Γ_ij is zeroed across segments, the entry-state
 factor e^{G} becomes e^{G}·cont (QG and the key right-hand side) and KG gets a factor keep.
 """
 

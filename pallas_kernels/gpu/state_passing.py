@@ -1,4 +1,4 @@
-"""Mosaic GPU (Hopper) kernels for the sequential part of the chunk form (SPEC.md §3.2, §3.6).
+"""Mosaic GPU (Hopper) kernels of the chunk form's sequential part (docs/MATH.md §3.2, §3.6).
 
 Everything intra-chunk (P, the WY/UT solve Y, U, the gated keys) is computed for all chunks in
 parallel outside (`intra_chunk.py` for DeltaNet/GDN, XLA otherwise). What remains is the
@@ -232,7 +232,7 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret):
 
 
 def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret=None):
-  """Reverse state pass (SPEC.md §3.6 steps 1-2).
+  """Reverse state pass (docs/MATH.md §3.6 steps 1-2).
 
   Args:
     ny, qg, p, kg, gc: as in `state_passing_fwd`.

@@ -14,9 +14,10 @@ class BlockSizes:
   """Chunk size and tiling of the chunkwise kernels.
 
   Attributes:
-    chunk_size: rows C per chunk, the step of the sequential state pass (SPEC.md §3.1).
-    sub_chunk: rows per sub-chunk: the anchored per-channel gate blocks (SPEC.md §3.4 rule 3) and
-      the diagonal blocks of the blocked triangular solve (SPEC.md §3.7). Divides chunk_size.
+    chunk_size: rows C per chunk, the step of the sequential state pass (docs/MATH.md §3.1).
+    sub_chunk: rows per sub-chunk: the anchored per-channel gate blocks (docs/MATH.md §3.4
+      rule 3) and the diagonal blocks of the blocked triangular solve (docs/MATH.md §3.7).
+      Divides chunk_size.
     lane_multiple: K and V are zero-padded up to a multiple of this inside the kernels (the
       public shapes never change). 128 = one lane tile.
     save_chunk_states: if True the forward stores the float32 chunk-entry states

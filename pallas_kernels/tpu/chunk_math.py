@@ -1,6 +1,6 @@
 """Per-chunk math of the chunkwise delta-family kernels, on float32 values inside a kernel body.
 
-One template covers all five mixers (SPEC.md §2.0, §3.2): per chunk of C rows, with
+One template covers all five mixers (docs/MATH.md §2.0, §3.2): per chunk of C rows, with
 Q = scale·q, K, an erase key K̃ (absent for linear attention), a write value Ṽ and the in-chunk
 cumulative log gate G (absent, one scalar per row, or one value per key channel):
 
@@ -9,8 +9,8 @@ cumulative log gate G (absent, one scalar per row, or one value per key channel)
     O = (Q ⊙ Γc) S_0 + P E;   S_C = c_C e^{G_C} ⊙ S_0 + (K ⊙ e^{G_C − G} ⊙ keep)ᵀ E
 
 with Γc = e^G ⊙ c (c_i = 1 while row i continues the segment that owns S_0; keep_j = 1 for rows
-of the chunk's last segment) and L, P masked to same-segment pairs (SPEC.md §3.5). `chunk_backward`
-is SPEC.md §3.6 steps 1-8 with the segment substitutions.
+of the chunk's last segment) and L, P masked to same-segment pairs (docs/MATH.md §3.5).
+`chunk_backward` is docs/MATH.md §3.6 steps 1-8 with the segment substitutions.
 
 Everything here is written with ops that Mosaic lowers: 2-D matmuls (plain, A·Bᵀ and Aᵀ·B),
 elementwise ops, lane/sublane reductions with keepdims, iota masks, static aligned row slices and
@@ -338,7 +338,7 @@ def unit_lower_inverse(L, sub, unroll):
 
   Diagonal sub×sub blocks by forward substitution (one row of every block per step), then block
   rows merged in order: Z = Z_d − (Z_d L_off) Z, which finalises one more block row per pass
-  (the blocked forward substitution of SPEC.md §3.7; no powers of L are formed).
+  (the blocked forward substitution of docs/MATH.md §3.7; no powers of L are formed).
   """
   c = L.shape[0]
   ns = c // sub
@@ -378,7 +378,7 @@ def chunk_forward(Q, K, Kt, Vt, gates, seg, S0, sub, unroll, need_output=True):
 
 
 def chunk_backward(Q, K, Kt, Vt, gates, seg, S0, dO, dE_ext, dS, sub, unroll):
-  """SPEC.md §3.6 steps 1-8 for one chunk.
+  """docs/MATH.md §3.6 steps 1-8 for one chunk.
 
   Args: the chunk's inputs, its entry state S0 [K, V], the cotangents of O, E (the routed
     residual) and of the state leaving the chunk dS [K, V].

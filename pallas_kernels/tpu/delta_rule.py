@@ -1,4 +1,4 @@
-"""DeltaNet (SPEC.md §2.3): S_t = (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ."""
+"""DeltaNet (docs/MATH.md §2.3): S_t = (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ."""
 
 from __future__ import annotations
 

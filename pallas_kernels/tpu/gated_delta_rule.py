@@ -1,4 +1,7 @@
-"""Gated DeltaNet (SPEC.md §2.4): S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ, scalar α."""
+"""Gated DeltaNet (docs/MATH.md §2.4): S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ.
+
+α is one scalar per value head.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Gated DeltaNet-2 (SPEC.md §2.6).
+"""Gated DeltaNet-2 (docs/MATH.md §2.6).
 
 S_t = (I − k_t (b_t ⊙ k_t)ᵀ) Diag(α_t) S_{t−1} + k_t (w_t ⊙ v_t)ᵀ.
 """

@@ -1,4 +1,4 @@
-"""Linear attention (SPEC.md §2.2): S_t = S_{t−1} + k_t v_tᵀ, o_t = S_tᵀ (scale q_t)."""
+"""Linear attention (docs/MATH.md §2.2): S_t = S_{t−1} + k_t v_tᵀ, o_t = S_tᵀ (scale q_t)."""
 
 from __future__ import annotations
 

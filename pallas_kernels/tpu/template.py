@@ -1,14 +1,14 @@
 """The chunk template as a differentiable op: custom VJP over the Pallas kernels, plus the layout
 glue (padding, segments, varlen) between the public [B, T, heads, dim] layout and the kernels.
 
-Every mixer is `delta_template(q, k, kt, vt, g, ...)` with (SPEC.md §2.0):
+Every mixer is `delta_template(q, k, kt, vt, g, ...)` with (docs/MATH.md §2.0):
 
     S̄_t = Diag(e^{g_t}) S_{t−1};   r_t = ṽ_t − S̄_tᵀ k̃_t;
     S_t = S̄_t + k_t r_tᵀ;           o_t = S_tᵀ (scale q_t)
 
 `kt` (k̃) None means no delta edit (linear attention); `g` None means no decay. The glue stays in
 plain JAX and is differentiated by autodiff around the kernels' custom VJP: the in-chunk cumsum of
-g (so the kernel's dG turns into dg by the reverse cumsum of SPEC.md §3.6 step 9), padding,
+g (so the kernel's dG turns into dg by the reverse cumsum of docs/MATH.md §3.6 step 9), padding,
 masking and the varlen re-layout.
 """
 
@@ -125,7 +125,7 @@ def delta_template(q, k, kt, vt, g, *, scale: float, initial_state=None, output_
     scale: query scale.
     initial_state: `[B, HV, K, V]` (varlen: `[N, HV, K, V]`) float32, or None for zeros.
     output_final_state: return the state after the last real token (per sequence in varlen).
-    segidx: `[B, T]` int running segment index (SPEC.md §1.7; state resets where it changes).
+    segidx: `[B, T]` int running segment index (docs/MATH.md §1.7; state resets where it changes).
     valid: `[B, T]` bool, False at padding positions (identity steps, zero outputs).
     cu_seqlens: `[N + 1]` int, varlen mode (B = 1); excludes segidx/valid.
     block_sizes: tiling (`BlockSizes()` by default).
@@ -186,8 +186,8 @@ def delta_template(q, k, kt, vt, g, *, scale: float, initial_state=None, output_
 
   seg = None
   if segidx is not None:
-    # Tail rows continue the last segment (SPEC.md §3.1); values relative to the segment of the
-    # token entering each chunk, so row i continues S_0's segment iff seg_i == 0.
+    # Tail rows continue the last segment (docs/MATH.md §3.1); values relative to the segment of
+    # the token entering each chunk, so row i continues S_0's segment iff seg_i == 0.
     s = _pad_axis(segidx.astype(jnp.int32), 1, t_pad, mode="edge").reshape(b, n_chunks, c)
     entry = jnp.concatenate([s[:, :1, :1], s[:, :-1, -1:]], axis=1)
     seg = (s - entry).astype(_F32).reshape(b, n_chunks, 1, c)
