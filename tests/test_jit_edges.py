@@ -108,3 +108,17 @@ def test_pallas_gpu_jit_forward_at_chunk_edges(mixer, t, mode):
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu",
                       reason="this jax has no Mosaic GPU Pallas backend")
   _check(mixer, "pallas_gpu", t, mode)
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn2"])
+def test_layer_under_nnx_jit_one_chunk_matches_scan_layer(kind):
+  # The user-facing path of the miscompile: the layer with the chunk form, one chunk, nnx.jit.
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from lineax_attn.layers import LinearMixer  # pylint: disable=g-import-not-at-top
+  make = lambda impl: LinearMixer(kind, 64, num_heads=2, head_dim_k=32, head_dim_v=32,
+                                  chunk_size=32, implementation=impl, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 32, 64))
+  want = make("scan")(x)
+  for _ in range(3):  # three fresh compiles
+    got = nnx.jit(lambda m, x: m(x))(make("chunk"), x)
+    assert_close(got, want, 1e-4, f"{kind} layer, chunk under nnx.jit vs scan")
