@@ -1,11 +1,11 @@
-"""Decoding speed: generated tokens/s and memory per sequence, per mixer and for softmax attention
+r"""Decoding speed: generated tokens/s and memory per sequence, per mixer and for softmax attention
 with a KV cache, after prompts of several lengths and at several batch sizes.
 
-    python -m experiments.bench_decode                         # tiny CPU default
+    python -m experiments.bench_decode  # tiny CPU default
     python -m experiments.bench_decode --batch=1,64 --prompt_len=4096,32768 --new_tokens=128 \
         --d_model=1024 --n_layers=4 --heads=4 --v_heads=8 --head_dim_k=64 --head_dim_v=64 \
         --attn_heads=16 --attn_kv_heads=4 --attn_head_dim=64 --mlp_hidden=2816 --vocab=32000 \
-        --dtype=bfloat16 --json_out=/tmp/decode.json            # the 350M shapes, on a GPU
+        --dtype=bfloat16 --json_out=/tmp/decode.json  # the 350M shapes, on a GPU
 
 Each mixer gets a pure stack of --n_layers layers (softmax: a Transformer++ with a KV cache of
 prompt + new tokens slots, or --window slots). Per (mixer, batch, prompt length):
@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from experiments import cli
 from lineax_attn import bench
 from lineax_attn.models import LanguageModel, ModelConfig, cache_bytes
 
@@ -168,4 +169,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

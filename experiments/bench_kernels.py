@@ -41,6 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments import cli  # noqa: E402
 from lineax_attn import ops  # noqa: E402
 
 _SHAPES = flags.DEFINE_string("shapes", "4,4096,16,128;2,16384,16,128",
@@ -693,4 +694,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,6 +1,6 @@
-"""Op-level timing: forward and forward+backward of every mixer implementation, plus attention.
+r"""Op-level timing: forward and forward+backward of every mixer implementation, plus attention.
 
-    python -m experiments.bench_ops                       # small default, fine on a 2-core CPU
+    python -m experiments.bench_ops  # small default, fine on a 2-core CPU
     python -m experiments.bench_ops --seq_len=4096 --batch=4 --heads=16 --v_heads=16 \
         --head_dim_k=128 --head_dim_v=128 --dtype=bfloat16 --json_out=/tmp/ops.json
 
@@ -27,6 +27,7 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 
+from experiments import cli
 from lineax_attn import bench
 from lineax_attn import ops
 
@@ -323,4 +324,4 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

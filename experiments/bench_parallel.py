@@ -1,4 +1,4 @@
-"""Data parallel vs context parallel training on the local devices (docs/CONTEXT_PARALLEL.md).
+r"""Data parallel vs context parallel training on the local devices (docs/CONTEXT_PARALLEL.md).
 
     # 2 GPUs, the `small` GDN 2:1 hybrid (8 layers, T 1024, 32 rows per step):
     python -m experiments.bench_parallel --config=configs/mixers.py:small --config.arm=gdn \
@@ -55,6 +55,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 import numpy as np
 
+from experiments import cli
 from lineax_attn.train import experiment
 
 MODES = ("single", "data", "context")
@@ -490,4 +491,4 @@ def _markdown(rows):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=experiment.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,7 +1,7 @@
 """The paper's sequence-length timing study (docs/MATH.md §7.3): training-step time against T at a
 fixed number of tokens per step.
 
-    python -m experiments.bench_seq_scaling                          # tiny CPU default
+    python -m experiments.bench_seq_scaling  # tiny CPU default
     python -m experiments.bench_seq_scaling --preset=paper --out=runs/seq_scaling_h200
 
 Variants (`--variants`): `gdn_pure` (every layer GDN), `gdn_hybrid` (the 2:1 GDN:softmax
@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from experiments import cli
 from lineax_attn import bench
 from lineax_attn.models import LanguageModel, get_config
 from lineax_attn.train import optim
@@ -211,4 +212,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

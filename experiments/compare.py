@@ -1,4 +1,4 @@
-"""Runs every arm of a comparison config, then writes a results table and a loss-curve plot.
+r"""Runs every arm of a comparison config, then writes a results table and a loss-curve plot.
 
     python -m experiments.compare --config=configs/mixers.py:tiny --workdir=runs/mixers_tiny
     python -m experiments.compare --config=configs/routing.py:small --arms=gdn,gdn_clvr \
@@ -24,6 +24,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import cli
 from lineax_attn.train import distributed, experiment
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -191,4 +192,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=experiment.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,4 +1,4 @@
-"""Recall evaluations: the MQAR sweep (docs/MATH.md §7.1), or NIAH on a trained LM (§7.2).
+r"""Recall evaluations: the MQAR sweep (docs/MATH.md §7.1), or NIAH on a trained LM (§7.2).
 
     python -m experiments.eval_recall --config=configs/mqar.py:cpu --workdir=runs/mqar_cpu
     python -m experiments.eval_recall --config=configs/mqar.py:gpu --workdir=runs/mqar_gpu \
@@ -29,6 +29,8 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import cli
+
 # The program's own flag set (not absl's global one): tests call `parse_flags` and `main` in
 # the same process as other programs that also define --config.
 FLAGS = flags.FlagValues()
@@ -42,15 +44,10 @@ _CHECKPOINT = flags.DEFINE_string(
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """Parses this program's flags (an unknown or ill-typed `--config.*` exits with one line
-  naming it); absl's own flags (which app.run needs parsed) keep their defaults. Returns the
-  remaining arguments."""
-  try:
-    rest = FLAGS(argv)
-  except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
-    message = str(e).strip().strip("'\"").replace("\\n", " ")
-    print(f"error: invalid command line: {message}", file=sys.stderr)
-    sys.exit(2)
+  """Parses this program's flags (`experiments.cli.parse_flags`: an unknown or ill-typed
+  `--config.*` exits with one line naming it, `--help` prints the usage); absl's own flags
+  (which app.run needs parsed) keep their defaults. Returns the remaining arguments."""
+  rest = cli.parse_flags(argv, FLAGS)
   flags.FLAGS(rest[:1])
   return rest
 

@@ -20,6 +20,8 @@ from absl import app
 from absl import flags
 import numpy as np
 
+from experiments import cli
+
 
 @dataclasses.dataclass
 class Region:
@@ -91,4 +93,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("trace")
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

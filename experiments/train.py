@@ -1,15 +1,19 @@
-"""Trains one model (one arm of a comparison) and resumes where it stopped.
+r"""Trains one model (one arm of a comparison) and resumes where it stopped.
 
     python -m experiments.train --config=configs/mixers.py:tiny --config.arm=gdn \
         --workdir=runs/mixers_tiny/gdn
     python -m experiments.train --config=configs/base.py:small --config.model.mixer=kda \
         --config.train.steps=500 --workdir=runs/kda_small
 
-Every config field can be overridden on the command line (`--config.section.field=value`); an
-unknown field or arm, or a mesh that does not fit the devices, fails before any compute with a
-message that names it. Re-running the same command resumes from the last checkpoint in
-`--workdir`. Multi-host: `--distributed=auto` (default) starts `jax.distributed` on SLURM and
-TPU pods; see docs/PODS.md.
+Every config field can be overridden on the command line (`--config.section.field=value`); a
+field given there wins over the arm's (`--config.arm=gdn --config.model.mixer=kda` trains KDA,
+and says so). An unknown field, arm, mixer or implementation, or a mesh that does not fit the
+devices, fails before any compute and before `--workdir` is written, with a message that names
+it. A WSD warmup + decay longer than `train.steps` (a 30-step trial of a 250-step config) is
+scaled down to fit, with a note; see docs/TRAINING.md. Re-running the same command resumes from
+the last checkpoint in `--workdir` (the logs drop what the killed run wrote after it); a
+finished run prints its recorded losses. Multi-host: `--distributed=auto` (default) starts
+`jax.distributed` on SLURM and TPU pods; see docs/PODS.md.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import cli
 from lineax_attn.train import distributed, experiment
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -48,7 +53,10 @@ def main(argv):
   from lineax_attn.train import loop  # pylint: disable=g-import-not-at-top
 
   try:
-    exp = experiment.resolve(_CONFIG.value)
+    # The command line's --config.* fields win over the arm's (ml_collections applied them
+    # before the arm was known).
+    exp = experiment.resolve(_CONFIG.value, command_line=config_flags.get_override_values(
+        flags.FLAGS["config"]))
     trainer = loop.Trainer(exp)  # abstract: checks that every parameter splits over the mesh
   except (ValueError, FileNotFoundError) as e:
     print(f"error: invalid config: {e}", file=sys.stderr)
@@ -71,4 +79,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=experiment.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,4 +1,4 @@
-"""Trains a SentencePiece tokenizer on the embedded corpus or on files.
+r"""Trains a SentencePiece tokenizer on the embedded corpus or on files.
 
   python -m experiments.train_tokenizer --vocab_size=8192 --output=tokenizers/shakespeare_8k.model
   python -m experiments.train_tokenizer --input='data/*.jsonl' --text_field=text \
@@ -16,6 +16,7 @@ import time
 
 from absl import app, flags, logging
 
+from experiments import cli
 from lineax_attn.data import pipeline, tokenizers
 
 _INPUT = flags.DEFINE_string(
@@ -53,4 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

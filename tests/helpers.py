@@ -104,3 +104,32 @@ def output_and_state_grads(mixer, args, initial_state, implementation):
                implementation=implementation)
     return jnp.sum(o * w_o) + jnp.sum(s * w_s)
   return jax.grad(f, argnums=tuple(range(len(args) + 1)))(*args, initial_state)
+
+
+def tensorboard_scalars(logdir) -> dict[tuple[str, int], list[float]]:
+  """Every scalar of every TensorBoard event file in `logdir`: (tag, step) -> the values
+  written for it, in file order. Reads the TFRecord framing itself (uint64 length, uint32 CRC,
+  payload, uint32 CRC) and decodes the payload with tensorboardX's Event proto."""
+  import collections  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import struct  # pylint: disable=g-import-not-at-top
+
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+
+  scalars = collections.defaultdict(list)
+  for name in sorted(os.listdir(logdir)):
+    if not name.startswith("events.out.tfevents."):
+      continue
+    with open(os.path.join(logdir, name), "rb") as f:
+      data = f.read()
+    pos = 0
+    while pos + 12 <= len(data):
+      (length,) = struct.unpack("<Q", data[pos:pos + 8])
+      payload = data[pos + 12:pos + 12 + length]
+      pos += 12 + length + 4
+      if len(payload) < length:
+        break  # a torn last record
+      event = event_pb2.Event.FromString(payload)
+      for value in event.summary.value:
+        scalars[(value.tag, int(event.step))].append(value.simple_value)
+  return dict(scalars)

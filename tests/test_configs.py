@@ -1,24 +1,31 @@
 """Experiment configs (configs/*.py, lineax_attn.train.experiment): every comparison file at
 every size resolves every arm into valid Model/Data/Optimizer configs; the paper size carries
-docs/MATH.md §6 numbers; bad configs (unknown field, unknown arm, impossible mesh, a batch that
-does not split over the mesh) fail before any compute with a message naming the culprit, in the
-library and through the `experiments/train.py` command line."""
+docs/MATH.md §6 numbers; bad configs (unknown field, unknown arm, impossible mesh, a batch
+that does not split over the mesh) fail before any compute with a message naming the culprit, in the
+library and through the `experiments/train.py` command line. A command-line field wins over the
+arm's; a WSD schedule longer than train.steps is scaled to fit (or, set on the command line,
+fails naming the flags)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 
 import jax
+import ml_collections
 import pytest
 from absl import flags
 from ml_collections import config_flags
 
 from configs import base
 from configs import hybrids, mixers, optimizers, routing
+from lineax_attn import ops
 from lineax_attn.models import abstract_model, count_params, get_config
-from lineax_attn.train import experiment
+from lineax_attn.models.config import MIXERS
+from lineax_attn.train import experiment, optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = {"mixers": mixers, "hybrids": hybrids, "routing": routing, "optimizers": optimizers}
@@ -94,13 +101,16 @@ def test_small_size_is_20_to_60m_parameters():
     assert 20e6 <= n <= 60e6, (arm, n)
 
 
-def _parse(argv):
-  """Parses argv as experiments/train.py does (overrides are read from sys_argv)."""
+def _parse(argv, with_overrides=False):
+  """Parses argv as experiments/train.py does (overrides are read from sys_argv); with
+  `with_overrides` also the command line's fields, as train.py passes them to resolve."""
   values = flags.FlagValues()
   argv = ["prog"] + argv
   config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True,
                                   sys_argv=argv)
   values(argv)
+  if with_overrides:
+    return values.config, config_flags.get_override_values(values["config"])
   return values.config
 
 
@@ -117,6 +127,90 @@ def test_command_line_overrides_and_unknown_fields():
     _parse([f"--config={path}:tiny", "--config.model.d_model=wide"])
 
 
+MIXERS_FILE = os.path.join(ROOT, "configs", "mixers.py")
+
+
+def test_command_line_field_wins_over_the_arm():
+  config, command_line = _parse([f"--config={MIXERS_FILE}:tiny", "--config.arm=gdn",
+                                 "--config.model.mixer=kda", "--config.model.chunk_size=16"],
+                                with_overrides=True)
+  exp = experiment.resolve(config, command_line=command_line, device_count=1, process_count=1)
+  assert exp.model.layer_types == ("kda", "kda") and exp.model.chunk_size == 16
+  assert exp.config.model.mixer == "kda"  # what config.json and the checkpoint record
+  # That config resolves again as it is (inspect and eval_recall --checkpoint read it back).
+  saved = ml_collections.ConfigDict(json.loads(json.dumps(exp.config.to_dict())))
+  again = experiment.resolve(saved, device_count=1, process_count=1)
+  assert (again.model, again.run_name, again.notes) == (exp.model, exp.run_name, ())
+  assert exp.notes == ("--config.model.mixer='kda' replaces model.mixer='gdn' of arm 'gdn'",)
+  # Without the command line (compare.py: one override for every arm) the arm's field wins.
+  assert experiment.resolve(config, device_count=1, process_count=1).model.layer_types == (
+      "gdn", "gdn")
+  # A field the arm does not set: no note; the arm's other fields stay.
+  config, command_line = _parse([f"--config={MIXERS_FILE}:paper", "--config.arm=deltanet",
+                                 "--config.model.num_heads=8"], with_overrides=True)
+  exp = experiment.resolve(config, command_line=command_line, device_count=8, process_count=1)
+  assert exp.notes == () and exp.model.num_heads == 8 and exp.model.dv == 128
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("mixer", "kdaa", re.escape(f"model.mixer: unknown mixer 'kdaa'; expected one of {MIXERS}")),
+    ("implementation", "fused", r"model\.implementation='fused' is not an implementation.*"
+     r"\['chunk', 'pallas_gpu', 'pallas_tpu', 'scan'\] or None"),
+    ("attn_implementation", "flash", r"model\.attn_implementation='flash'.*\['reference', "
+     r"'xla', 'cudnn'\] or None"),
+])
+def test_command_line_names_are_checked_over_the_arm(field, value, match):
+  config, command_line = _parse([f"--config={MIXERS_FILE}:tiny", "--config.arm=gdn",
+                                 f"--config.model.{field}={value}"], with_overrides=True)
+  with pytest.raises(ValueError, match=match):
+    experiment.resolve(config, command_line=command_line, device_count=1, process_count=1)
+
+
+def test_implementation_none_on_the_command_line():
+  assert set(ops.available_implementations()) == {"scan", "chunk", "pallas_tpu", "pallas_gpu"}
+  for text in ("None", "none"):
+    config, command_line = _parse([f"--config={MIXERS_FILE}:tiny", "--config.arm=gdn",
+                                   f"--config.model.implementation={text}"], with_overrides=True)
+    exp = experiment.resolve(config, command_line=command_line, device_count=1, process_count=1)
+    assert exp.model.implementation is None
+
+
+def test_schedule_scaled_to_fit_the_steps():
+  config, command_line = _parse([f"--config={MIXERS_FILE}:tiny", "--config.arm=gdn",
+                                 "--config.train.steps=30"], with_overrides=True)
+  exp = experiment.resolve(config, command_line=command_line, device_count=1, process_count=1)
+  # tiny: warmup 25 and decay 0.2 * 30 = 6 > 30: x 30/31 -> warmup 25*30//31 = 24, decay 6.
+  assert (exp.optim.warmup_steps, exp.optim.decay_steps, exp.optim.total_steps) == (24, 6, 30)
+  assert exp.notes == ("optim.warmup_steps=25 + 6 decay steps (optim.decay_fraction=0.2 of 30) "
+                       "do not fit in train.steps=30: scaled both by 30/31 to warmup_steps=24, "
+                       "decay_steps=6 (set --config.optim.warmup_steps and "
+                       "--config.optim.decay_steps to choose)",)
+  lr = optim.schedules(exp.optim)["lr"]
+  peak, floor = exp.optim.learning_rate, exp.optim.min_learning_rate
+  assert float(lr(12)) == pytest.approx(peak / 2) and float(lr(24)) == pytest.approx(peak)
+  assert float(lr(30)) == pytest.approx(floor)
+  # Steps that fit are left as they are (decay_steps stays the fraction's).
+  exp = experiment.resolve(mixers.get_config("tiny"), arm="gdn", device_count=1,
+                           process_count=1)
+  assert (exp.optim.warmup_steps, exp.optim.decay_steps, exp.notes) == (25, None, ())
+  # One step: warmup 25 -> 1, decay round(0.2) = 0.
+  config.train.steps = 1
+  exp = experiment.resolve(config, device_count=1, process_count=1)
+  assert (exp.optim.warmup_steps, exp.optim.decay_steps) == (1, 0)
+
+
+@pytest.mark.parametrize("flag", ["--config.optim.warmup_steps=25",
+                                  "--config.optim.decay_steps=10"])
+def test_schedule_set_on_the_command_line_must_fit(flag):
+  config, command_line = _parse([f"--config={MIXERS_FILE}:tiny", "--config.train.steps=30",
+                                 flag], with_overrides=True)
+  with pytest.raises(ValueError, match=re.escape(
+      f"came from the command line: set --config.optim.warmup_steps and "
+      f"--config.optim.decay_steps (or --config.optim.decay_fraction) so that warmup + decay <= "
+      f"train.steps")):
+    experiment.resolve(config, command_line=command_line, device_count=1, process_count=1)
+
+
 def _add_arm(config, name, overrides):
   config.arms[name] = overrides
   config.arm = name
@@ -130,7 +224,7 @@ def _add_arm(config, name, overrides):
     (lambda c: c.mesh.update(data=-1, fsdp=-1), r"at most one may be -1"),
     (lambda c: c.train.update(global_batch_size=6), r"global_batch_size=6 does not split"),
     (lambda c: c.model.update(vocab_size=100), r"vocab_size=100 is smaller"),
-    (lambda c: c.optim.update(warmup_steps=500), r"warmup_steps \(500\)"),
+    (lambda c: c.optim.update(warmup_steps=-1), r"warmup_steps \(-1\)"),  # too long: scaled
     (lambda c: c.data.update(format="parquet"), r"data.format='parquet'"),
     (lambda c: c.model.update(mixer="mamba"), r"unknown mixer 'mamba'"),
 ])
@@ -156,6 +250,10 @@ def _train_cli(args, workdir, devices=1):
     ("--config.mesh.tensor=2", 1, "Impossible mesh (data=-1, fsdp=1, tensor=2)"),
     # 8 devices, tensor=8: GDN's fused in-projection (width 260) does not split 8 ways.
     ("--config.mesh.tensor=8", 8, "['in_proj']['kernel'] of shape (64, 260): dimension 1"),
+    # The arm (gdn) sets model.mixer; the command line's value is checked, not replaced.
+    ("--config.model.mixer=kdaa", 1, "model.mixer: unknown mixer 'kdaa'; expected one of"),
+    ("--config.model.implementation=fused", 1,
+     "model.implementation='fused' is not an implementation of the linear mixers"),
 ])
 def test_train_cli_fails_before_compute(tmp_path, override, devices, match):
   workdir = tmp_path / "run"

@@ -9,19 +9,28 @@ so the schedule position must resume too); asynchronous checkpoints are on.
 
 The three runs are separate processes on one CPU device with XLA's backend optimisation level
 0 (faster compiles; all three runs use the same flags, which is what bit-exactness needs).
+
+A run killed with SIGKILL after it logged steps past its last checkpoint, then resumed: the
+steps after the checkpoint are trained again, and metrics.jsonl and TensorBoard's event files
+hold every step once (the oracle: 1..steps, each once, TensorBoard equal to the JSONL). The
+finished run launched once more trains nothing and prints the losses metrics.jsonl recorded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
 
 from configs import base
+from helpers import tensorboard_scalars
 from lineax_attn.train import checkpoint as checkpoint_lib
 from lineax_attn.train import experiment, loop
 from lineax_attn.train import sharding as sharding_lib
@@ -37,15 +46,15 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highes
            XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
 
 
-def _command(workdir, *extra):
+def _command(workdir, *extra, overrides=None):
   return [sys.executable, "-m", "experiments.train", "--config=configs/base.py:tiny",
           f"--workdir={workdir}", "--noprogress",
-          *(f"--config.{k}={v}" for k, v in OVERRIDES.items()), *extra]
+          *(f"--config.{k}={v}" for k, v in (overrides or OVERRIDES).items()), *extra]
 
 
-def _start(workdir, *extra):
-  return subprocess.Popen(_command(workdir, *extra), cwd=ROOT, env=ENV, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _start(workdir, *extra, overrides=None):
+  return subprocess.Popen(_command(workdir, *extra, overrides=overrides), cwd=ROOT, env=ENV,
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _finish(proc):
@@ -96,3 +105,80 @@ def test_stop_and_resume_is_bit_identical(tmp_path):
   for a, b in zip(leaves_a, leaves_b):
     a, b = np.asarray(a), np.asarray(b)
     assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _records(workdir):
+  """metrics.jsonl's records; a torn last line (the process was killed mid-write) is skipped."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  out = []
+  for line in open(path):
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError:
+      pass
+  return out
+
+
+def _saved_steps(workdir):
+  """The committed checkpoint steps (orbax renames a step's temporary directory when done)."""
+  directory = os.path.join(workdir, "checkpoints")
+  names = os.listdir(directory) if os.path.isdir(directory) else []
+  return sorted(int(n) for n in names if n.isdigit())
+
+
+def _kill_past_a_checkpoint(proc, workdir, timeout=300):
+  """SIGKILLs the run once it has logged a step after its latest committed checkpoint. The run
+  is frozen (SIGSTOP) while the files are looked at, so what it logged is what it leaves."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    assert proc.poll() is None, "the run ended before it could be killed: " + proc.stderr.read()
+    logged = [r["step"] for r in _records(workdir) if r["kind"] == "train"]
+    if logged and max(logged) >= 5:
+      os.kill(proc.pid, signal.SIGSTOP)
+      logged = max(r["step"] for r in _records(workdir) if r["kind"] == "train")
+      saved = _saved_steps(workdir)
+      if saved and logged > saved[-1]:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+        return logged, saved[-1]
+      os.kill(proc.pid, signal.SIGCONT)
+    time.sleep(0.002)
+  raise AssertionError("the run logged no step past a checkpoint in time")
+
+
+def test_sigkill_then_resume_logs_each_step_once(tmp_path):
+  steps = 40
+  # One softmax layer: the logs are the subject here, and it compiles fastest.
+  overrides = {**OVERRIDES, "model.pattern": "S", "model.n_layers": 1,
+               "train.steps": steps, "train.checkpoint_every": 4,
+               "train.async_checkpoint": False, "train.eval_batches": 1,
+               "train.eval_every": 0, "optim.decay_fraction": 0.25}
+  workdir = tmp_path / "run"
+  logged, saved = _kill_past_a_checkpoint(_start(workdir, overrides=overrides), workdir)
+  before = [r["step"] for r in _records(workdir) if r["kind"] == "train"]
+  assert before == list(range(1, logged + 1)) and logged > saved  # steps the resume replays
+
+  resumed_log = _finish(_start(workdir, overrides=overrides))
+  assert f"resumed from step {saved}" in resumed_log and f"completed at step {steps}" in resumed_log
+  records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]  # every line whole
+  train = [r for r in records if r["kind"] == "train"]
+  evals = [r for r in records if r["kind"] == "eval"]
+  assert [r["step"] for r in train] == list(range(1, steps + 1))
+  assert [r["step"] for r in evals] == [0, steps]
+  # TensorBoard: each (tag, step) once over all event files, the values of metrics.jsonl.
+  expected = {(f"{r['kind']}/{key}", r["step"]): [np.float32(r[key])]
+              for r in records for key in ("loss", "lr") if key in r}
+  scalars = tensorboard_scalars(workdir / "tensorboard")
+  assert {k: v for k, v in scalars.items() if k in expected} == expected
+  assert all(len(values) == 1 for values in scalars.values())
+
+  # Finished: launched again, it trains nothing and reports the recorded losses.
+  again = _finish(_start(workdir, overrides=overrides))
+  assert "already trained" in again
+  match = re.search(r"completed at step (\d+); train loss (\S+), validation loss (\S+);", again)
+  assert match, again
+  assert match.groups() == (str(steps), f"{train[-1]['loss']:.4f}",
+                            f"{evals[-1]['loss']:.4f}")
+  assert len(open(workdir / "metrics.jsonl").readlines()) == len(records)  # nothing appended

@@ -8,6 +8,8 @@
   run at the first bad step with a message naming the step and the last good checkpoint; that
   checkpoint stays and holds finite parameters, and nothing of the bad step is saved.
 * The FLOPs model and the MFU estimate against hand-computed values.
+* MetricWriter restarting from a step (a resume after a kill) keeps exactly the records up to
+  it, in metrics.jsonl and in TensorBoard's event files (read back from the TFRecord bytes).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 from configs import base
+from helpers import tensorboard_scalars
 from lineax_attn.train import checkpoint as checkpoint_lib
 from lineax_attn.train import experiment, loop, metrics
 from lineax_attn.train import progress as progress_lib
@@ -139,3 +142,33 @@ def test_flops_and_mfu_by_hand():
   line = progress_lib.Progress("run", 100, enabled=False).line(
       50, 2.5, val_loss=2.75, tokens_per_s=12345.0, mfu=None, eta_s=75)
   assert line == "[run]  step  50/100  loss 2.5000  val 2.7500  12.3k tok/s  mfu n/a  eta 0:01:15"
+
+
+def test_metric_writer_restart_drops_the_replayed_steps(tmp_path):
+  writer = metrics.MetricWriter(str(tmp_path))
+  for step in range(1, 7):
+    writer.write(step, "train", {"loss": float(step), "lr": 0.5})
+  writer.write(4, "eval", {"loss": 0.75})
+  writer.write(6, "eval", {"loss": 0.25})
+  writer.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 7, "kind": "tr')  # the torn last line of a killed process
+  assert [r["step"] for r in metrics.read_metrics(str(tmp_path)) if r["kind"] == "train"] == [
+      1, 2, 3, 4, 5, 6]
+
+  # Resumed from the checkpoint of step 4: steps 5 and 6 run again.
+  writer = metrics.MetricWriter(str(tmp_path), discard_after_step=4)
+  writer.write(5, "train", {"loss": 50.0, "lr": 0.5})
+  writer.close()
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [(r["kind"], r["step"], r["loss"]) for r in rows] == [
+      ("train", 1, 1.0), ("train", 2, 2.0), ("train", 3, 3.0), ("train", 4, 4.0),
+      ("eval", 4, 0.75), ("train", 5, 50.0)]
+  expected = {(f"{r['kind']}/{key}", r["step"]): [r[key]] for r in rows
+              for key in ("loss", "lr") if key in r}
+  assert tensorboard_scalars(tmp_path / "tensorboard") == expected
+
+  # A fresh start (no checkpoint) keeps nothing.
+  metrics.MetricWriter(str(tmp_path), discard_after_step=-1).close()
+  assert open(tmp_path / "metrics.jsonl").read() == ""
+  assert tensorboard_scalars(tmp_path / "tensorboard") == {}

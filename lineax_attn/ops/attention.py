@@ -16,6 +16,7 @@ from lineax_attn.ops import segments as seg_lib
 
 _HI = jax.lax.Precision.HIGHEST
 _IMPLEMENTATIONS = ("reference", "xla", "cudnn")
+IMPLEMENTATIONS = _IMPLEMENTATIONS  # public: configs check attn_implementation against it
 
 
 def _check(q, k, v, window, causal):

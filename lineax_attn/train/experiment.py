@@ -20,7 +20,23 @@ unknown arm, an impossible mesh, a batch that does not split over the mesh, a vo
 than the tokenizer's) is a ValueError that names the field, raised before any compute.
 
 Locked ConfigDicts make `--config.model.not_a_field=1` fail at flag parsing with the key's name.
-Optional fields (default None) are typed placeholders, so `--config.model.num_v_heads=8` parses.
+Optional fields (default None) are typed placeholders, so `--config.model.num_v_heads=8` parses;
+an optional string field of the model set to "None" (`--config.model.implementation=None`) is
+None.
+
+Precedence: the config file, then the arm's overrides, then the command line. ml_collections
+applies `--config.*` flags to the config before the arm is known, so `resolve(config,
+command_line=...)` takes the flags' values (`config_flags.get_override_values(FLAGS["config"])`)
+and sets them again over the arm's: `--config.arm=gdn --config.model.mixer=kda` trains KDA (with
+a note that the command line replaced the arm's value). Without `command_line` (compare.py runs
+every arm) an arm's own fields win.
+
+The WSD schedule must fit in `train.steps`: warmup_steps + decay steps (`optim.decay_steps`, or
+round(decay_fraction * train.steps)) <= train.steps. When it does not (a 30-step trial run of a
+config made for 250 steps), both are scaled down by the same factor to fill train.steps, keeping
+their ratio: warmup' = warmup * steps // (warmup + decay), decay' = steps - warmup' (tiny's 25 +
+6 in 30 steps: 24 + 6), and `Experiment.notes` says so; when either was set on the command line,
+it is an error that names the flags to set instead.
 """
 
 from __future__ import annotations
@@ -37,7 +53,9 @@ from ml_collections import config_dict
 from lineax_attn.data import pipeline as pipeline_lib
 from lineax_attn.data import synthetic as synthetic_lib
 from lineax_attn.data import tokenizers as tokenizers_lib
-from lineax_attn.models.config import ModelConfig
+from lineax_attn.models.config import ModelConfig, canonical_mixer
+from lineax_attn.ops import api as ops_api
+from lineax_attn.ops import attention as attention_ops
 from lineax_attn.train import optim as optim_lib
 from lineax_attn.train import sharding as sharding_lib
 
@@ -101,6 +119,9 @@ class Experiment:
   mesh: MeshSettings
   mesh_shape: tuple[int, int, int]
   config: ml_collections.ConfigDict   # the base config with the arm applied, arms removed
+  # One-line notes on values resolve() derived or replaced (a scaled schedule, an arm's field
+  # replaced by the command line); the training loop prints them.
+  notes: tuple[str, ...] = ()
 
   @property
   def tokens_per_step(self) -> int:
@@ -196,10 +217,16 @@ def apply_arm(config: ml_collections.ConfigDict, arm: str | None = None
               ) -> ml_collections.ConfigDict:
   """A copy of config with arm's overrides applied (arm None: `config.arm`), arms removed.
 
+  A config without `arms` whose `arm` is the arm asked for is one applied already (a run's
+  `Experiment.config`, its config.json): it is returned as it is.
   Raises a ValueError naming an unknown arm or an unknown field of the arm's overrides.
   """
   arm = config.get("arm", "") if arm is None else arm
   arms = config.arms.to_dict() if "arms" in config else {}
+  if arm and "arms" not in config and arm == config.get("arm", ""):
+    out = copy.deepcopy(config)
+    out.lock()
+    return out
   out = copy.deepcopy(config)
   out.unlock()
   for key in ("arms", "paper"):
@@ -215,6 +242,88 @@ def apply_arm(config: ml_collections.ConfigDict, arm: str | None = None
     _apply_overrides(out, arms[arm], "")
   out.lock()
   return out
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _apply_command_line(resolved: ml_collections.ConfigDict, command_line: Mapping[str, Any],
+                        arm: str) -> list[str]:
+  """Sets the command line's fields again over the arm's (in place); notes on the ones the arm
+  had changed. `command_line`: dotted path -> value, as ml_collections parsed it."""
+  notes = []
+  for path, value in command_line.items():
+    keys = path.split(".")
+    if keys[0] in ("arm", "arms", "paper"):
+      continue  # the arm's name, or fields of the arms: already in the config
+    target = resolved
+    for depth, key in enumerate(keys):
+      if not isinstance(target, ml_collections.ConfigDict) or key not in target:
+        raise ValueError(f"Unknown config field {path!r} on the command line (no "
+                         f"{'.'.join(keys[:depth + 1])!r})")
+      if depth < len(keys) - 1:
+        target = target[key]
+    value = tuple(value) if isinstance(value, list) else value
+    current = target[keys[-1]]
+    if current != value:
+      notes.append(f"--config.{path}={value!r} replaces {path}={current!r} of arm {arm!r}")
+      target[keys[-1]] = value
+  return notes
+
+
+def _fit_schedule(optim: optim_lib.OptimizerConfig, explicit: set[str]
+                  ) -> tuple[optim_lib.OptimizerConfig, list[str]]:
+  """The optimiser config with a WSD schedule that fits in total_steps (module docstring)."""
+  total, warmup = optim.total_steps, optim.warmup_steps
+  decay = (optim.decay_steps if optim.decay_steps is not None
+           else int(round(optim.decay_fraction * total)))
+  if warmup < 0 or decay < 0 or warmup + decay <= total:
+    return optim, []  # fits (negative values: wsd_schedule's error names them)
+  decay_source = (f"optim.decay_steps={decay}" if optim.decay_steps is not None else
+                  f"{decay} decay steps (optim.decay_fraction={optim.decay_fraction:g} of "
+                  f"{total})")
+  flags_set = sorted(explicit & {"optim.warmup_steps", "optim.decay_steps",
+                                 "optim.decay_fraction"})
+  if flags_set:
+    raise ValueError(
+        f"optim.warmup_steps={warmup} + {decay_source} exceed train.steps={total} and "
+        f"{', '.join('--config.' + f for f in flags_set)} came from the command line: set "
+        f"--config.optim.warmup_steps and --config.optim.decay_steps (or "
+        f"--config.optim.decay_fraction) so that warmup + decay <= train.steps")
+  new_warmup = warmup * total // (warmup + decay)
+  new_decay = total - new_warmup
+  note = (f"optim.warmup_steps={warmup} + {decay_source} do not fit in train.steps={total}: "
+          f"scaled both by {total}/{warmup + decay} to warmup_steps={new_warmup}, "
+          f"decay_steps={new_decay} (set --config.optim.warmup_steps and "
+          f"--config.optim.decay_steps to choose)")
+  return dataclasses.replace(optim, warmup_steps=new_warmup, decay_steps=new_decay), [note]
+
+
+def _check_model_names(model_values: dict[str, Any]) -> None:
+  """The model's named choices, checked here so that a typo fails before the workdir exists
+  (the layers would only reject an implementation at the first forward pass)."""
+  try:
+    canonical_mixer(model_values.get("mixer"))
+  except ValueError as e:
+    raise ValueError(f"model.mixer: {e}") from e
+  implementation = model_values.get("implementation")
+  if implementation is not None and implementation not in ops_api.available_implementations():
+    raise ValueError(f"model.implementation={implementation!r} is not an implementation of the "
+                     f"linear mixers; expected one of "
+                     f"{sorted(ops_api.available_implementations())} or None (the best for the "
+                     f"backend; on the command line --config.model.implementation=None)")
+  attn = model_values.get("attn_implementation")
+  if attn is not None and attn not in attention_ops.IMPLEMENTATIONS:
+    raise ValueError(f"model.attn_implementation={attn!r} is not a softmax attention "
+                     f"implementation; expected one of {list(attention_ops.IMPLEMENTATIONS)} "
+                     f"or None (the best for the backend)")
+
+
+def _none_strings(model_values: dict[str, Any]) -> dict[str, Any]:
+  """Optional string fields given as "None" (the command line's only way to write None)."""
+  optional = {f.name for f in dataclasses.fields(ModelConfig) if f.default is None}
+  return {k: None if k in optional and isinstance(v, str) and v.strip().lower() == "none" else v
+          for k, v in model_values.items()}
 
 
 # ----------------------------------------------------------------------------- resolving
@@ -252,19 +361,29 @@ def _data_configs(config, train: TrainSettings):
 
 
 def resolve(config: ml_collections.ConfigDict, *, arm: str | None = None,
-            device_count: int | None = None, process_count: int | None = None) -> Experiment:
+            device_count: int | None = None, process_count: int | None = None,
+            command_line: Mapping[str, Any] | None = None) -> Experiment:
   """Applies the arm and validates everything (ValueError naming the field) without compute.
 
   Args:
     config: a config of `base_config()`'s layout.
     arm: the arm to apply (None: `config.arm`).
     device_count, process_count: for the mesh checks (default: jax's).
+    command_line: the `--config.*` fields given on the command line (dotted path -> value,
+      `config_flags.get_override_values(FLAGS["config"])`): they win over the arm's values,
+      and a schedule that does not fit is an error rather than scaled when they set it (see
+      the module docstring). None: an arm's fields win.
   """
   extra = sorted(set(config.keys()) - set(SECTIONS) - set(TOP_LEVEL))
   if extra:
     raise ValueError(f"Unknown top-level config field(s) {extra}; expected {SECTIONS} and "
                      f"{TOP_LEVEL}")
   resolved = apply_arm(config, arm)
+  command_line = dict(command_line or {})
+  notes = []
+  if command_line:
+    with resolved.unlocked():
+      notes += _apply_command_line(resolved, command_line, str(resolved.arm))
 
   train_values = _section_dict(resolved, "train")
   try:
@@ -281,16 +400,19 @@ def resolve(config: ml_collections.ConfigDict, *, arm: str | None = None,
   if "total_steps" in optim_values:
     raise ValueError("optim.total_steps is set by train.steps; remove it from the optim section")
   optim = optim_lib.OptimizerConfig.from_mapping(optim_values, total_steps=train.steps)
-  optim_lib.schedules(optim)  # the WSD arithmetic (warmup + decay <= steps) fails here
+  optim, schedule_notes = _fit_schedule(optim, set(command_line))
+  notes += schedule_notes
+  optim_lib.schedules(optim)  # the rest of the WSD arithmetic (negative steps) fails here
 
   train_data, eval_data = _data_configs(resolved, train)
   tokenizer = tokenizers_lib.get_tokenizer(train_data.tokenizer)
 
-  model_values = _section_dict(resolved, "model")
+  model_values = _none_strings(_section_dict(resolved, "model"))
   known = {f.name for f in dataclasses.fields(ModelConfig)}
   unknown = sorted(set(model_values) - known)
   if unknown:
     raise ValueError(f"Unknown model config field(s) {unknown}")
+  _check_model_names(model_values)
   data_vocab = tokenizer.vocab_size
   if synthetic_lib.is_mqar_source(train_data.source):  # MQAR tokens are its own vocabulary
     data_vocab = synthetic_lib.mqar_config_from_source(train_data.source, train.seq_len).vocab
@@ -329,7 +451,7 @@ def resolve(config: ml_collections.ConfigDict, *, arm: str | None = None,
 
   return Experiment(name=str(resolved.get("name", "")), arm=str(resolved.arm), model=model,
                     train_data=train_data, eval_data=eval_data, optim=optim, train=train,
-                    mesh=mesh, mesh_shape=shape, config=resolved)
+                    mesh=mesh, mesh_shape=shape, config=resolved, notes=tuple(notes))
 
 
 def describe(experiment: Experiment) -> str:
@@ -354,18 +476,3 @@ def _mesh_desc(experiment: Experiment) -> dict[str, int]:
 
 __all__ = ["TrainSettings", "MeshSettings", "Experiment", "base_config", "dataclass_section",
            "apply_arm", "arm_names", "resolve", "describe"]
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl `flags_parser` for `app.run`: a bad `--config.*` override (unknown field, wrong type)
-  exits with one line naming it instead of a traceback."""
-  import sys  # pylint: disable=g-import-not-at-top
-
-  from absl import flags  # pylint: disable=g-import-not-at-top
-
-  try:
-    return flags.FLAGS(argv)
-  except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as e:
-    message = str(e).strip().strip("'\"").replace("\\n", " ").replace("\\'", "'")
-    print(f"error: invalid command line: {message}", file=sys.stderr)
-    sys.exit(2)

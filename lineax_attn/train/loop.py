@@ -28,7 +28,11 @@ Pieces:
   Validation runs every `eval_every` steps (and at the start and the end) on a fixed set of
   `eval_batches` batches.
   Logs: a progress line, `<workdir>/metrics.jsonl` and TensorBoard scalars (process 0), with
-  tokens/s and the MFU estimate of `metrics.py`.
+  tokens/s and the MFU estimate of `metrics.py`. A run killed after its last checkpoint logged
+  steps that the resumed run trains again: on resume the records after the restored step are
+  dropped (metrics.jsonl rewritten, TensorBoard's events rewritten into one file), so each
+  step is logged once. A finished run launched again trains nothing and returns the losses
+  metrics.jsonl recorded.
 
 Multi-host: every process runs the same program; each reads its own shard of the documents
 (the pipeline shards by `jax.process_index()`), global batches are assembled with
@@ -279,7 +283,11 @@ class Trainer:
 
 @dataclasses.dataclass
 class TrainResult:
-  """What one call of `train` did. `losses[i]` is the training loss of step `first_step + i`."""
+  """What one call of `train` did. `losses[i]` is the training loss of step `first_step + i`.
+
+  A run found finished (stop_reason "already completed") trained nothing: `losses` is empty,
+  and train_loss, eval_loss(es) and tokens_per_second are the ones metrics.jsonl recorded.
+  """
 
   name: str
   first_step: int                    # the step this call started from (0, or a checkpoint's)
@@ -379,6 +387,8 @@ def train(config: ml_collections.ConfigDict | experiment_lib.Experiment, workdir
   say = log if log is not None else bar.message
   if not is_main:
     say = lambda _: None  # noqa: E731
+  for note in exp.notes:  # values resolve() derived (a scaled schedule, the command line's)
+    say(f"note: {note}")
 
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
@@ -391,16 +401,16 @@ def train(config: ml_collections.ConfigDict | experiment_lib.Experiment, workdir
                                      max_to_keep=settings.keep_checkpoints,
                                      save_interval_steps=interval,
                                      async_save=settings.async_checkpoint)
-  writer = metrics_lib.MetricWriter(workdir, enabled=is_main)
+  writer = None
   try:
     latest = ckpt.latest_step()
     if latest is not None and latest >= settings.steps:
       say(f"already trained: checkpoint at step {latest} >= train.steps={settings.steps}")
-      return TrainResult(
-          name=exp.run_name, first_step=latest, final_step=latest, losses=[], eval_losses=[],
-          train_loss=None, eval_loss=None, tokens_per_second=None,
-          num_params=trainer.num_params, wall_seconds=time.perf_counter() - start_time,
-          completed=True, stop_reason="already completed")
+      return _finished_result(exp, workdir, latest, trainer.num_params, start_time)
+    # Steps after the checkpoint (a killed run logged them) are trained again: drop their
+    # records; a fresh start (no checkpoint) drops them all.
+    writer = metrics_lib.MetricWriter(workdir, enabled=is_main,
+                                      discard_after_step=-1 if latest is None else latest)
     train_iterator = pipeline_lib.make_iterator(exp.train_data)
     if latest is None:
       params, opt_state = trainer.init()
@@ -423,8 +433,26 @@ def train(config: ml_collections.ConfigDict | experiment_lib.Experiment, workdir
     return _run(exp, trainer, ckpt, writer, bar, say, train_iterator, eval_batches, params,
                 opt_state, step, stop_at_step, start_time)
   finally:
-    writer.close()
+    if writer is not None:
+      writer.close()
     ckpt.close()
+
+
+def _finished_result(exp, workdir: str, step: int, num_params: int,
+                     start_time: float) -> TrainResult:
+  """The result of a run found finished: its losses as metrics.jsonl recorded them."""
+  records = metrics_lib.read_metrics(workdir)  # sorted by (kind, step)
+  numeric = lambda r: isinstance(r.get("loss"), (int, float))  # noqa: E731
+  train = [r for r in records if r["kind"] == "train" and r["step"] <= step and numeric(r)]
+  evals = [(r["step"], float(r["loss"])) for r in records
+           if r["kind"] == "eval" and r["step"] <= step and numeric(r)]
+  return TrainResult(
+      name=exp.run_name, first_step=step, final_step=step, losses=[], eval_losses=evals,
+      train_loss=float(train[-1]["loss"]) if train else None,
+      eval_loss=evals[-1][1] if evals else None,
+      tokens_per_second=train[-1].get("tokens_per_s") if train else None,
+      num_params=num_params, wall_seconds=time.perf_counter() - start_time, completed=True,
+      stop_reason="already completed")
 
 
 def _run(exp, trainer, ckpt, writer, bar, say, train_iterator, eval_batches, params, opt_state,

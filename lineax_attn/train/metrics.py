@@ -96,21 +96,44 @@ def _scalar(value) -> Any:
 class MetricWriter:
   """Appends `{"step", "kind", "time", **scalars}` lines to `<workdir>/metrics.jsonl` and the
   same scalars to TensorBoard (`<workdir>/tensorboard`, tag `kind/name`). Process 0 writes;
-  other processes pass `enabled=False` and nothing is written."""
+  other processes pass `enabled=False` and nothing is written.
 
-  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
+  `discard_after_step`: the step a run restarts from, for a run that continues in a workdir
+  (the restored checkpoint's step; -1 for a fresh start). A run killed after its last
+  checkpoint logged steps that the new run does again; so records with a later step are
+  dropped from metrics.jsonl (rewritten, a torn last line dropped too), and TensorBoard's event
+  files are replaced by one file written from the records kept (their wall times too), so no
+  step shows twice in either. None: append to what is there.
+  """
+
+  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
+               discard_after_step: int | None = None):
     self.enabled = enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb = None
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
+    kept = None
+    if discard_after_step is not None:
+      kept = [r for r in _read_records(self.path) if r["step"] <= discard_after_step]
+      temporary = self.path + ".tmp"
+      with open(temporary, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+      os.replace(temporary, self.path)
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
       except ImportError:  # the JSONL log is enough; TensorBoard is optional
-        self._tb = None
+        return
+      logdir = os.path.join(workdir, "tensorboard")
+      if kept is not None and os.path.isdir(logdir):
+        for name in os.listdir(logdir):
+          if name.startswith("events.out.tfevents."):
+            os.remove(os.path.join(logdir, name))
+      self._tb = SummaryWriter(logdir)
+      for record in kept or ():
+        self._tb_write(record)
 
   def write(self, step: int, kind: str, scalars: Mapping[str, Any]) -> None:
     if not self.enabled:
@@ -119,10 +142,15 @@ class MetricWriter:
     record.update({k: _scalar(v) for k, v in scalars.items() if v is not None})
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
-    if self._tb is not None:
-      for key, value in record.items():
-        if key not in ("step", "kind", "time") and isinstance(value, (int, float)):
-          self._tb.add_scalar(f"{kind}/{key}", value, int(step))
+    self._tb_write(record)
+
+  def _tb_write(self, record: Mapping[str, Any]) -> None:
+    if self._tb is None:
+      return
+    for key, value in record.items():
+      if key not in ("step", "kind", "time") and isinstance(value, (int, float)):
+        self._tb.add_scalar(f"{record['kind']}/{key}", value, int(record["step"]),
+                            walltime=record.get("time"))
 
   def flush(self) -> None:
     if self._tb is not None:
@@ -134,17 +162,29 @@ class MetricWriter:
       self._tb = None
 
 
-def read_metrics(workdir: str) -> list[dict[str, Any]]:
-  """The records of `<workdir>/metrics.jsonl`; for a step logged twice (a run resumed from an
-  earlier checkpoint) the later record wins. Sorted by (kind, step)."""
-  path = os.path.join(workdir, "metrics.jsonl")
+def _read_records(path: str) -> list[dict[str, Any]]:
+  """The records of a metrics.jsonl in file order; a line that is no JSON record (the torn last
+  line of a killed process) is skipped."""
   if not os.path.exists(path):
     return []
-  latest: dict[tuple[str, int], dict[str, Any]] = {}
+  records = []
   with open(path) as f:
     for line in f:
-      line = line.strip()
-      if line:
+      try:
         record = json.loads(line)
-        latest[(record["kind"], record["step"])] = record
+      except json.JSONDecodeError:
+        continue
+      if isinstance(record, dict) and "step" in record and "kind" in record:
+        records.append(record)
+  return records
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """The records of `<workdir>/metrics.jsonl`; for a step logged twice (a log written before
+  `MetricWriter(discard_after_step=...)` existed) the later record wins. Sorted by (kind,
+  step)."""
+  latest: dict[tuple[str, int], dict[str, Any]] = {}
+  for record in _read_records(os.path.join(workdir, "metrics.jsonl")):
+    latest[(record["kind"], record["step"])] = record
   return [latest[k] for k in sorted(latest)]
+
