@@ -100,6 +100,12 @@ def test_param_groups():
       "norm": {"scale": "vector"},
       "lm_head": {"kernel": "head"},
   }
+  # Gate constants are "vector" at any rank: KDA's per-channel dt_bias [HV, K], a routing γ.
+  assert optim.param_groups({"mixer": {"A_log": jnp.ones(4), "dt_bias": jnp.ones((4, 16)),
+                                       "w_kernel": jnp.ones((4, 16))},
+                             "route": {"gamma": jnp.ones((2, 8))}}) == {
+      "mixer": {"A_log": "vector", "dt_bias": "vector", "w_kernel": "matrix"},
+      "route": {"gamma": "vector"}}
   # Paths through lists / nnx-style integer keys.
   assert optim.param_groups({"layers": [{"w": jnp.ones((2, 2))}, {"b": jnp.ones(2)}]}) == {
       "layers": [{"w": "matrix"}, {"b": "vector"}]}

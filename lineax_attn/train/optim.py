@@ -5,7 +5,10 @@ path's keys joined by "/", lower-cased) and its ndim:
 
 * "embed": the path contains "embed" (token embeddings).
 * "head": the path contains "lm_head" (the untied output projection).
-* "vector": ndim < 2 (biases, norm scales, gate constants such as A_log, dt_bias, γ).
+* "vector": ndim < 2 (biases, norm scales), and the gate constants A_log, dt_bias and the
+  routing γ whatever their rank: KDA's and GDN-2's per-channel dt_bias [HV, K] and a per-channel
+  γ are 2-D, yet no weight decay or Muon orthogonalisation belongs on a decay-rate bias (FLA
+  marks these `_no_weight_decay`; decaying dt_bias towards 0 shortens the memory).
 * "conv": the path contains "conv" (short depthwise convolution kernels: not matmuls).
 * "matrix": everything else (ndim >= 2: the projections of the mixers and the MLP).
 
@@ -54,6 +57,8 @@ import optax
 DECAY_SHAPES = ("minus_sqrt", "linear", "cosine")
 OPTIMIZERS = ("adamw", "muon")
 GROUPS = ("matrix", "conv", "head", "embed", "vector")
+# Leaf names of the gate parameters that are constants of the recurrence, not projections.
+GATE_CONSTANTS = ("A_log", "dt_bias", "gamma")
 
 
 def wsd_schedule(
@@ -156,7 +161,7 @@ def param_group(path, leaf) -> str:
     return "embed"
   if "lm_head" in name:
     return "head"
-  if jnp.ndim(leaf) < 2:
+  if jnp.ndim(leaf) < 2 or path_name(path).rsplit("/", 1)[-1] in GATE_CONSTANTS:
     return "vector"
   if "conv" in name:
     return "conv"
