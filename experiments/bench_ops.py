@@ -180,7 +180,8 @@ def _fallback_note(implementation: str, cfg: BenchConfig) -> str:
   from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
   reason_fn = getattr(pallas_gpu, "unsupported_reason", None)
   reason = reason_fn and reason_fn(dk=cfg.head_dim_k, dv=cfg.head_dim_v,
-                                   chunk_size=cfg.chunk_size, varlen=False)
+                                   chunk_size=cfg.chunk_size, varlen=False, b=cfg.batch,
+                                   t=cfg.seq_len, hv=cfg.v_heads)
   return f"runs 'chunk' here: {reason}" if reason else ""
 
 

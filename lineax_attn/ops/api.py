@@ -193,6 +193,26 @@ def check_initial_state(initial_state, dims: Dims, layout: seg_lib.SegmentLayout
   return initial_state
 
 
+MAX_POSITIONS = 2**31 - 1   # token positions and segment indices are int32 arrays
+
+
+def check_token_positions(t: int, layout: seg_lib.SegmentLayout, chunk_size: int) -> None:
+  """Token positions (segment indices, padding to whole chunks, the varlen re-layout) are int32
+  index arrays over the time axis: they must stay below 2^31. Element offsets never are (XLA and
+  the kernels index per dimension; docs/KERNELS_GPU.md, "Indexing past 2^31 elements")."""
+  padded = -(-t // chunk_size) * chunk_size
+  if layout.is_varlen:
+    n = layout.cu_seqlens.shape[0] - 1
+    positions = padded + n * chunk_size
+    if positions > MAX_POSITIONS:
+      raise ValueError(f"`cu_seqlens`: T = {t} tokens in N = {n} sequences re-lay onto "
+                       f"(ceil(T/C) + N)·C = {positions} positions (C = {chunk_size}), past the "
+                       f"int32 limit {MAX_POSITIONS}.")
+  elif padded > MAX_POSITIONS:
+    raise ValueError(f"`q`: T = {t} tokens ({padded} padded to whole chunks of {chunk_size}) "
+                     f"exceed the int32 position limit {MAX_POSITIONS}.")
+
+
 def resolve_implementation(implementation: str | None) -> Callable[..., Any]:
   name = default_implementation() if implementation is None else implementation
   if name in _IMPLEMENTATIONS:
@@ -214,6 +234,7 @@ def run_mixer(mixer: str, q, k, v, gates: Mapping[str, Any], *, scale=None, init
   chunk_size = check_chunk_size(chunk_size)
   layout = check_segments(segment_ids, cu_seqlens, dims)
   initial_state = check_initial_state(initial_state, dims, layout)
+  check_token_positions(dims.t, layout, chunk_size)
   impl = resolve_implementation(implementation)
   f32 = lambda x: x.astype(jnp.float32)
   o, final_state, r = impl(mixer, f32(q), f32(k), f32(v), checked, scale=scale,

@@ -21,9 +21,10 @@ resources:
   wired as a `jax.custom_vjp`.
 
 Handled: all five linear mixers, initial_state / final_state, GVA, segment_ids, T not a multiple
-of the chunk, return_residual. Needs chunk_size 64, K = 64 or 128, V a multiple of 64. Anything
-else (other sizes, `cu_seqlens` varlen, a GPU that is not Hopper) falls back to the `chunk`
-implementation with one log line per reason; never silently wrong.
+of the chunk, return_residual. Needs chunk_size 64, K = 64 or 128, V a multiple of 64, and
+B·T·HV < 2^31 rows (TMA coordinates are 32-bit per dimension; docs/KERNELS_GPU.md, "Indexing
+past 2^31 elements"). Anything else (other sizes, `cu_seqlens` varlen, a GPU that is not Hopper)
+falls back to the `chunk` implementation with one log line per reason; never silently wrong.
 
 Off GPU the kernels run in JAX's Mosaic GPU interpreter (slow; for tests).
 """
@@ -80,11 +81,15 @@ def _interpret_params():
   return plgpu.InterpretGPUParams()
 
 
-def unsupported_reason(*, dk: int, dv: int, chunk_size: int, varlen: bool) -> str | None:
-  """Why `pallas_gpu` cannot run this call (None if it can)."""
+def unsupported_reason(*, dk: int, dv: int, chunk_size: int, varlen: bool, b: int = 1,
+                       t: int = 1, hv: int = 1) -> str | None:
+  """Why `pallas_gpu` cannot run this call (None if it can); t is the sequence length."""
   if varlen:
     return "cu_seqlens (varlen) is not handled by the pallas_gpu kernels yet"
   reason = sp.supported(chunk_size, dk, dv)
+  if reason:
+    return reason
+  reason = sp.index_range_reason(b, -(-t // chunk_size) * chunk_size, hv, dv)
   if reason:
     return reason
   if jax.default_backend() == "gpu" and not is_hopper():
@@ -341,10 +346,16 @@ def _core(q, k, kt, vt, g, s0, segidx, *, c, interpret):
 
 
 def _kernel_segments(segidx, c):
-  """segidx [B, T] -> the kernel's (seg, cont, keep), each [B, T] float32."""
+  """segidx [B, T] -> the kernel's (seg, cont, keep), each [B, T] float32.
+
+  The kernel compares segment ids only within a chunk, so seg is segidx minus the id of the
+  chunk's first row: in [0, C), exact in float32 (segidx, a running count up to T, is not once
+  it passes 2^24)."""
   b, t = segidx.shape
   _, cont, keep = _segment_masks(segidx, c)
-  return segidx.astype(_F32), cont.reshape(b, t), keep.reshape(b, t)
+  chunks = segidx.reshape(b, t // c, c)
+  seg = (chunks - chunks[:, :, :1]).astype(_F32).reshape(b, t)
+  return seg, cont.reshape(b, t), keep.reshape(b, t)
 
 
 def _kernel_inputs(q, k, v, beta, G, segidx, c):
@@ -433,7 +444,8 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
   """The `pallas_gpu` implementation (see `api.run_mixer` for the contract)."""
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
-  reason = unsupported_reason(dk=dk, dv=dv, chunk_size=chunk_size, varlen=layout.is_varlen)
+  reason = unsupported_reason(dk=dk, dv=dv, chunk_size=chunk_size, varlen=layout.is_varlen,
+                              b=b, t=t, hv=hv)
   if reason:
     _fallback(reason, mixer)
     return chunked.chunk_delta_family(mixer, q, k, v, gates, scale=scale,

@@ -39,9 +39,10 @@ beta, G, Gx `[B, HV, T]` float32; T a multiple of 64; K, V in {64, 128}. Outputs
 p `[B, HV, Nc, C, C]` bf16, u `[B, HV, Nc, C, V]` float32; and on request (`with_inverse`, the
 backward's residual) m `[B, HV, Nc, C, C]` bf16.
 
-Packed rows (docs/MATH.md §3.5), optional: seg `[B, T]` float32 segment ids (exact below 2^24),
-cont `[B, T]` (1 where the token continues the segment entering its chunk) and keep `[B, T]` (1
-where it belongs to the chunk's last segment). Then Γ_ij is zeroed across segments, the entry-state
+Packed rows (docs/MATH.md §3.5), optional: seg `[B, T]` float32 segment ids, compared only within a
+chunk (the glue passes them relative to the chunk's first row: small integers, exact), cont
+`[B, T]` (1 where the token continues the segment entering its chunk) and keep `[B, T]` (1 where
+it belongs to the chunk's last segment). Then Γ_ij is zeroed across segments, the entry-state
 factor e^{G} becomes e^{G}·cont (QG and the key right-hand side) and KG gets a factor keep.
 """
 
@@ -230,6 +231,25 @@ def _compiler_params(profile_dir):
   return plgpu.CompilerParams(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
 
 
+def _grid(b, hv, nc, dv):
+  """One CTA per (batch row, value head, chunk) on a 1-D grid.
+
+  Mosaic GPU launches a 3-D Pallas grid (c, h, b) as CUDA (x = b, y = h, z = c), and CUDA caps
+  grid y and z at 65535: a chunk axis there failed to launch once T > 65535·64 ≈ 4.2M tokens.
+  Grid x takes up to 2^31 − 1 CTAs (B·HV·T/64 < B·T·HV, bounded by `check_index_range`);
+  `_cta_coords` unflattens in the order the 3-D grid launched in (batch fastest, then heads,
+  then chunks).
+  """
+  sp.check_index_range(b, nc * CHUNK, hv, dv)
+  return dict(grid=(b * hv * nc,), grid_names=("cta",))
+
+
+def _cta_coords(b, hv):
+  """(batch row, value head, chunk) of this CTA (see `_grid`)."""
+  i = lax.axis_index("cta")
+  return lax.rem(i, b), lax.rem(lax.div(i, b), hv), lax.div(i, b * hv)
+
+
 def _vec_specs(packed):
   return [plgpu.SMEM((CHUNK,), _F32)] * (8 if packed else 4)
 
@@ -269,7 +289,7 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
 
   def kernel(q_ref, k_ref, v_ref, *refs):
     vec_refs, (ny_ref, qg_ref, p_ref, u_ref, kg_ref, *m_ref) = refs[:len(vecs)], refs[len(vecs):]
-    bi, hi, ci = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
+    bi, hi, ci = _cta_coords(b, hv)
     rows = pl.ds(ci * c, c)
 
     # Shared memory in two phases (sequential `run_scoped`s reuse the same bytes), so that two
@@ -326,7 +346,7 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
                       compiler_params=_compiler_params(profile_dir),
-                      grid=(nc, hv, b), grid_names=("c", "h", "b"))(q, k, v, *vecs)
+                      **_grid(b, hv, nc, dv))(q, k, v, *vecs)
 
 
 def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: float,
@@ -367,7 +387,7 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
     vec_refs = refs[:nv]
     m_ref, dny_ref, dp_ref, du_ref = refs[nv:nv + 4]
     dq_ref, dk_ref, dv_ref, dbeta_ref, dgr_ref, dgc_ref = refs[nv + 4:]
-    bi, hi, ci = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("c")
+    bi, hi, ci = _cta_coords(b, hv)
     rows = pl.ds(ci * c, c)
 
     def body(q_s, k_s, v_s, m_s, dny_s, dp_s, du_s, bars, *vec_s):
@@ -454,8 +474,7 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
                       compiler_params=_compiler_params(profile_dir),
-                      grid=(nc, hv, b), grid_names=("c", "h", "b"))(q, k, v, *vecs, m, dny, dp,
-                                                                     du)
+                      **_grid(b, hv, nc, dv))(q, k, v, *vecs, m, dny, dp, du)
 
 
 def intra_chunk_reference(q, k, v, beta, g, gx, segments=None, *, scale: float):

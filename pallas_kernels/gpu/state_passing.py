@@ -44,6 +44,34 @@ CHUNK = 64               # wgmma M tile: rows of a chunk
 BLOCK_V = 64             # value columns per CTA
 
 
+# Index widths (docs/KERNELS_GPU.md, "Indexing past 2^31 elements"): every global access of these
+# kernels is a TMA copy whose coordinates are signed 32-bit, one per dimension of the TMA view
+# (the array, tiled; its squeezed leading dims collapsed into one when it has more than five), and
+# CUDA caps grid x at 2^31 − 1 and grid y, z at 65535. Element offsets are never linearised.
+MAX_TMA_DIM = 2**31 - 1
+MAX_GRID_YZ = 65535
+
+
+def index_range_reason(b: int, t: int, hv: int, dv: int) -> str | None:
+  """None if the kernels' TMA coordinates and grid fit these sizes (T a multiple of the chunk),
+  else why not. The largest view dimension of either kernel family is B·T·HV rows of
+  `[B, T, HV, D]` (collapsed leading dims); the state pass puts HV and V/64 on grid y and z."""
+  rows = b * t * hv
+  if rows > MAX_TMA_DIM:
+    return (f"B·T·HV = {rows} rows exceed {MAX_TMA_DIM}, the largest signed 32-bit TMA "
+            "coordinate")
+  if hv > MAX_GRID_YZ or dv // BLOCK_V > MAX_GRID_YZ:
+    return f"HV = {hv} or V/{BLOCK_V} = {dv // BLOCK_V} exceeds CUDA's grid y/z limit {MAX_GRID_YZ}"
+  return None
+
+
+def check_index_range(b: int, t: int, hv: int, dv: int) -> None:
+  """Raises ValueError where `index_range_reason` gives a reason (kernels called directly)."""
+  reason = index_range_reason(b, t, hv, dv)
+  if reason:
+    raise ValueError(f"pallas_kernels.gpu: {reason}.")
+
+
 def supported(chunk: int, dk: int, dv: int) -> str | None:
   """None if the kernels handle these sizes, else why not (for the caller's log line)."""
   if chunk != CHUNK:
@@ -105,7 +133,8 @@ def _store_tile(x, dst_gmem):
   pl.run_scoped(body, _smem(x.shape, dst_gmem.dtype))
 
 
-def _mesh_kwargs(b, hv, dv):
+def _mesh_kwargs(b, hv, nc, dv):
+  check_index_range(b, nc * CHUNK, hv, dv)
   return dict(grid=(dv // BLOCK_V, hv, b), grid_names=("v", "h", "b"))
 
 
@@ -228,7 +257,7 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret):
     _store_tile(state, sf_ref.at[bi, hi, :, vs])
 
   return plgpu.kernel(kernel, out_type=tuple(out_type), interpret=interpret,
-                      **_mesh_kwargs(b, hv, dv))(ny, qg, p, u, kg, gc, s0)
+                      **_mesh_kwargs(b, hv, nc, dv))(ny, qg, p, u, kg, gc, s0)
 
 
 def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret=None):
@@ -322,7 +351,7 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
     _store_tile(dstate, ds0_ref.at[bi, hi, :, vs])
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
-                      **_mesh_kwargs(b, hv, dv))(ny, qg, p, kg, gc, do, de_ext, ds_final)
+                      **_mesh_kwargs(b, hv, nc, dv))(ny, qg, p, kg, gc, do, de_ext, ds_final)
 
 
 def state_passing_reference(ny, qg, p, u, kg, gc, s0, *, round_operands=False):
