@@ -7,6 +7,10 @@ pure JAX, differentiable), "pallas_tpu" (Pallas Mosaic TPU kernels; the TPU inte
 and "pallas_gpu" (Mosaic GPU state-passing kernels on Hopper, the rest in XLA; other shapes fall
 back to "chunk" with a log line). `implementation=None` picks the best available for the
 backend: "pallas_tpu" on TPU, "pallas_gpu" on Hopper GPUs, "chunk" elsewhere.
+
+Values are checked where they are concrete (eager calls); traced values under `jax.jit` only in
+checked mode, through `jax.experimental.checkify`: `checked(jax.jit(step))(...)` raises a
+ValueError naming the bad argument (docs/OP_CONTRACT.md has the whole contract).
 """
 
 from lineax_attn.ops import api as _api
@@ -27,9 +31,14 @@ _api.register_implementation("pallas_tpu", _pallas_tpu.pallas_tpu_impl)
 _api.register_implementation("pallas_gpu", _pallas_gpu.pallas_gpu_delta_family)
 
 available_implementations = _api.available_implementations
+checked = _api.checked
+debug_checks = _api.debug_checks
+set_debug_checks = _api.set_debug_checks
+debug_checks_enabled = _api.debug_checks_enabled
 MIXERS = tuple(_api.MIXER_GATES)
 
 __all__ = [
     "linear_attention", "delta_rule", "gated_delta_rule", "kda", "gdn2", "softmax_attention",
-    "available_implementations", "MIXERS",
+    "available_implementations", "MIXERS", "checked", "debug_checks", "set_debug_checks",
+    "debug_checks_enabled",
 ]

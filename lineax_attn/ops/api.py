@@ -1,8 +1,17 @@
 """Argument checks, segment handling and implementation choice shared by the public ops.
 
 Every public op funnels through `run_mixer`: it validates shapes and dtypes (a `ValueError` that
-names the argument and what was expected), turns `segment_ids` / `cu_seqlens` into a
-`SegmentLayout`, picks the implementation and casts the results back.
+names the argument and what was expected), checks values (below), turns `segment_ids` /
+`cu_seqlens` into a `SegmentLayout`, picks the implementation and casts the results back.
+
+Value checks (the contract of docs/OP_CONTRACT.md): concrete arrays (eager calls) are always
+checked with numpy. Traced arrays (under `jax.jit`, `jax.grad`, `jax.vmap`, ...) are checked only
+in checked mode, `checked(f)`, `debug_checks()`, `set_debug_checks(True)` or
+`LINEAX_DEBUG_CHECKS=1`: each is reduced on device to a few numbers and checked with
+`jax.experimental.checkify.check`, so a violation comes back as checkify's error (a `ValueError`
+naming the argument) from the functionalized function. The mode is a `jax.make_user_context`, so
+it is part of jit's cache key: flipping it retraces a jitted function instead of reusing a trace
+made in the other mode.
 
 Implementations register themselves by name with `register_implementation`; each receives
 already-validated arrays and the mixer name, and returns `(o, final_state, r)` in float32:
@@ -16,10 +25,13 @@ where `gates` is a dict of the mixer's gate arrays (float32) keyed by argument n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
 from typing import Any, Callable, Mapping
 
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
@@ -80,6 +92,166 @@ def _check_shape(name: str, x, expected: tuple[int, ...], desc: str) -> None:
     raise ValueError(f"`{name}` must have shape {desc} = {tuple(expected)}, got {tuple(x.shape)}.")
 
 
+# ----------------------------------------------------------------------------------------------
+# Checked mode and value checks.
+
+_DEBUG_CHECKS_ENV = "LINEAX_DEBUG_CHECKS"
+
+
+def _env_debug_checks() -> bool:
+  raw = os.environ.get(_DEBUG_CHECKS_ENV, "").strip().lower()
+  if raw in ("", "0", "false", "no", "off"):
+    return False
+  if raw in ("1", "true", "yes", "on"):
+    return True
+  raise ValueError(f"environment variable `{_DEBUG_CHECKS_ENV}` must be 0 or 1 (or false/true), "
+                   f"got {raw!r}.")
+
+
+# A jit-cache-sensitive context: a function jitted with checks off is retraced, not reused, when
+# it is called with checks on (and back), so a cached trace is never silently unchecked.
+_DEBUG_CHECKS = jax.make_user_context(default_value=_env_debug_checks())
+
+
+def _check_enabled_arg(enabled) -> bool:
+  if not isinstance(enabled, (bool, np.bool_)):
+    raise ValueError(f"`enabled` must be a bool, got {enabled!r}.")
+  return bool(enabled)
+
+
+def debug_checks(enabled: bool = True):
+  """Context manager: checked mode on (or off) in this thread, restored on exit.
+
+  In checked mode the ops also check their *traced* arguments against the value contract
+  (docs/OP_CONTRACT.md): gates finite and in range (g <= 0; beta, b in [0, 2]; w in [0, 1]),
+  `cu_seqlens` strictly increasing from 0 to T, `segment_ids` >= 0, and no NaN/Inf in q, k, v or
+  `initial_state`. The checks are `jax.experimental.checkify` checks, so a jitted function must
+  be functionalized to run them, or its compile fails with "Cannot abstractly evaluate a
+  checkify.check which was not functionalized": use `checked(f)`, or
+
+      f_checked = jax.jit(checkify.checkify(f))
+      with lineax_attn.ops.debug_checks():
+        err, out = f_checked(*args)
+      err.throw()     # ValueError subclass: "`g` is a log decay and must be <= 0 ..."
+
+  The mode is read when a function is traced, and it is part of `jax.jit`'s cache key: a
+  function jitted earlier with checks off is retraced (checked) when called with checks on, and
+  its unchecked trace is reused again once they are off.
+
+  Args:
+    enabled: True to check traced values, False to switch checked mode off inside the block.
+  """
+  return _DEBUG_CHECKS(_check_enabled_arg(enabled))
+
+
+def set_debug_checks(enabled: bool) -> None:
+  """Switches checked mode on or off for the whole process (see `debug_checks`).
+
+  `LINEAX_DEBUG_CHECKS=1` in the environment sets the same default at import. A
+  `debug_checks(...)` block overrides it in its thread.
+  """
+  _DEBUG_CHECKS.set_global(_check_enabled_arg(enabled))
+
+
+def debug_checks_enabled() -> bool:
+  """Whether checked mode is on here (this thread's `debug_checks` block, else the global)."""
+  return bool(_DEBUG_CHECKS.value)
+
+
+def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn` with the ops' value checks on traced arguments: it is traced in checked mode and
+  functionalized with `checkify.checkify`, and a violation is raised as a `ValueError` (checkify's
+  `JaxRuntimeError`) naming the argument, after the call.
+
+  Pass a jitted function, `checked(jax.jit(step))(state, batch)`: checkify then retraces only the
+  outer call each time, without recompiling; an unjitted `fn` is traced in full on every call.
+  Works with `jax.grad`, `jax.vmap`, sharded `jax.jit` and `jax.shard_map` inside `fn`.
+  """
+  if not callable(fn):
+    raise ValueError(f"`fn` must be callable, got {type(fn).__name__}.")
+  functionalized = checkify.checkify(fn)
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    with debug_checks(True):
+      err, out = functionalized(*args, **kwargs)
+    err.throw()
+    return out
+
+  return run
+
+
+# The closed range each gate must lie in (None: unbounded). beta and b are write/erase strengths,
+# σ(·) ∈ (0, 1) from the layer, or 2σ(·) ∈ (0, 2) with negative eigenvalues (`allow_neg_eigval`):
+# with unit keys I − β k kᵀ has eigenvalues in [−1, 1] exactly for β ∈ [0, 2].
+GATE_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "g": (None, 0.0), "beta": (0.0, 2.0), "b": (0.0, 2.0), "w": (0.0, 1.0),
+}
+
+
+# A rule maps (xp, x) to a list of (ok, message template, format values), computed with numpy
+# (xp = np: concrete arrays, checked now) or jax.numpy (xp = jnp: traced arrays, checked by
+# checkify at run time). The templates are shared, so eager and checked-mode errors read the same.
+
+def _finite_rule(name):
+  def rule(xp, x):
+    return [(xp.all(xp.isfinite(x)), f"`{name}` contains NaN or Inf.", {})]
+  return rule
+
+
+def _gate_rule(name):
+  low, high = GATE_RANGES[name]
+
+  def rule(xp, x):
+    finite = xp.isfinite(x)
+    lo = xp.min(xp.where(finite, x, xp.inf)).astype(xp.float32)
+    hi = xp.max(xp.where(finite, x, -xp.inf)).astype(xp.float32)
+    checks = [(xp.all(finite), f"`{name}` contains NaN or Inf.", {})]
+    if name == "g":
+      checks.append((hi <= high, "`g` is a log decay and must be <= 0 everywhere (got max {hi}).",
+                     {"hi": hi}))
+    else:
+      checks.append((xp.logical_and(lo >= low, hi <= high),
+                     f"`{name}` must lie in [{low:g}, {high:g}] everywhere, got min {{lo}}, max {{hi}}.",
+                     {"lo": lo, "hi": hi}))
+    return checks
+  return rule
+
+
+def _segment_ids_rule(xp, x):
+  lowest = xp.min(x)
+  return [(lowest >= 0, "`segment_ids` must be >= 0 (0 marks padding), got min {lowest}.",
+           {"lowest": lowest})]
+
+
+def _cu_seqlens_rule(t):
+  def rule(xp, cu):
+    ok = xp.logical_and(xp.logical_and(cu[0] == 0, cu[-1] == t), xp.all(cu[1:] > cu[:-1]))
+    return [(ok, f"`cu_seqlens` must be strictly increasing from 0 to T={t}, got {{cu}}.", {"cu": cu})]
+  return rule
+
+
+def _check_values(x, rule, *, always: bool = True) -> None:
+  """Checks `x` against `rule`: at once with numpy (a ValueError) if it is concrete and the check
+  is `always` on or checked mode is; with `checkify.check` if it is traced and checked mode is on."""
+  if _is_concrete(x):
+    if always or debug_checks_enabled():
+      floating = jnp.issubdtype(x.dtype, jnp.floating)
+      for ok, template, values in rule(np, np.asarray(x, np.float32) if floating else np.asarray(x)):
+        if not ok:
+          raise ValueError(template.format(**values))
+  elif debug_checks_enabled():
+    for ok, template, values in rule(jnp, x):
+      checkify.check(ok, template, **values)
+
+
+def check_finite(named_arrays) -> None:
+  """Checked mode only: no NaN/Inf in the (name, array) pairs (None arrays are skipped)."""
+  for name, x in named_arrays:
+    if x is not None:
+      _check_values(x, _finite_rule(name), always=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class Dims:
   b: int
@@ -112,6 +284,8 @@ def check_qkv(q, k, v) -> Dims:
 
 
 def check_gate(mixer: str, name: str, x, axis: str | None, dims: Dims):
+  """Validates one gate's dtype and shape, then its values: finite and in `GATE_RANGES[name]`
+  (concrete arrays always, traced ones in checked mode). Returns it as float32."""
   _check_float(name, x)
   shape = (dims.b, dims.t, dims.hv)
   desc = "[B, T, HV]"
@@ -120,14 +294,7 @@ def check_gate(mixer: str, name: str, x, axis: str | None, dims: Dims):
   elif axis == "v":
     shape, desc = shape + (dims.dv,), "[B, T, HV, V]"
   _check_shape(name, x, shape, desc + f" for {mixer}")
-  if _is_concrete(x):
-    # Cheap value checks where the data is concrete (numpy, so nothing is staged into a trace
-    # that closes over the array); under jit with traced gates they are the caller's contract.
-    xn = np.asarray(x, np.float32)
-    if name == "g" and np.any(xn > 0):
-      raise ValueError(f"`g` is a log decay and must be <= 0 everywhere (got max {float(np.max(xn))}).")
-    if not np.all(np.isfinite(xn)):
-      raise ValueError(f"`{name}` contains NaN or Inf.")
+  _check_values(x, _gate_rule(name))
   return x.astype(jnp.float32)
 
 
@@ -152,7 +319,7 @@ def check_chunk_size(chunk_size) -> int:
 
 
 def check_segments(segment_ids, cu_seqlens, dims: Dims) -> seg_lib.SegmentLayout:
-  """Validates `segment_ids` / `cu_seqlens` and builds the layout."""
+  """Validates `segment_ids` / `cu_seqlens` (values: see `_check_values`) and builds the layout."""
   if segment_ids is not None and cu_seqlens is not None:
     raise ValueError("pass at most one of `segment_ids` and `cu_seqlens`, not both.")
   if segment_ids is not None:
@@ -160,8 +327,7 @@ def check_segments(segment_ids, cu_seqlens, dims: Dims) -> seg_lib.SegmentLayout
       raise ValueError(f"`segment_ids` must be an integer array [B, T], got dtype "
                        f"{getattr(segment_ids, 'dtype', type(segment_ids).__name__)}.")
     _check_shape("segment_ids", segment_ids, (dims.b, dims.t), "[B, T]")
-    if _is_concrete(segment_ids) and np.any(np.asarray(segment_ids) < 0):
-      raise ValueError("`segment_ids` must be >= 0 (0 marks padding).")
+    _check_values(segment_ids, _segment_ids_rule)
     return seg_lib.layout_from_segment_ids(jnp.asarray(segment_ids))
   if cu_seqlens is not None:
     if not hasattr(cu_seqlens, "dtype") or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
@@ -171,10 +337,7 @@ def check_segments(segment_ids, cu_seqlens, dims: Dims) -> seg_lib.SegmentLayout
       raise ValueError(f"`cu_seqlens` must have shape [N + 1] with N >= 1, got {tuple(cu_seqlens.shape)}.")
     if dims.b != 1:
       raise ValueError(f"`cu_seqlens` (varlen mode) needs batch size B = 1, got B = {dims.b}.")
-    if _is_concrete(cu_seqlens):
-      cu = np.asarray(cu_seqlens)
-      if cu[0] != 0 or cu[-1] != dims.t or np.any(np.diff(cu) <= 0):
-        raise ValueError(f"`cu_seqlens` must be strictly increasing from 0 to T={dims.t}, got {cu.tolist()}.")
+    _check_values(cu_seqlens, _cu_seqlens_rule(dims.t))
     return seg_lib.SegmentLayout(cu_seqlens=jnp.asarray(cu_seqlens, jnp.int32))
   return seg_lib.SegmentLayout()
 
@@ -235,6 +398,7 @@ def run_mixer(mixer: str, q, k, v, gates: Mapping[str, Any], *, scale=None, init
   layout = check_segments(segment_ids, cu_seqlens, dims)
   initial_state = check_initial_state(initial_state, dims, layout)
   check_token_positions(dims.t, layout, chunk_size)
+  check_finite((("q", q), ("k", k), ("v", v), ("initial_state", initial_state)))
   impl = resolve_implementation(implementation)
   f32 = lambda x: x.astype(jnp.float32)
   o, final_state, r = impl(mixer, f32(q), f32(k), f32(v), checked, scale=scale,
@@ -250,16 +414,30 @@ def run_mixer(mixer: str, q, k, v, gates: Mapping[str, Any], *, scale=None, init
 _COMMON_DOC = """scale: query scale, default K ** -0.5.
     initial_state: `[B, HV, K, V]` float32 (varlen: `[N, HV, K, V]`), or None for zeros.
     output_final_state: also return the state after the last real token (per sequence in varlen).
-    segment_ids: `[B, T]` int; the state resets where the id changes, 0 marks padding (docs/MATH.md §1.7).
-    cu_seqlens: `[N + 1]` int, FLA-style varlen with B = 1; sequence n starts from initial_state[n].
+    segment_ids: `[B, T]` int >= 0; the state resets where the id changes, 0 marks padding
+      (docs/MATH.md §1.7).
+    cu_seqlens: `[N + 1]` int, strictly increasing from 0 to T, FLA-style varlen with B = 1;
+      sequence n starts from initial_state[n].
     chunk_size: rows per chunk of the chunked forms (a multiple of 16).
     return_residual: also return the write residual r `[B, T, HV, V]` (what CLER routes).
     implementation: "scan" (the reference), "chunk", "pallas_tpu", "pallas_gpu", or None for the
       best on the backend.
 
+  q, k, v may have any float dtype and gates may be float32, bfloat16 or float16; all are upcast
+  to float32 inside, and states are always float32.
+
   Returns:
     `(o, final_state)`, or `(o, final_state, r)` with `return_residual=True`. o has v's dtype and
-    shape `[B, T, HV, V]`; final_state is float32 `[B or N, HV, K, V]`, or None unless asked."""
+    shape `[B, T, HV, V]`; final_state is float32 `[B or N, HV, K, V]`, or None unless asked.
+
+  Raises:
+    ValueError: naming the argument, for a wrong shape, dtype or option, and for a value outside
+      the contract where the array is concrete (eager calls): a gate with NaN/Inf or out of range
+      (g <= 0; beta, b in [0, 2]; w in [0, 1]), `cu_seqlens` not strictly increasing from 0 to
+      T, a negative `segment_ids`. Traced values (under `jax.jit`, `jax.grad`, `jax.vmap`) are
+      checked only in checked mode: `lineax_attn.ops.checked(jax.jit(f))(...)` runs the same
+      checks, plus NaN/Inf in q, k, v and initial_state, through `jax.experimental.checkify` and
+      raises checkify's error (a ValueError subclass) with the same text. See docs/OP_CONTRACT.md."""
 
 
 def with_common_doc(fn):

@@ -81,12 +81,18 @@ def softmax_attention(q, k, v, *, scale=None, causal=True, window=None, segment_
 
   Returns:
     `[B, T, H, D]` in q's dtype.
+
+  Raises:
+    ValueError: naming the argument, for a wrong shape, dtype or option, and for negative
+      `segment_ids` where they are concrete. In checked mode (`lineax_attn.ops.debug_checks()`)
+      traced `segment_ids` and NaN/Inf in q, k, v are checked too (docs/OP_CONTRACT.md).
   """
   b, t, _, d = _check(q, k, v, window, causal)
   scale = api.check_scale(scale, d)
   layout = seg_lib.SegmentLayout()
   if segment_ids is not None:
     layout = api.check_segments(segment_ids, None, api.Dims(b, t, 1, 1, d, d))
+  api.check_finite((("q", q), ("k", k), ("v", v)))
   if implementation is None:
     gpu = jax.default_backend() == "gpu"
     implementation = "cudnn" if gpu and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"

@@ -14,7 +14,8 @@ def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_st
   Args:
     q, k: `[B, T, H, K]` queries and keys (L2-normalised by the layer; scaled here by `scale`).
     v: `[B, T, HV, V]` values; HV must be a multiple of H (value head j reads key head j // (HV/H)).
-    beta: `[B, T, HV]` write strength in (0, 1) (up to 2 with negative eigenvalues).
+    beta: `[B, T, HV]` write strength in [0, 2]: (0, 1) from a sigmoid, up to 2 with negative
+      eigenvalues.
     {common}
   """
   return api.run_mixer("delta_rule", q, k, v, {"beta": beta}, scale=scale, initial_state=initial_state,

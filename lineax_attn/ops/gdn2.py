@@ -14,9 +14,10 @@ def gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final_state
   Args:
     q, k: `[B, T, H, K]` queries and keys (L2-normalised by the layer; scaled here by `scale`).
     v: `[B, T, HV, V]` values; HV must be a multiple of H (value head j reads key head j // (HV/H)).
-    g: `[B, T, HV, K]` log decay per key channel, <= 0.
-    b: `[B, T, HV, K]` erase gate along key channels, in (0, 1).
-    w: `[B, T, HV, V]` write gate along value channels, in (0, 1).
+    g: `[B, T, HV, K]` log decay per key channel, <= 0 and finite.
+    b: `[B, T, HV, K]` erase gate along key channels, in [0, 2] ((0, 1) from a sigmoid, up to 2
+      with negative eigenvalues).
+    w: `[B, T, HV, V]` write gate along value channels, in [0, 1].
     {common}
   """
   return api.run_mixer("gdn2", q, k, v, {"g": g, "b": b, "w": w}, scale=scale, initial_state=initial_state,

@@ -14,8 +14,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=
   Args:
     q, k: `[B, T, H, K]` queries and keys (L2-normalised by the layer; scaled here by `scale`).
     v: `[B, T, HV, V]` values; HV must be a multiple of H (value head j reads key head j // (HV/H)).
-    g: `[B, T, HV, K]` log decay per key channel, <= 0.
-    beta: `[B, T, HV]` write strength in (0, 1).
+    g: `[B, T, HV, K]` log decay per key channel, <= 0 and finite.
+    beta: `[B, T, HV]` write strength in [0, 2]: (0, 1) from a sigmoid, up to 2 with negative
+      eigenvalues.
     {common}
   """
   return api.run_mixer("kda", q, k, v, {"g": g, "beta": beta}, scale=scale, initial_state=initial_state,
