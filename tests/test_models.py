@@ -276,3 +276,87 @@ def test_parameters_shard_by_logical_axis_names():
   graphdef = nnx.graphdef(model)
   forward = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))
   np.testing.assert_allclose(forward(sharded, tokens), forward(state, tokens), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# make_param_init / init_params: the model's parameters, one compiled program per block kind
+# (issue #15).
+
+
+def _one_program_init(config, seed):
+  """The oracle: the whole model's construction as one jitted program (the trainer's former
+  init), so both sides run the initialisers compiled."""
+  return jax.jit(lambda: nnx.to_pure_dict(
+      nnx.state(LanguageModel(config, rngs=nnx.Rngs(seed)), nnx.Param)))()
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(routing="cler_h", routing_rank=4),
+    dict(mixer="kda", routing="cler", tie_embeddings=True),
+], ids=["gdn-cler_h-untied", "kda-cler-tied"])
+def test_init_params_equals_the_model_one_compile_per_block_kind(overrides):
+  from lineax_attn.models import lm  # pylint: disable=g-import-not-at-top
+  config = small_config(n_layers=4, **overrides)  # "LSL" over 4 layers: L S L L
+  compiled = []
+  listener = lambda event, seconds, **_: compiled.append(event) if event == (  # noqa: E731
+      "/jax/core/compile/backend_compile_duration") else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  init = lm.make_param_init(config, 3)
+  try:
+    params = init()
+    # One program for the embedding, norm, head and keys, one per block kind; not one per block.
+    assert len(compiled) == 1 + len(set(config.layer_types)) == 3
+    again = init()
+    assert len(compiled) == 3  # the function keeps its programs
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)
+
+  oracle = _one_program_init(config, 3)
+  assert jax.tree.structure(params) == jax.tree.structure(oracle)
+  for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(params),
+                               jax.tree.leaves(oracle)):
+    np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
+  # Blocks of one kind get different keys: their random weights differ.
+  w = lambda i: params["blocks"][i]["mlp"]["up_proj"]["kernel"]  # noqa: E731
+  assert not np.array_equal(w(2), w(3))
+
+
+def test_init_params_creates_each_piece_in_its_sharding():
+  """(The values do not depend on the sharding: tests/test_train_sharded.py.)"""
+  from lineax_attn.models import lm  # pylint: disable=g-import-not-at-top
+  config = small_config(n_layers=2)
+  abstract = nnx.state(params_lib.abstract_model(config), nnx.Param)
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("fsdp", "tensor"))
+  rules = {"embed": "fsdp", "vocab": "tensor", "mlp": "tensor", "heads": "tensor"}
+  specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract))
+  shardings = jax.tree.map(
+      lambda spec: NamedSharding(mesh, PartitionSpec(*[rules.get(a) for a in spec])), specs,
+      is_leaf=lambda x: isinstance(x, PartitionSpec))
+  params = lm.init_params(config, 0, out_shardings=shardings)
+  for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(params),
+                               jax.tree.leaves(shardings)):
+    assert got.sharding == want, jax.tree_util.keystr(path)
+  assert params["embed"]["embedding"].sharding.spec == PartitionSpec("tensor", "fsdp")
+
+
+@pytest.mark.parametrize("config, seed, match", [
+    ("not a config", 0, "config must be a ModelConfig"),
+    (None, 1.5, "seed must be an int"),
+    (None, True, "seed must be an int"),
+])
+def test_make_param_init_rejects_bad_arguments(config, seed, match):
+  from lineax_attn.models import lm  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=match):
+    lm.make_param_init(small_config() if config is None else config, seed)
+
+
+def test_make_param_init_rejects_shardings_without_every_block():
+  from lineax_attn.models import lm  # pylint: disable=g-import-not-at-top
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shardings = {"embed": {"embedding": one}, "final_norm": {"weight": one},
+               "blocks": {0: {}, 1: {}}}
+  with pytest.raises(ValueError, match="out_shardings must have 'blocks' with an entry for each "
+                     "of the 3 blocks, got \\[0, 1\\]"):
+    lm.make_param_init(small_config(), 0, out_shardings=shardings)

@@ -4,8 +4,9 @@ The same jitted step (explicit in/out shardings from the logical-axis rules) run
 CPU devices of conftest.py with meshes (data, fsdp, tensor) = (8,1,1), (2,2,2), (1,1,8) and
 (2,1,4) (under -m slow also issue #9's (2,4,1) and (4,1,2)), and on one device. Oracle: the
 single-device step. Checked after two AdamW steps (so
-the second step consumes a sharded optimiser state): the initial parameters (created sharded by
-`jax.jit(out_shardings=...)`, bit-equal), the two losses and every updated parameter.
+the second step consumes a sharded optimiser state): the initial parameters (created in their
+shardings by `jax.jit(out_shardings=...)`, one program per block kind, and bit-equal), the two
+losses and every updated parameter.
 Tolerance (float32, matmul precision highest): rel_err (rms ratio) <= 2e-6 per leaf, losses to
 1e-6 relative; only the order of the sharded reductions differs. Adam's eps is 1e-3 here: with
 eps 1e-8 the update g / (|g| + eps) of a near-zero gradient turns float32 rounding of g into
@@ -75,6 +76,10 @@ COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 def _run(exp, mesh, batches):
   trainer = loop.Trainer(exp, mesh=mesh, compiler_options=COMPILER_OPTIONS)
   params, opt_state = trainer.init()
+  # Created in their shardings (lm.make_param_init's pieces and the optimiser state).
+  for got, want in zip(jax.tree.leaves((params, opt_state)),
+                       jax.tree.leaves((trainer.param_shardings, trainer.opt_shardings))):
+    assert got.sharding == want
   init = jax.device_get(params)
   losses = []
   for b in batches:

@@ -11,7 +11,8 @@ Pieces:
   docs/CONTEXT_PARALLEL.md), the model built abstractly
   (`nnx.eval_shape`), parameter shardings from the layers' logical axis names
   (`sharding.DEFAULT_RULES`), optimiser-state shardings that follow the parameters, and three
-  jitted functions with explicit in/out shardings: `init()` (parameters created sharded),
+  jitted functions with explicit in/out shardings: `init()` (parameters created sharded, one
+  compiled program per block kind: `lineax_attn.models.lm.make_param_init`),
   `step(params, opt_state, batch)` and `eval_step(params, batch)`; the steps are traced under
   `jax.set_mesh`, so Pallas kernels shard themselves with `jax.shard_map`. Parameters are a
   pure dict (`nnx.to_pure_dict`) so the optimiser state and checkpoints are plain pytrees.
@@ -61,6 +62,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from lineax_attn.data import pipeline as pipeline_lib
 from lineax_attn.models import LanguageModel
+from lineax_attn.models import lm as lm_lib
 from lineax_attn.train import checkpoint as checkpoint_lib
 from lineax_attn.train import experiment as experiment_lib
 from lineax_attn.train import metrics as metrics_lib
@@ -166,10 +168,11 @@ class Trainer:
     self.batch_sharding = sharding_lib.batch_sharding(self.mesh)
 
     options = dict(compiler_options or {})
-    # init runs outside jax.set_mesh: under a mesh flax would shard each new variable by its
-    # *logical* names ("vocab" is no mesh axis); out_shardings place the results instead.
-    self.jitted_init = jax.jit(self._init_fn, compiler_options=options,
-                               out_shardings=(self.param_shardings, self.opt_shardings))
+    self.param_init = lm_lib.make_param_init(model_config, seed,
+                                             out_shardings=self.param_shardings,
+                                             compiler_options=options)
+    self.jitted_opt_init = jax.jit(self.tx.init, out_shardings=self.opt_shardings,
+                                   compiler_options=options)
     batch_shardings = self.batch_sharding  # one sharding for every array of the batch dict
     self.jitted_step = jax.jit(
         self._train_step,
@@ -187,14 +190,20 @@ class Trainer:
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(self.graphdef, state)
 
-  def _init_fn(self):
-    model = LanguageModel(self.experiment.model, rngs=nnx.Rngs(self.experiment.train.seed))
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    return params, self.tx.init(params)
-
   def init(self) -> tuple[Params, Any]:
-    """Fresh parameters and optimiser state, created directly in their shardings."""
-    return self.jitted_init()
+    """Fresh parameters and optimiser state, created directly in their shardings.
+
+    The parameters are those of `LanguageModel(config, rngs=nnx.Rngs(train.seed))`, made by
+    `lm.make_param_init`'s programs, one per block kind (not one program of the whole model,
+    whose compile grew with the depth). It runs outside `jax.set_mesh`: under a mesh flax would
+    shard each new variable by its *logical* names ("vocab" is no mesh axis); out_shardings
+    place the results instead.
+    """
+    params = self.param_init()
+    if jax.tree.structure(params) != jax.tree.structure(self.param_shardings):
+      raise AssertionError("lm.make_param_init built another parameter tree than "
+                           "LanguageModel's (a part added to LanguageModel.__init__ only?)")
+    return params, self.jitted_opt_init(params)
 
   def step(self, params: Params, opt_state, batch: Batch):
     """One training step: (params, opt_state, metrics); params and opt_state are donated.
