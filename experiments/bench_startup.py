@@ -1,4 +1,4 @@
-"""Start-up time of training, launch to the first step, per arm (issue #15).
+r"""Start-up time of training, launch to the first step, per arm (issue #15).
 
     # one H200, the 350M arms (global batch 16, no micro-batches, as bench_parallel measured):
     python -m experiments.bench_startup --config=configs/mixers.py:paper \
@@ -40,6 +40,7 @@ LAUNCH = time.time()  # this process's own launch, when the parent gave none
 from absl import app, flags, logging  # noqa: E402  (the launch clock comes first)
 from ml_collections import config_flags  # noqa: E402
 
+from experiments import cli  # noqa: E402
 from lineax_attn.train import experiment  # noqa: E402
 
 STAGES = ("imports", "config", "trainer", "init", "batch", "step_compiled", "step_done")
@@ -222,4 +223,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=experiment.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)
