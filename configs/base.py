@@ -5,7 +5,11 @@
 Mesh (`config.mesh`): `data` (-1: all remaining devices), `fsdp`, `tensor`, and `sequence`
 (context parallelism, default 1): `--config.mesh.sequence=2 --config.mesh.data=-1` splits every
 row's time axis over 2 devices (train.seq_len must divide; see docs/CONTEXT_PARALLEL.md).
-`experiment.resolve` validates the sizes against the device count.
+`lineax_attn.train.experiment.resolve` validates the sizes against the device count.
+
+Configs are data: this file (and every configs/*.py) imports nothing of lineax_attn, only
+ml_collections; `defaults()` spells out every field (tests/test_configs.py checks it against
+the training dataclasses' defaults).
 
 Sizes:
 
@@ -27,10 +31,59 @@ Sizes:
 from __future__ import annotations
 
 import ml_collections
-
-from lineax_attn.train import experiment
+from ml_collections import config_dict
 
 SIZES = ("tiny", "small", "paper")
+# An optional field: None by default, typed so that the command line can set it.
+_opt = config_dict.placeholder
+
+
+def defaults() -> ml_collections.ConfigDict:
+  """Every field of every section at its default (a tiny CPU run on the embedded corpus); unlocked.
+
+  Plain data: configs import no training code. These are the defaults of the dataclasses that
+  `lineax_attn.train.experiment.resolve` builds (model: `ModelConfig`, data: `DataConfig` less
+  seq_len and global_batch_size plus path and validation_path, optim: `OptimizerConfig` less
+  total_steps, train: `TrainSettings`, mesh: `MeshSettings`); tests/test_configs.py checks that
+  they equal `experiment.base_config()`, which derives them from the dataclasses.
+  """
+  config = ml_collections.ConfigDict()
+  config.name = "base"
+  config.arm = ""
+  config.model = ml_collections.ConfigDict(dict(
+      vocab_size=_opt(int),             # None: the tokenizer's vocabulary, padded to 128
+      d_model=64, n_layers=2, mixer="gdn", pattern=_opt(str), linear_attention_freq=_opt(int),
+      num_heads=2, num_v_heads=_opt(int), head_dim_k=_opt(int), head_dim_v=_opt(int),
+      conv_width=4, output_gate=_opt(str), gate_rank=_opt(int), gate_init="repo",
+      gate_lower_bound=_opt(float), allow_neg_eigval=False, implementation=_opt(str),
+      chunk_size=64,
+      attn_heads=2, attn_kv_heads=_opt(int), attn_head_dim=_opt(int),
+      attn_output_gate=_opt(bool), attn_implementation=_opt(str), rope_base=500000.0,
+      window=_opt(int),
+      mlp_hidden=_opt(int), mlp_ratio=2.75, tie_embeddings=False,
+      routing=_opt(str), routing_rank=_opt(int), routing_norm=False, cler_gamma="scalar",
+      cler_gamma_init=0.0,
+      norm_eps=1e-5, init_std=0.02, scaled_out_init=True, dtype="float32",
+      param_dtype="float32"))
+  config.data = ml_collections.ConfigDict(dict(
+      source="embedded", format="auto", split="train", text_field="text", text_split="file",
+      tokenizer="byte", add_bos=False, seed=42, shuffle=True, shuffle_window=256,
+      num_epochs=_opt(int), reset_at_document_boundaries=True, worker_count=0, read_threads=2,
+      prefetch_buffer_size=64,
+      path="", validation_path=""))     # path (if set) replaces source
+  config.optim = ml_collections.ConfigDict(dict(
+      name="adamw", learning_rate=3e-4, min_learning_rate=3e-5, warmup_steps=200,
+      decay_fraction=0.2, decay_steps=_opt(int), decay_shape="minus_sqrt", b1=0.9, b2=0.95,
+      eps=1e-8, weight_decay=0.1, clip_norm=1.0, muon_momentum=0.95, muon_nesterov=True,
+      muon_ns_steps=5, muon_scale="spectral", adam_learning_rate=1.5e-3,
+      adam_min_learning_rate=_opt(float)))
+  config.train = ml_collections.ConfigDict(dict(
+      steps=200, global_batch_size=8, seq_len=128, grad_accum_steps=1, log_every=10,
+      eval_every=50, eval_batches=2, checkpoint_every=100, keep_checkpoints=2, seed=0,
+      async_checkpoint=True))
+  config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, sequence=1))
+  config.arms = ml_collections.ConfigDict()
+  return config
 
 
 def _tiny(config: ml_collections.ConfigDict) -> None:
@@ -118,7 +171,7 @@ def get_config(size: str = "tiny") -> ml_collections.ConfigDict:
   size = size or "tiny"
   if size not in _BUILDERS:
     raise ValueError(f"Unknown config size {size!r}; expected one of {SIZES}")
-  config = experiment.base_config()
+  config = defaults()
   config.name = f"base_{size}"
   _BUILDERS[size](config)
   config.lock()

@@ -17,7 +17,7 @@ table with the ratios ours/jla, ours/FLA, ours/chunk, ours/cuDNN (--out_md; a fi
 the markers below gets only the text between them replaced) and a JSON file of raw numbers.
 
 `--breakdown` also times the parts of pallas_gpu GDN (XLA preparation per solve, each kernel,
-the whole op with the XLA or the Mosaic GPU intra-chunk part: `pallas_gpu.INTRA` A/B);
+the whole op with the XLA or the Mosaic GPU intra-chunk part: `GpuTuning.intra` A/B);
 `--skip=mixer:impl[:T]` and `--merge_json=run1.json` split a long run over several device calls;
 `--time_budget_s` stops starting new entries after that many seconds (results are written after
 every entry, so a killed run still leaves its table).
@@ -26,6 +26,7 @@ every entry, so a killed run still leaves its table).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -74,10 +75,11 @@ _OUT_PNG = flags.DEFINE_string("out_png", "", "Plot of the sweep: time against T
                                "implementation, one panel per mode.")
 _REMAT_INTRA = flags.DEFINE_bool("remat_intra", True, "pallas_gpu: recompute the XLA "
                                   "intra-chunk part in the backward (lineax_attn.ops.pallas_gpu."
-                                  "REMAT_INTRA).")
+                                  "GpuTuning.remat_intra).")
 _INTRA = flags.DEFINE_enum("intra", "kernel", ["xla", "kernel"], "pallas_gpu: who computes the "
-                           "DeltaNet/GDN intra-chunk part (lineax_attn.ops.pallas_gpu.INTRA: the "
-                           "Mosaic GPU kernel, the library's default, or the XLA path).")
+                           "DeltaNet/GDN intra-chunk part (lineax_attn.ops.pallas_gpu.GpuTuning."
+                           "intra: the Mosaic GPU kernel, the library's default, or the XLA "
+                           "path).")
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", "", "With --breakdown: also run each intra-chunk kernel once under Mosaic GPU's "
     "in-kernel profiler, write its traces here and log the time per named phase "
@@ -191,12 +193,13 @@ def _grad_fn(fwd, n_args):
 # ------------------------------------------------------------------------------ runners
 
 
-def run_ours(mixer, impl, mode, np_in):
+def run_ours(mixer, impl, mode, np_in, tuning=None):
+  """Times `ops.<mixer>(implementation=impl, tuning=tuning)` (tuning: pallas_gpu's only)."""
   q, k, v, gates = np_in
   args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
   args += [jnp.asarray(x, jnp.float32) for x in gates.values()]
   op = getattr(ops, mixer)
-  fwd = lambda *a: op(*a, implementation=impl)[0]
+  fwd = lambda *a: op(*a, implementation=impl, tuning=tuning)[0]
   if mode == "fwd":
     return time_jax(fwd, args)
   do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
@@ -298,42 +301,34 @@ def _importable(name):
     return False
 
 
-def _breakdown_whole_op(prep, args):
-  """XLA preparation per solve, and the whole GDN op with either intra-chunk path (A/B)."""
-  from lineax_attn.ops import pallas_gpu
+def _breakdown_whole_op(prep, args, tuning):
+  """XLA preparation per solve, and the whole GDN op with either intra-chunk path (A/B).
+
+  `tuning` is the run's GpuTuning (--intra, --remat_intra); each row replaces one field.
+  """
   rows = []
-  old = pallas_gpu.SOLVE
-  try:
-    for solve in ("inverse", "trsm"):
-      pallas_gpu.SOLVE = solve
-      rows.append((f"prepare_chunks (XLA intra-chunk, solve={solve}) fwd",
-                   time_jax(prep, args)[0]))
-      op = lambda *a: ops.gated_delta_rule(*a, implementation="pallas_gpu")[0]
-      rows.append((f"whole op, solve={solve}, fwd", time_jax(op, args)[0]))
-  finally:
-    pallas_gpu.SOLVE = old
-  old_intra = pallas_gpu.INTRA
-  try:
-    for intra in ("xla", "kernel"):
-      pallas_gpu.INTRA = intra
-      # Fresh closures per setting: jax.jit caches traces by function, and the flag is read
-      # at trace time (one shared fwdbwd timed the first setting twice).
-      fwd = lambda *a: ops.gated_delta_rule(*a, implementation="pallas_gpu")[0]
-      loss = lambda *a: jnp.sum(fwd(*a).astype(jnp.float32))
-      fwdbwd = jax.grad(loss, argnums=tuple(range(len(args))))
-      for mode, fn in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
-        try:
-          rows.append((f"whole op, INTRA={intra}, {mode}", time_jax(fn, args)[0]))
-        except Exception as e:  # noqa: BLE001 - the experimental kernel must not stop the rest
-          log(f"[breakdown] INTRA={intra} {mode} failed: {type(e).__name__}: {str(e)[:300]}")
-  finally:
-    pallas_gpu.INTRA = old_intra
+  for solve in ("inverse", "trsm"):
+    solved = dataclasses.replace(tuning, solve=solve)
+    rows.append((f"prepare_chunks (XLA intra-chunk, solve={solve}) fwd",
+                 time_jax(functools.partial(prep, tuning=solved), args)[0]))
+    op = lambda *a, t=solved: ops.gated_delta_rule(*a, implementation="pallas_gpu", tuning=t)[0]
+    rows.append((f"whole op, solve={solve}, fwd", time_jax(op, args)[0]))
+  for intra in ("xla", "kernel"):
+    path = dataclasses.replace(tuning, intra=intra)
+    fwd = lambda *a, t=path: ops.gated_delta_rule(*a, implementation="pallas_gpu", tuning=t)[0]
+    loss = lambda *a, fwd=fwd: jnp.sum(fwd(*a).astype(jnp.float32))
+    fwdbwd = jax.grad(loss, argnums=tuple(range(len(args))))
+    for mode, fn in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
+      try:
+        rows.append((f"whole op, intra={intra}, {mode}", time_jax(fn, args)[0]))
+      except Exception as e:  # noqa: BLE001 - the experimental kernel must not stop the rest
+        log(f"[breakdown] intra={intra} {mode} failed: {type(e).__name__}: {str(e)[:300]}")
   return rows
 
 
-def run_breakdown(shape, whole_op=True):
+def run_breakdown(shape, tuning, whole_op=True):
   """Where pallas_gpu GDN spends its time: each kernel alone and (whole_op) the XLA preparation
-  per solve and the whole op with either intra-chunk path."""
+  per solve and the whole op with either intra-chunk path; `tuning`: the run's GpuTuning."""
   from lineax_attn.ops import pallas_gpu
   from pallas_kernels.gpu import state_passing as sp
   b, t, h, d = shape
@@ -342,14 +337,15 @@ def run_breakdown(shape, whole_op=True):
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   q, k, v, g, beta = bf(q), bf(k), bf(v), f32(gates["g"]), f32(gates["beta"])
 
-  def prep(q, k, v, g, beta):
+  def prep(q, k, v, g, beta, tuning=tuning):
     qs = q.astype(jnp.float32) * d ** -0.5
     kf = k.astype(jnp.float32)
     return pallas_gpu.prepare_chunks(qs, kf, kf * beta[..., None],
-                                     v.astype(jnp.float32) * beta[..., None], g, None, c=64)
+                                     v.astype(jnp.float32) * beta[..., None], g, None, c=64,
+                                     tuning=tuning)
   rows = []
   if whole_op:
-    rows += _breakdown_whole_op(prep, [q, k, v, g, beta])
+    rows += _breakdown_whole_op(prep, [q, k, v, g, beta], tuning)
   # The Mosaic GPU intra-chunk kernel on the same inputs (its [B, HV, T] gates made by XLA).
   from pallas_kernels.gpu import intra_chunk as ic
   def row_vectors(g, beta):  # the kernels' [B, HV, T] beta, G and Gx
@@ -540,8 +536,8 @@ def main(argv):
   del argv
   start = time.time()
   from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
-  pallas_gpu.REMAT_INTRA = _REMAT_INTRA.value
-  pallas_gpu.INTRA = _INTRA.value
+  # Passed to every pallas_gpu call (a static value: each setting is its own jit trace).
+  tuning = pallas_gpu.GpuTuning(intra=_INTRA.value, remat_intra=_REMAT_INTRA.value)
   dev = jax.devices()[0]
   meta = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
           "remat_intra": _REMAT_INTRA.value, "intra": _INTRA.value}
@@ -642,7 +638,7 @@ def main(argv):
   flush()
   if _BREAKDOWN.value != "none" and on_gpu:
     try:
-      rows = run_breakdown(shapes[0], whole_op=_BREAKDOWN.value == "all")
+      rows = run_breakdown(shapes[0], tuning, whole_op=_BREAKDOWN.value == "all")
       meta["breakdown"] = {"shape": shapes[0], "rows": rows}
     except Exception as e:  # noqa: BLE001
       log(f"[error] breakdown: {type(e).__name__}: {e}")
@@ -657,7 +653,9 @@ def main(argv):
           if impl not in impls or (impl == "scan" and (mode != "fwd" or t > _SCAN_MAX_T.value)):
             continue
           out = attempt(Result(shape, mixer, impl, mode),
-                        lambda impl=impl: run_ours(mixer, impl, mode, np_in))
+                        lambda impl=impl: run_ours(
+                            mixer, impl, mode, np_in,
+                            tuning=tuning if impl == "pallas_gpu" else None))
           if out is not None and mode == "fwd":
             outs[impl] = np.asarray(out[4], np.float32)
         if "pallas_gpu" in outs and "chunk" not in outs:

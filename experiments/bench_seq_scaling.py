@@ -38,7 +38,7 @@ from flax import nnx
 
 from experiments import cli
 from lineax_attn import bench
-from lineax_attn.models import LanguageModel, get_config
+from lineax_attn.models import LanguageModel, get_config, losses
 from lineax_attn.train import optim
 
 PRESETS = {
@@ -95,7 +95,7 @@ def train_step_fn(config):
 
   def loss_fn(p, tokens):
     logits = nnx.merge(graphdef, p)(tokens[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    return losses.masked_cross_entropy(logits, tokens[:, 1:])
 
   @jax.jit
   def step(p, o, tokens):

@@ -452,6 +452,7 @@ def train_tiny(config, *, steps: int = 100, batch_size: int = 8, seq_len: int = 
   """
   import optax  # pylint: disable=g-import-not-at-top
   from lineax_attn.models import LanguageModel  # pylint: disable=g-import-not-at-top
+  from lineax_attn.models import losses as losses_lib  # pylint: disable=g-import-not-at-top
   for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
     if not isinstance(value, int) or value <= 0:
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
@@ -468,10 +469,7 @@ def train_tiny(config, *, steps: int = 100, batch_size: int = 8, seq_len: int = 
   @nnx.jit
   def train_step(model, optimizer, batch):
     def loss_fn(model):
-      logits = model(batch[:, :-1])
-      log_z = jax.nn.logsumexp(logits, axis=-1)
-      target = jnp.take_along_axis(logits, batch[:, 1:, None], axis=-1)[..., 0]
-      return jnp.mean(log_z - target)
+      return losses_lib.masked_cross_entropy(model(batch[:, :-1]), batch[:, 1:])
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss

@@ -92,7 +92,7 @@ def mosaic_gpu_or_skip():
   return on_gpu, (None if on_gpu else plgpu.InterpretGPUParams())
 
 
-def output_and_state_grads(mixer, args, initial_state, implementation):
+def output_and_state_grads(mixer, args, initial_state, implementation, tuning=None):
   """Gradients of <o, W_o> + <final_state, W_s> (fixed random weights) with respect to every
   positional input and the initial state."""
   w_o = jax.random.normal(jax.random.key(5), args[2].shape)
@@ -101,7 +101,7 @@ def output_and_state_grads(mixer, args, initial_state, implementation):
   def f(*a):
     *xs, s_init = a
     o, s = run(mixer, xs, initial_state=s_init, output_final_state=True,
-               implementation=implementation)
+               implementation=implementation, tuning=tuning)
     return jnp.sum(o * w_o) + jnp.sum(s * w_s)
   return jax.grad(f, argnums=tuple(range(len(args) + 1)))(*args, initial_state)
 

@@ -271,3 +271,50 @@ def test_base_sizes_and_unknown_size():
   assert jax.device_count() == 8  # the conftest's fake devices; resolve() defaults to them
   exp = experiment.resolve(base.get_config("tiny"))
   assert exp.mesh_shape == (8, 1, 1)
+
+
+def _fields(config: ml_collections.ConfigDict) -> dict:
+  """section.field -> (value, the placeholder's type for a None value): what a config file and
+  the command line see of each field."""
+  out = {}
+  for section in config.keys():
+    if not isinstance(config[section], ml_collections.ConfigDict):
+      out[section] = (config[section], None)
+      continue
+    for key in config[section].keys():
+      value = config[section][key]
+      kind = config[section].get_ref(key).get_type() if value is None else type(value)
+      out[f"{section}.{key}"] = (value, kind)
+  return out
+
+
+def test_config_defaults_are_the_dataclass_defaults():
+  # configs/base.py spells its defaults out as data; experiment.base_config() derives them from
+  # the dataclasses (ModelConfig, DataConfig, OptimizerConfig, TrainSettings, MeshSettings).
+  # A field added to, removed from or re-defaulted in a dataclass must be mirrored there.
+  written, derived = _fields(base.defaults()), _fields(experiment.base_config())
+  assert sorted(written) == sorted(derived)
+  for name, (value, kind) in derived.items():
+    assert written[name] == (value, kind), name
+  assert "model.implementation" in derived and derived["model.num_v_heads"] == (None, int)
+
+
+def test_configs_import_no_training_code():
+  # Configs are data: importing every configs/*.py and building each of its sizes loads
+  # neither the training stack nor any other part of lineax_attn, nor jax or flax.
+  names = sorted(n[:-3] for n in os.listdir(os.path.join(ROOT, "configs"))
+                 if n.endswith(".py") and n != "__init__.py")
+  assert {"base", "mixers", "mqar"} <= set(names)
+  script = (
+      "import importlib, sys\n"
+      "import configs.base\n"
+      f"for name in {names!r}:\n"
+      "  module = importlib.import_module('configs.' + name)\n"
+      "  for size in getattr(module, 'SIZES', None) or sys.modules['configs.base'].SIZES:\n"
+      "    module.get_config(size)\n"
+      "print(sorted({'.'.join(m.split('.')[:2]) for m in sys.modules if m.split('.')[0] in"
+      " ('lineax_attn', 'jax', 'flax', 'pallas_kernels', 'experiments')}))\n")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip() == "[]", proc.stdout

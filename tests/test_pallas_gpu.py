@@ -16,7 +16,9 @@ Oracles:
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 from lineax_attn import ops  # noqa: E402
 from lineax_attn.ops import api  # noqa: E402
 from lineax_attn.ops import pallas_gpu  # noqa: E402
+from pallas_kernels.gpu import intra_chunk as ic  # noqa: E402
 from pallas_kernels.gpu import state_passing as sp  # noqa: E402
 
 FWD_TOL = 2e-2    # bf16 matmul operands (Y, S, E, P, QG, KG), float32 accumulation and state
@@ -100,16 +103,72 @@ def test_op_forward_matches_scan_and_chunk(mixer):
 
 @pytest.mark.parametrize("mixer,intra", [("gated_delta_rule", "kernel"), ("gated_delta_rule", "xla"),
                                          ("kda", "kernel")])
-def test_op_gradients_match_scan(mixer, intra, monkeypatch):
+def test_op_gradients_match_scan(mixer, intra):
   # intra: who computes GDN's intra-chunk part (the Mosaic GPU kernel by default; the XLA path
   # is what runs under shard_map, and KDA/GDN-2 always take it).
-  monkeypatch.setattr(pallas_gpu, "INTRA", intra)
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=4)
-  got = output_and_state_grads(mixer, args, kw["initial_state"], "pallas_gpu")
+  got = output_and_state_grads(mixer, args, kw["initial_state"], "pallas_gpu",
+                               tuning=pallas_gpu.GpuTuning(intra=intra))
   want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
   names = ["q", "k", "v"] + (["g", "beta"]) + ["initial_state"]
   for name, g, w in zip(names, got, want):
     assert_close(g, w, GRAD_TOL, f"{mixer} d{name}")
+
+
+def test_each_tuning_traces_separately_under_one_jit(monkeypatch):
+  # The tuning used to be module flags read at trace time, so changing one after a function
+  # had been jitted was silently ignored. A GpuTuning is a static argument: one jitted function
+  # called with A, B, C traces three times, and each result is that tuning's own (equal to a
+  # fresh jit closing over it; the kernel path: the kernel ran), not the first trace's.
+  calls = []
+  kernel = ic.intra_chunk_fwd
+  monkeypatch.setattr(ic, "intra_chunk_fwd", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  args, _ = make_inputs("gated_delta_rule", b=1, t=64, h=1, hv=1, dk=64, dv=64, seed=12)
+  traces = []
+
+  @functools.partial(jax.jit, static_argnames="tuning")
+  def f(*a, tuning):
+    traces.append(tuning)
+    return ops.gated_delta_rule(*a, implementation="pallas_gpu", tuning=tuning)[0]
+
+  inverse = pallas_gpu.GpuTuning(intra="xla", solve="inverse")
+  trsm = pallas_gpu.GpuTuning(intra="xla", solve="trsm")
+  kernel_path = pallas_gpu.GpuTuning(intra="kernel")
+  outs = {}
+  for tuning in (inverse, trsm, kernel_path):
+    before = len(calls)
+    outs[tuning] = np.asarray(f(*args, tuning=tuning))
+    # Only the intra="kernel" trace calls the intra-chunk kernel.
+    assert len(calls) - before == (tuning.intra == "kernel"), tuning
+    if tuning.intra == "xla":   # (the kernel path's fresh compile would only cost time)
+      fresh = jax.jit(lambda *a, t=tuning: ops.gated_delta_rule(*a, implementation="pallas_gpu",
+                                                                 tuning=t)[0])
+      np.testing.assert_array_equal(outs[tuning], np.asarray(fresh(*args)), err_msg=str(tuning))
+  assert traces == [inverse, trsm, kernel_path]
+  # The bf16-applied inverse and the float32 triangular solve round differently.
+  assert np.max(np.abs(outs[inverse] - outs[trsm])) > 1e-5
+  np.testing.assert_array_equal(np.asarray(f(*args, tuning=pallas_gpu.GpuTuning(intra="xla"))),
+                                outs[inverse])    # an equal tuning reuses its trace
+  assert len(traces) == 3
+  want = run("gated_delta_rule", args, implementation="scan")[0]
+  for tuning, out in outs.items():
+    assert_close(out, want, FWD_TOL, f"o with {tuning} vs scan")
+
+
+def test_remat_intra_decides_whether_the_intra_chunk_part_is_checkpointed():
+  # remat_intra only changes what the backward keeps; the traced program shows it as a
+  # checkpoint (remat) around the XLA intra-chunk part, and the forward values are the same.
+  args, _ = make_inputs("kda", b=1, t=64, h=1, hv=1, dk=64, dv=64, seed=13)
+  results = {}
+  for remat in (True, False):
+    fn = lambda *a, remat=remat: ops.kda(*a, implementation="pallas_gpu",
+                                         tuning=pallas_gpu.GpuTuning(remat_intra=remat))[0]
+    # The printed jaxpr holds nested jaxprs inline; remat's primitive is "remat2" in jax 0.11
+    # ("checkpoint" in some other versions).
+    text = str(jax.make_jaxpr(fn)(*args))
+    assert len(re.findall(r"\b(?:remat\w*|checkpoint)\[", text)) == int(remat), remat
+    results[remat] = np.asarray(jax.jit(fn)(*args))
+  np.testing.assert_allclose(results[True], results[False], rtol=0, atol=1e-6)
 
 
 def test_unsupported_shape_falls_back_to_chunk_with_log(caplog):

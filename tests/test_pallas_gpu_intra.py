@@ -16,7 +16,7 @@ Oracles:
 * the backward kernel (with the XLA glue of `pallas_gpu._intra_kernel`: QG/KG terms, Gx's chain
   rule, GVA's sum) vs autodiff of that exact reference, for random cotangents: every input's
   gradient to rel 5e-3 (bf16 matmul operands; measured dq 9e-4), random and packed inputs.
-* `implementation="pallas_gpu"` with `INTRA = "kernel"` vs the `scan` reference: GDN and
+* `implementation="pallas_gpu"` with `GpuTuning(intra="kernel")` vs the `scan` reference: GDN and
   DeltaNet forward with an initial state and T not a multiple of the chunk (rel 2e-2), GDN
   gradients of every input (rel 3e-2).
 * With segment ids and padding (id 0) the op with the kernel vs the `scan` reference, forward
@@ -151,35 +151,35 @@ def test_supported_sizes():
   assert "K=96" in ic.supported(64, 96, 64)
 
 
-@pytest.fixture
-def intra_kernel(monkeypatch):
-  monkeypatch.setattr(pallas_gpu, "INTRA", "kernel")
+# Explicit, so these tests keep covering the kernel if the default tuning changes.
+KERNEL = pallas_gpu.GpuTuning(intra="kernel")
 
 
 @pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule"])
-def test_op_forward_matches_scan(intra_kernel, monkeypatch, mixer):
+def test_op_forward_matches_scan(monkeypatch, mixer):
   calls = []
   kernel = ic.intra_chunk_fwd
   monkeypatch.setattr(ic, "intra_chunk_fwd", lambda *a, **k: calls.append(1) or kernel(*a, **k))
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=1)
-  got = run(mixer, args, **kw, output_final_state=True, implementation="pallas_gpu")
+  got = run(mixer, args, **kw, output_final_state=True, implementation="pallas_gpu",
+            tuning=KERNEL)
   assert calls, "the op did not take the intra-chunk kernel"
   want = run(mixer, args, **kw, output_final_state=True, implementation="scan")
   for name, g, w in zip(("o", "final_state"), got, want):
     assert_close(g, w, 2e-2, f"{mixer} {name}")
 
 
-def test_op_gradients_match_scan(intra_kernel):
+def test_op_gradients_match_scan():
   mixer = "gated_delta_rule"
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=4)
   s0 = kw["initial_state"]
   for name, g, w in zip(("q", "k", "v", "g", "beta", "initial_state"),
-                        output_and_state_grads(mixer, args, s0, "pallas_gpu"),
+                        output_and_state_grads(mixer, args, s0, "pallas_gpu", tuning=KERNEL),
                         output_and_state_grads(mixer, args, s0, "scan")):
     assert_close(g, w, 3e-2, f"d{name}")
 
 
-def test_op_with_segments_and_padding_matches_scan(intra_kernel):
+def test_op_with_segments_and_padding_matches_scan():
   mixer = "gated_delta_rule"
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=2)
   seg = jnp.asarray(np.concatenate([np.full(40, 1), np.full(30, 2), np.zeros(26)])[None],
@@ -189,7 +189,8 @@ def test_op_with_segments_and_padding_matches_scan(intra_kernel):
   def value_and_grads(impl):
     def f(*xs):
       o, s = run(mixer, xs, initial_state=kw["initial_state"], segment_ids=seg,
-                 output_final_state=True, implementation=impl)
+                 output_final_state=True, implementation=impl,
+                 tuning=KERNEL if impl == "pallas_gpu" else None)
       return jnp.sum(o * w_o) + jnp.sum(s), (o, s)
     return jax.grad(f, argnums=tuple(range(len(args))), has_aux=True)(*args)
 

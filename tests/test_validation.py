@@ -12,6 +12,7 @@ jit's cache key.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -190,6 +191,15 @@ LINEAR_CASES = [
     # Implementation.
     ("unknown_implementation", lambda: _call("delta_rule", implementation="triton"),
      r"unknown `implementation='triton'`"),
+    # Tuning: only the chosen implementation's tuning type (or None).
+    ("tuning_for_chunk", lambda: _call("delta_rule", implementation="chunk", tuning=ops.GpuTuning()),
+     r"`tuning` must be None for implementation='chunk' \(it takes no tuning\), got GpuTuning\("),
+    ("tuning_for_scan", lambda: _call("kda", implementation="scan", tuning=ops.GpuTuning(intra="xla")),
+     r"`tuning` must be None for implementation='scan'"),
+    ("tuning_wrong_type", lambda: _call("gated_delta_rule", implementation="pallas_gpu", tuning="xla"),
+     r"`tuning` for implementation='pallas_gpu' must be a GpuTuning or None, got 'xla'"),
+    ("tuning_dict", lambda: _call("delta_rule", implementation="pallas_gpu", tuning={"intra": "xla"}),
+     r"`tuning` for implementation='pallas_gpu' must be a GpuTuning or None"),
 ]
 
 
@@ -207,6 +217,24 @@ def test_planned_implementation_not_built_yet(monkeypatch):
   with pytest.raises(ValueError, match=r"`implementation='pallas_tpu'` is not built yet; available: "
                                        r"\[.*'scan'.*\]"):
     _call("kda", implementation="pallas_tpu")
+
+
+@pytest.mark.parametrize("field,value", [("intra", "cuda"), ("intra", None), ("solve", "lu"),
+                                         ("solve", 1), ("remat_intra", 1), ("remat_intra", "yes")])
+def test_gpu_tuning_rejects_bad_fields(field, value):
+  with pytest.raises(ValueError, match=rf"GpuTuning\.{field} must be .*, got {re.escape(repr(value))}"):
+    ops.GpuTuning(**{field: value})
+
+
+def test_gpu_tuning_is_frozen_hashable_and_defaults_to_the_module_default():
+  from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
+  default = ops.GpuTuning()
+  assert default == pallas_gpu.DEFAULT_TUNING and hash(default) == hash(pallas_gpu.DEFAULT_TUNING)
+  assert (default.intra, default.solve, default.remat_intra) == ("kernel", "inverse", True)
+  other = ops.GpuTuning(intra="xla")
+  assert other != default and len({default, other, ops.GpuTuning(intra="xla")}) == 2
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    default.intra = "xla"
 
 
 @pytest.mark.parametrize("mixer", ops.MIXERS)

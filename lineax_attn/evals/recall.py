@@ -36,6 +36,7 @@ import optax
 from flax import nnx
 
 from lineax_attn.data import synthetic
+from lineax_attn.models import losses as losses_lib
 from lineax_attn.models.config import SOFTMAX, ModelConfig
 from lineax_attn.models.lm import LanguageModel
 from lineax_attn.train import optim
@@ -172,11 +173,8 @@ def _runner(model_config: ModelConfig, settings: TrainSettings, n_lrs: int):
     return state, tx.init(state)
 
   def loss_fn(state, inputs, labels):
-    logits = nnx.merge(graphdef, state)(inputs).astype(jnp.float32)
-    mask = labels != synthetic.IGNORE
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, jnp.where(mask, labels, 0)[..., None], axis=-1)[..., 0]
-    return jnp.sum((log_z - tgt) * mask) / jnp.maximum(jnp.sum(mask), 1)
+    logits = nnx.merge(graphdef, state)(inputs)
+    return losses_lib.masked_cross_entropy(logits, labels, labels != synthetic.IGNORE)
 
   def step_one(state, opt_state, peak, step, inputs, labels):
     loss, grads = jax.value_and_grad(loss_fn)(state, inputs, labels)

@@ -128,6 +128,7 @@ class LinearMixer(nnx.Module):
     norm_eps: output RMSNorm epsilon.
     chunk_size: chunk size passed to the op.
     implementation: op implementation for sequences ("scan", "chunk", a kernel, None = best).
+      The layer runs it with its default tuning (the ops' `tuning=` is not passed through).
     decode_implementation: op implementation for one-token steps ("scan").
     context_axis: mesh axis of context parallelism: when the current mesh (`jax.set_mesh`) has
       it with size P > 1 and P divides T, the op runs under `jax.shard_map` over it with the

@@ -6,7 +6,8 @@ Implementations: "scan" (the `lax.scan` reference, the truth), "chunk" (chunkwis
 pure JAX, differentiable), "pallas_tpu" (Pallas Mosaic TPU kernels; the TPU interpreter off TPU)
 and "pallas_gpu" (Mosaic GPU state-passing kernels on Hopper, the rest in XLA; other shapes fall
 back to "chunk" with a log line). `implementation=None` picks the best available for the
-backend: "pallas_tpu" on TPU, "pallas_gpu" on Hopper GPUs, "chunk" elsewhere.
+backend: "pallas_tpu" on TPU, "pallas_gpu" on Hopper GPUs, "chunk" elsewhere. `tuning=` takes an
+implementation's static tuning, e.g. `GpuTuning(intra="xla")` for "pallas_gpu" (None = default).
 
 Values are checked where they are concrete (eager calls); traced values under `jax.jit` only in
 checked mode, through `jax.experimental.checkify`: `checked(jax.jit(step))(...)` raises a
@@ -24,11 +25,13 @@ from lineax_attn.ops.gated_delta_rule import gated_delta_rule
 from lineax_attn.ops.gdn2 import gdn2
 from lineax_attn.ops.kda import kda
 from lineax_attn.ops.linear_attention import linear_attention
+from lineax_attn.ops.pallas_gpu import GpuTuning
 
 _api.register_implementation("scan", _reference.scan_reference)
 _api.register_implementation("chunk", _chunked.chunk_delta_family)
 _api.register_implementation("pallas_tpu", _pallas_tpu.pallas_tpu_impl)
-_api.register_implementation("pallas_gpu", _pallas_gpu.pallas_gpu_delta_family)
+_api.register_implementation("pallas_gpu", _pallas_gpu.pallas_gpu_delta_family,
+                             tuning_type=_pallas_gpu.GpuTuning)
 
 available_implementations = _api.available_implementations
 checked = _api.checked
@@ -40,5 +43,5 @@ MIXERS = tuple(_api.MIXER_GATES)
 __all__ = [
     "linear_attention", "delta_rule", "gated_delta_rule", "kda", "gdn2", "softmax_attention",
     "available_implementations", "MIXERS", "checked", "debug_checks", "set_debug_checks",
-    "debug_checks_enabled",
+    "debug_checks_enabled", "GpuTuning",
 ]

@@ -17,9 +17,13 @@ Implementations register themselves by name with `register_implementation`; each
 already-validated arrays and the mixer name, and returns `(o, final_state, r)` in float32:
 
     impl(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
-         output_final_state) -> (o, final_state | None, r)
+         output_final_state, tuning) -> (o, final_state | None, r)
 
-where `gates` is a dict of the mixer's gate arrays (float32) keyed by argument name.
+where `gates` is a dict of the mixer's gate arrays (float32) keyed by argument name, and
+`tuning` is the implementation's static tuning (an instance of the `tuning_type` it registered
+with, e.g. `pallas_gpu.GpuTuning`) or None for its default; an implementation registered
+without a tuning type always gets None. Tunings are frozen, hashable values read at trace time,
+so each distinct one is a separate trace under `jax.jit` (static arguments or closures).
 """
 
 from __future__ import annotations
@@ -48,12 +52,18 @@ MIXER_GATES: dict[str, tuple[tuple[str, str | None], ...]] = {
 }
 
 _IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {}
+# The tuning class each implementation accepts (None: it takes no tuning, only tuning=None).
+_TUNING_TYPES: dict[str, type | None] = {}
 # Implementations that may exist later but are not built yet: a clear error, not a KeyError.
 _PLANNED: tuple[str, ...] = ()
 
 
-def register_implementation(name: str, fn: Callable[..., Any]) -> None:
+def register_implementation(name: str, fn: Callable[..., Any], *,
+                            tuning_type: type | None = None) -> None:
+  """Registers `fn` as `implementation=name`; `tuning_type` is the class of the static
+  `tuning=` values it accepts (None: it takes none)."""
   _IMPLEMENTATIONS[name] = fn
+  _TUNING_TYPES[name] = tuning_type
 
 
 def available_implementations() -> tuple[str, ...]:
@@ -376,19 +386,35 @@ def check_token_positions(t: int, layout: seg_lib.SegmentLayout, chunk_size: int
                      f"exceed the int32 position limit {MAX_POSITIONS}.")
 
 
-def resolve_implementation(implementation: str | None) -> Callable[..., Any]:
+def resolve_implementation(implementation: str | None) -> str:
+  """The registered implementation name `implementation` stands for (None: the default)."""
   name = default_implementation() if implementation is None else implementation
   if name in _IMPLEMENTATIONS:
-    return _IMPLEMENTATIONS[name]
+    return name
   if name in _PLANNED:
     raise ValueError(f"`implementation={name!r}` is not built yet; available: "
                      f"{sorted(_IMPLEMENTATIONS)}.")
   raise ValueError(f"unknown `implementation={name!r}`; expected one of {sorted(_IMPLEMENTATIONS)} or None.")
 
 
+def check_tuning(tuning, name: str):
+  """`tuning` for the implementation registered as `name`: None, or an instance of its
+  `tuning_type` (ValueError naming `tuning` otherwise)."""
+  if tuning is None:
+    return None
+  tuning_type = _TUNING_TYPES.get(name)
+  if tuning_type is None:
+    raise ValueError(f"`tuning` must be None for implementation={name!r} (it takes no tuning), "
+                     f"got {tuning!r}.")
+  if not isinstance(tuning, tuning_type):
+    raise ValueError(f"`tuning` for implementation={name!r} must be a {tuning_type.__name__} or "
+                     f"None, got {tuning!r}.")
+  return tuning
+
+
 def run_mixer(mixer: str, q, k, v, gates: Mapping[str, Any], *, scale=None, initial_state=None,
               output_final_state=False, segment_ids=None, cu_seqlens=None, chunk_size=64,
-              return_residual=False, implementation=None):
+              return_residual=False, implementation=None, tuning=None):
   """Validates, dispatches and casts back. Shared body of the five linear mixers."""
   dims = check_qkv(q, k, v)
   checked = {name: check_gate(mixer, name, gates[name], axis, dims)
@@ -399,11 +425,13 @@ def run_mixer(mixer: str, q, k, v, gates: Mapping[str, Any], *, scale=None, init
   initial_state = check_initial_state(initial_state, dims, layout)
   check_token_positions(dims.t, layout, chunk_size)
   check_finite((("q", q), ("k", k), ("v", v), ("initial_state", initial_state)))
-  impl = resolve_implementation(implementation)
+  name = resolve_implementation(implementation)
+  tuning = check_tuning(tuning, name)
+  impl = _IMPLEMENTATIONS[name]
   f32 = lambda x: x.astype(jnp.float32)
   o, final_state, r = impl(mixer, f32(q), f32(k), f32(v), checked, scale=scale,
                            initial_state=initial_state, layout=layout, chunk_size=chunk_size,
-                           output_final_state=bool(output_final_state))
+                           output_final_state=bool(output_final_state), tuning=tuning)
   o = o.astype(v.dtype)
   final_state = final_state if output_final_state else None
   if return_residual:
@@ -422,6 +450,9 @@ _COMMON_DOC = """scale: query scale, default K ** -0.5.
     return_residual: also return the write residual r `[B, T, HV, V]` (what CLER routes).
     implementation: "scan" (the reference), "chunk", "pallas_tpu", "pallas_gpu", or None for the
       best on the backend.
+    tuning: implementation-specific static tuning (e.g. `pallas_gpu.GpuTuning`); None = the
+      implementation's default. A frozen, hashable value read at trace time: each distinct
+      tuning is its own trace under `jax.jit`. Implementations without tuning take only None.
 
   q, k, v may have any float dtype and gates may be float32, bfloat16 or float16; all are upcast
   to float32 inside, and states are always float32.
@@ -431,7 +462,8 @@ _COMMON_DOC = """scale: query scale, default K ** -0.5.
     shape `[B, T, HV, V]`; final_state is float32 `[B or N, HV, K, V]`, or None unless asked.
 
   Raises:
-    ValueError: naming the argument, for a wrong shape, dtype or option, and for a value outside
+    ValueError: naming the argument, for a wrong shape, dtype or option (a `tuning` that is not
+      the chosen implementation's tuning type, too), and for a value outside
       the contract where the array is concrete (eager calls): a gate with NaN/Inf or out of range
       (g <= 0; beta, b in [0, 2]; w in [0, 1]), `cu_seqlens` not strictly increasing from 0 to
       T, a negative `segment_ids`. Traced values (under `jax.jit`, `jax.grad`, `jax.vmap`) are

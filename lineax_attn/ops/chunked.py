@@ -272,8 +272,9 @@ def _varlen_relayout(cu_seqlens, t, c):
 
 
 def chunk_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
-                       output_final_state=False):
+                       output_final_state=False, tuning=None):
   """The `chunk` implementation (see `api.run_mixer` for the contract)."""
+  del tuning  # no tuning (api passes None)
   g, erase, write = canonical_gates(mixer, v, gates)
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]

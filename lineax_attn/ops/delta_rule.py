@@ -8,7 +8,7 @@ from lineax_attn.ops import api
 @api.with_common_doc
 def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False,
                segment_ids=None, cu_seqlens=None, chunk_size=64, return_residual=False,
-               implementation=None):
+               implementation=None, tuning=None):
   """DeltaNet: one online regression step per token, r_t = β_t(v_t − S_{t−1}ᵀk_t), S_t = S_{t−1} + k_t r_tᵀ.
 
   Args:
@@ -21,4 +21,5 @@ def delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_st
   return api.run_mixer("delta_rule", q, k, v, {"beta": beta}, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, segment_ids=segment_ids,
                        cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                       return_residual=return_residual, implementation=implementation)
+                       return_residual=return_residual, implementation=implementation,
+                       tuning=tuning)

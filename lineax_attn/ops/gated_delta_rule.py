@@ -8,7 +8,7 @@ from lineax_attn.ops import api
 @api.with_common_doc
 def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                      segment_ids=None, cu_seqlens=None, chunk_size=64, return_residual=False,
-                     implementation=None):
+                     implementation=None, tuning=None):
   """Gated DeltaNet: S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ with α_t = exp(g_t).
 
   Args:
@@ -22,4 +22,5 @@ def gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output
   return api.run_mixer("gated_delta_rule", q, k, v, {"g": g, "beta": beta}, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, segment_ids=segment_ids,
                        cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                       return_residual=return_residual, implementation=implementation)
+                       return_residual=return_residual, implementation=implementation,
+                       tuning=tuning)

@@ -8,7 +8,7 @@ from lineax_attn.ops import api
 @api.with_common_doc
 def gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final_state=False,
          segment_ids=None, cu_seqlens=None, chunk_size=64, return_residual=False,
-         implementation=None):
+         implementation=None, tuning=None):
   """GDN-2: S_t = (I − k_t (b_t ⊙ k_t)ᵀ) Diag(α_t) S_{t−1} + k_t (w_t ⊙ v_t)ᵀ, α_t = exp(g_t).
 
   Args:
@@ -23,4 +23,5 @@ def gdn2(q, k, v, g, b, w, *, scale=None, initial_state=None, output_final_state
   return api.run_mixer("gdn2", q, k, v, {"g": g, "b": b, "w": w}, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, segment_ids=segment_ids,
                        cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                       return_residual=return_residual, implementation=implementation)
+                       return_residual=return_residual, implementation=implementation,
+                       tuning=tuning)

@@ -8,7 +8,7 @@ from lineax_attn.ops import api
 @api.with_common_doc
 def linear_attention(q, k, v, *, scale=None, initial_state=None, output_final_state=False,
                      segment_ids=None, cu_seqlens=None, chunk_size=64, return_residual=False,
-                     implementation=None):
+                     implementation=None, tuning=None):
   """Causal linear attention without a normaliser: o_t = S_tᵀ(scale·q_t), S_t = S_{t−1} + k_t v_tᵀ.
 
   Args:
@@ -19,4 +19,5 @@ def linear_attention(q, k, v, *, scale=None, initial_state=None, output_final_st
   return api.run_mixer("linear_attention", q, k, v, {}, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, segment_ids=segment_ids,
                        cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                       return_residual=return_residual, implementation=implementation)
+                       return_residual=return_residual, implementation=implementation,
+                       tuning=tuning)

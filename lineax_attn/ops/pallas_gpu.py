@@ -3,7 +3,7 @@
 Split of the chunk form (docs/MATH.md §3.2); docs/KERNELS_GPU.md has the call path and the kernels'
 resources:
 
-* **Intra-chunk, DeltaNet and GDN (Mosaic GPU, the default `INTRA = "kernel"`):**
+* **Intra-chunk, DeltaNet and GDN (Mosaic GPU, the default `GpuTuning(intra="kernel")`):**
   `pallas_kernels.gpu.intra_chunk`, forward and backward kernels, one CTA per chunk; the
   forward's bf16 inverse is the backward's residual; QG/KG cotangents, Gx's chain rule and GVA's
   head sum stay in XLA (`_intra_kernel_bwd`).
@@ -14,7 +14,8 @@ resources:
   systems are inverted in float32 (blocked inverse by matmuls, closed-form VJP) and the inverse
   is applied with bf16 operands; per-channel gates (KDA, GDN-2) reuse the overflow-free
   sub-chunk form of `chunked._intra_chunk` (float32). DeltaNet and GDN take this path with
-  `INTRA = "xla"` and under `shard_map` (the kernel outputs carry no varying-axes types).
+  `GpuTuning(intra="xla")` and under `shard_map` (the kernel outputs carry no varying-axes
+  types).
 * **Sequential state pass (Mosaic GPU kernels, `pallas_kernels.gpu.state_passing`):**
   E = U − Y·S, O = QG·S + P·E, S' = gc⊙S + KGᵀ·E with the float32 state on chip; its backward is
   a reverse kernel for the state cotangent (docs/MATH.md §3.6 steps 1-2) plus batched matmuls,
@@ -26,11 +27,16 @@ B·T·HV < 2^31 rows (TMA coordinates are 32-bit per dimension; docs/KERNELS_GPU
 past 2^31 elements"). Anything else (other sizes, `cu_seqlens` varlen, a GPU that is not Hopper)
 falls back to the `chunk` implementation with one log line per reason; never silently wrong.
 
+Tuning (which intra-chunk path, which solve, remat of the XLA part) is a frozen `GpuTuning`
+passed to the ops as `tuning=` (None = `DEFAULT_TUNING`); it is a static value read at trace
+time, so every distinct tuning is its own trace under `jax.jit`.
+
 Off GPU the kernels run in JAX's Mosaic GPU interpreter (slow; for tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -46,19 +52,56 @@ _warned: set[str] = set()
 _F32 = jnp.float32
 _MM = sp.MM_DTYPE
 _HI = jax.lax.Precision.HIGHEST
-# How the intra-chunk unit-lower-triangular systems are solved: "inverse" (blocked inverse by
-# matmuls, `unit_lower_inverse`) or "trsm" (`lax.linalg.triangular_solve`). Module-level so
-# experiments/bench_kernels.py can time both.
-SOLVE = "inverse"
-# Whether the backward recomputes the intra-chunk part (jax.checkpoint: less memory) or keeps its
-# residuals (the C×C products and the inverse per chunk: faster backward). Module-level so
-# experiments/bench_kernels.py (--remat_intra) can time both.
-REMAT_INTRA = True
-# Who computes the intra-chunk part of DeltaNet / GDN: "kernel" (`pallas_kernels.gpu.intra_chunk`,
-# forward and backward Mosaic GPU kernels: GDN fwd+bwd 2.5 ms vs 4.6 ms at B4 T4096 H16 D128 on
-# an H200, docs/BENCHMARKS.md run 5) or "xla" (below; also what runs under shard_map). Linear
-# attention, KDA and GDN-2 always take the XLA part. Module-level for bench_kernels' A/B.
-INTRA = "kernel"
+INTRA_CHOICES = ("kernel", "xla")
+SOLVE_CHOICES = ("inverse", "trsm")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTuning:
+  """Static tuning of the `pallas_gpu` implementation: pass as `tuning=` to the ops.
+
+  Frozen and hashable, read at trace time: under `jax.jit` each distinct value is part of the
+  traced program, so a function jitted with one tuning is retraced, never silently reused, when
+  called with another (make it a static argument, or close over it).
+
+  Attributes:
+    intra: who computes the intra-chunk part of DeltaNet / GDN: "kernel"
+      (`pallas_kernels.gpu.intra_chunk`, forward and backward Mosaic GPU kernels: GDN fwd+bwd
+      2.5 ms vs 4.6 ms at B4 T4096 H16 D128 on an H200, docs/BENCHMARKS.md run 5) or "xla" (the
+      XLA path; also what runs under shard_map). Linear attention, KDA and GDN-2 always take the
+      XLA path.
+    solve: how the XLA path solves the intra-chunk unit-lower-triangular systems (scalar or no
+      gates): "inverse" (blocked inverse by matmuls, `unit_lower_inverse`, applied with bf16
+      operands) or "trsm" (`lax.linalg.triangular_solve` in float32).
+    remat_intra: whether the backward recomputes the XLA intra-chunk part (`jax.checkpoint`:
+      less memory) or keeps its residuals (the C×C products and the inverse per chunk: a faster
+      backward).
+  """
+
+  intra: str = "kernel"
+  solve: str = "inverse"
+  remat_intra: bool = True
+
+  def __post_init__(self):
+    for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES)):
+      value = getattr(self, name)
+      if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")
+    if not isinstance(self.remat_intra, bool):
+      raise ValueError(f"GpuTuning.remat_intra must be a bool, got {self.remat_intra!r}.")
+
+
+DEFAULT_TUNING = GpuTuning()
+
+
+def check_tuning(tuning) -> GpuTuning:
+  """`tuning` as a GpuTuning: None gives `DEFAULT_TUNING`; anything else is a ValueError."""
+  if tuning is None:
+    return DEFAULT_TUNING
+  if not isinstance(tuning, GpuTuning):
+    raise ValueError(f"`tuning` for implementation='pallas_gpu' must be a "
+                     f"pallas_gpu.GpuTuning or None, got {tuning!r}.")
+  return tuning
 
 
 def is_hopper(device=None) -> bool:
@@ -180,10 +223,10 @@ def _masked_exp(x, mask):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-def _intra_scalar(Q, K, Kt, Vt, G, same, cont, keep):
+def _intra_scalar(Q, K, Kt, Vt, G, same, cont, keep, *, solve):
   """`chunked._intra_chunk` for scalar or no gates, with bf16 operands in the C×C products.
 
-  Leading dims [..., C]; G [..., C] or None; Kt None for linear attention.
+  Leading dims [..., C]; G [..., C] or None; Kt None for linear attention; solve: `GpuTuning.solve`.
   Returns QG, P, Y (or None), U, KG, gC ([..., 1] or None), like `chunked._intra_chunk`.
   """
   c = Q.shape[-2]
@@ -209,7 +252,7 @@ def _intra_scalar(Q, K, Kt, Vt, G, same, cont, keep):
     return QG, P, None, Vt, KG, gC
   L = _mm("...ic,...jc->...ij", Kt, K) * (decay * strict)
   rhs = jnp.concatenate([rows(Kt, entry), Vt], axis=-1)
-  if SOLVE == "trsm":
+  if solve == "trsm":
     eye = jnp.eye(c, dtype=_F32)
     with jax.default_matmul_precision("highest"):
       sol = jax.lax.linalg.triangular_solve(eye + L, rhs, left_side=True, lower=True,
@@ -310,9 +353,10 @@ def _segment_masks(segidx, c):
   return same, cont, keep
 
 
-def prepare_chunks(q, k, kt, vt, g, segidx, *, c):
+def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TUNING):
   """XLA part: [B, T, HV, ...] inputs (T a multiple of c) -> the state-pass kernel's inputs.
 
+  `tuning.solve` and `tuning.remat_intra` steer it (`GpuTuning`).
   Returns (ny, qg, p, u, kg, gc) in the layouts of `state_passing.state_passing_fwd`.
   """
   G, gate_kind = chunked.chunk_cumulative_gates(g, functools.partial(_to_chunks, c=c))
@@ -323,8 +367,8 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c):
   if gate_kind == "channel":
     intra = functools.partial(chunked._intra_chunk, gate_kind="channel")
   else:
-    intra = _intra_scalar
-  if REMAT_INTRA:
+    intra = functools.partial(_intra_scalar, solve=tuning.solve)
+  if tuning.remat_intra:
     intra = jax.checkpoint(intra)
   QG, P, Y, U, KG, gC = intra(*chunks, same=same, cont=cont, keep=keep)
   dk = q.shape[-1]
@@ -335,14 +379,14 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c):
           gc.astype(_F32))
 
 
-def _core(q, k, kt, vt, g, s0, segidx, *, c, interpret):
+def _core(q, k, kt, vt, g, s0, segidx, *, c, interpret, tuning):
   """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
-  ny, qg, p, u, kg, gc = prepare_chunks(q, k, kt, vt, g, segidx, c=c)
+  ny, qg, p, u, kg, gc = prepare_chunks(q, k, kt, vt, g, segidx, c=c, tuning=tuning)
   o, e, s_final = _state_pass(ny, qg, p, u, kg, gc, s0, interpret)
   return _from_chunks(o), _from_chunks(e), s_final
 
 
-# -------------------------------------------------- intra-chunk kernel (INTRA = "kernel")
+# -------------------------------------------- intra-chunk kernel (GpuTuning.intra = "kernel")
 
 
 def _kernel_segments(segidx, c):
@@ -434,14 +478,18 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret):
   return _from_chunks(o), _from_chunks(e), s_final
 
 
-def _intra_kernel_applies(mixer, dk, dv, chunk_size) -> bool:
-  return (INTRA == "kernel" and mixer in ("delta_rule", "gated_delta_rule")
+def _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning) -> bool:
+  return (tuning.intra == "kernel" and mixer in ("delta_rule", "gated_delta_rule")
           and ic.supported(chunk_size, dk, dv) is None)
 
 
 def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
-                            output_final_state=False):
-  """The `pallas_gpu` implementation (see `api.run_mixer` for the contract)."""
+                            output_final_state=False, tuning=None):
+  """The `pallas_gpu` implementation (see `api.run_mixer` for the contract).
+
+  tuning: a `GpuTuning`, or None for `DEFAULT_TUNING` (the `chunk` fallback ignores it).
+  """
+  tuning = check_tuning(tuning)
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   reason = unsupported_reason(dk=dk, dv=dv, chunk_size=chunk_size, varlen=layout.is_varlen,
@@ -466,7 +514,7 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
     q, k = q * m[..., None], k * m[..., None]
     g = None if g is None else g * (m if g.ndim == 3 else m[..., None])
   # (Under shard_map the kernel's outputs would lack the varying-axes types: XLA path there.)
-  if _intra_kernel_applies(mixer, dk, dv, chunk_size) and not _vma(q, k, v):
+  if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning) and not _vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
     o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                        scale=scale, c=c, interpret=_interpret_params())
@@ -479,5 +527,5 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
   if m is not None:
     vt = vt * m[..., None]
   o, e, s_final = _core(pad(q), pad(k), pad(kt), pad(vt), pad(g), s0, segidx, c=c,
-                        interpret=_interpret_params())
+                        interpret=_interpret_params(), tuning=tuning)
   return o[:, :t], (s_final if output_final_state else None), e[:, :t]

@@ -54,8 +54,9 @@ def _pick_axes(mesh, names, dim):
 
 
 def pallas_tpu_impl(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
-                    output_final_state=False):
+                    output_final_state=False, tuning=None):
   """`implementation="pallas_tpu"` (see `api.run_mixer` for the contract)."""
+  del tuning  # no tuning yet (api passes None); the block sizes follow chunk_size
   fn = tpu.MIXERS[mixer]
   gate_args = tuple(gates[name] for name, _ in api.MIXER_GATES[mixer])
   mesh = jax.sharding.get_abstract_mesh()

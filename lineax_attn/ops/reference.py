@@ -96,12 +96,12 @@ def _scan_row(step, S0, xs, valid, start, start_state, gate_names, keep_states=F
 
 
 def scan_reference(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size=None,
-                   output_final_state=False):
+                   output_final_state=False, tuning=None):
   """Runs `mixer`'s step recurrence over time. Inputs validated float32; see `api.run_mixer`.
 
   Returns o [B, T, HV, V], final_state ([B or N, HV, K, V] or None) and r [B, T, HV, V].
   """
-  del chunk_size  # one token at a time
+  del chunk_size, tuning  # one token at a time; no tuning (api passes None)
   step = STEPS[mixer]
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]

@@ -171,7 +171,12 @@ def dataclass_section(cls, *, exclude=(), **overrides) -> ml_collections.ConfigD
 
 
 def base_config() -> ml_collections.ConfigDict:
-  """The defaults of every section (a tiny CPU run on the embedded corpus); unlocked."""
+  """The defaults of every section (a tiny CPU run on the embedded corpus); unlocked.
+
+  Derived from the dataclasses. Config files do not call it (configs are data and import no
+  training code): `configs/base.py` spells the same defaults out, and tests/test_configs.py
+  checks that the two agree field by field.
+  """
   config = ml_collections.ConfigDict()
   config.name = "base"
   config.arm = ""

@@ -63,6 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from lineax_attn.data import pipeline as pipeline_lib
 from lineax_attn.models import LanguageModel
 from lineax_attn.models import lm as lm_lib
+from lineax_attn.models import losses as losses_lib
 from lineax_attn.train import checkpoint as checkpoint_lib
 from lineax_attn.train import experiment as experiment_lib
 from lineax_attn.train import metrics as metrics_lib
@@ -81,23 +82,10 @@ class NonFiniteLossError(FloatingPointError):
 # ----------------------------------------------------------------------------------- loss
 
 
-def cross_entropy_sums(logits: jax.Array, targets: jax.Array, mask: jax.Array
-                       ) -> tuple[jax.Array, jax.Array]:
-  """(sum of masked token NLL, number of counted tokens), float32.
-
-  logits `[B, T, V]`, targets `[B, T]` int, mask `[B, T]` (1 = counted).
-  """
-  logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  mask = mask.astype(jnp.float32)
-  return jnp.sum((log_z - target_logit) * mask), jnp.sum(mask)
-
-
-def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
-  """Mean token NLL over the counted tokens (0 when none is counted)."""
-  total, count = cross_entropy_sums(logits, targets, mask)
-  return total / jnp.maximum(count, 1.0)
+# The token loss is `lineax_attn.models.losses` (shared with the evals and inspect): the step
+# sums `cross_entropy_sums` over micro-batches and divides once.
+cross_entropy_sums = losses_lib.cross_entropy_sums
+masked_cross_entropy = losses_lib.masked_cross_entropy
 
 
 # ----------------------------------------------------------------------------------- shardings

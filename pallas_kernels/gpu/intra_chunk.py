@@ -3,7 +3,7 @@
 
 Checked against an exact float32 reference and, through the op, against the scan, both in JAX's
 Mosaic GPU interpreter (CI) and compiled on an H200 (docs/BENCHMARKS.md, "Last full GPU test
-run"). `lineax_attn.ops.pallas_gpu` uses them by default (module flag `INTRA = "kernel"`).
+run"). `lineax_attn.ops.pallas_gpu` uses them by default (`GpuTuning(intra="kernel")`).
 
 Resources at K = V = 128 (registers from ptxas on the H200, shared memory as the launch requests
 it): forward 248-254 registers, no spills, 108 KiB of shared memory in two phases (so two CTAs
