@@ -42,11 +42,14 @@ def _in_default_run(implementation, mixer, t, mode, c):
   rest of the matrix (all 270 cases, ~20 min on 2 busy cores).
 
   chunk: every length and mode for the channel-gated mixers, every length with o alone and the
-  one-chunk length with each mode for the others. Kernels (interpreted, seconds per case): one
-  chunk with o alone, T = 1, and two chunks (the second padded) with the state."""
+  one-chunk length with each mode for the others. Kernels (interpreted, 5-20 s per case on a
+  busy CPU): one chunk with o alone for every mixer; T = 1 and two chunks (the second padded)
+  with the state for GDN (the kernels' edge handling is shared by the mixers)."""
   if implementation == "chunk":
     return mixer in CHANNEL_GATED or mode == "o" or t == c
-  return (t, mode) in ((c, "o"), (1, "o"), (c + 1, "o+state"))
+  if (t, mode) == (c, "o"):
+    return True
+  return mixer == "gated_delta_rule" and (t, mode) in ((1, "o"), (c + 1, "o+state"))
 
 
 def _cases(implementation):
@@ -93,8 +96,8 @@ def test_chunk_jit_forward_at_chunk_edges(mixer, t, mode):
 
 @pytest.mark.parametrize("mixer", CHANNEL_GATED)
 def test_chunk_one_chunk_output_only_is_exact_on_every_compile(mixer):
-  # The miscompile was random per compile (about one in two): four more fresh compiles.
-  for _ in range(4):
+  # The miscompile was random per compile (about one in two): three more fresh compiles.
+  for _ in range(3):
     _check(mixer, "chunk", EDGE_CASES["chunk"][0], "o")
 
 
