@@ -188,29 +188,6 @@ def test_registered_and_default_implementation():
   assert api.default_implementation() == expected
 
 
-def test_unit_lower_inverse_and_its_closed_form_vjp():
-  # The XLA intra-chunk part's inverse: value vs a float64 numpy inverse, VJP vs autodiff of
-  # a triangular solve (an independent route to the same function).
-  c = 64
-  rng = np.random.default_rng(11)
-  lower = np.tril(np.ones((c, c), bool), k=-1)
-  L = jnp.asarray(np.where(lower, 0.3 * rng.standard_normal((2, 3, c, c)), 0.0), jnp.float32)
-  x = pallas_gpu.unit_lower_inverse(L)
-  want = np.linalg.inv(np.eye(c) + np.asarray(L, np.float64))
-  assert_close(x, want, 1e-5, "(I + L)^-1")
-  w = jnp.asarray(rng.standard_normal((2, 3, c, c)), jnp.float32)
-
-  def by_solve(l):
-    eye = jnp.broadcast_to(jnp.eye(c, dtype=l.dtype), l.shape)
-    return jax.lax.linalg.triangular_solve(eye + l, eye, left_side=True, lower=True,
-                                           unit_diagonal=True)
-
-  got = jax.grad(lambda l: jnp.sum(pallas_gpu.unit_lower_inverse(l) * w))(L)
-  ref = jax.grad(lambda l: jnp.sum(by_solve(l) * w))(L)
-  ref = jnp.where(lower, ref, 0.0)   # L's upper triangle and diagonal are structurally zero
-  assert_close(got, ref, 1e-4, "d(I + L)^-1 / dL")
-
-
 def test_gradients_under_shard_map_with_varying_axes_check():
   # Context parallelism (lineax_attn.parallel) calls the op inside jax.shard_map with
   # check_vma=True: the custom VJP must type its kernel outputs and cotangents with the inputs'

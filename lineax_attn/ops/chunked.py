@@ -23,7 +23,11 @@ a continuation flag c_i on the S_0 terms and a keep flag on the state update; G 
 restarted. Varlen (`cu_seqlens`) re-lays each sequence on its own chunk grid (as FLA does), so
 a sequence start always falls on a chunk start and takes its own initial state there.
 
-Inside: float32, matmuls at `Precision.HIGHEST`.
+Inside: float32; matmuls at `Precision.HIGHEST` (`matmul="highest"`, the default and what the
+`chunk` implementation uses) or with bf16 operands and float32 accumulation (`matmul="bf16"`,
+the `pallas_gpu` XLA path, docs/MATH.md §3.7). The unit-lower-triangular systems are solved by
+`triangular_solve` (`solve="trsm"`) or by the blocked inverse of `ops.triangular`
+(`solve="inverse"`, matmuls only: fast on GPUs).
 """
 
 from __future__ import annotations
@@ -34,13 +38,24 @@ import jax
 import jax.numpy as jnp
 
 from lineax_attn.ops import segments as seg_lib
+from lineax_attn.ops import triangular
 
 _HI = jax.lax.Precision.HIGHEST
 SUB_CHUNK = 16  # rows per sub-chunk of the overflow-free per-channel path
+MATMULS = ("highest", "bf16")
+SOLVES = ("trsm", "inverse")
 
 
 def _einsum(spec, *xs):
   return jnp.einsum(spec, *xs, precision=_HI)
+
+
+def _dot(spec, a, b, matmul):
+  """A two-operand einsum: float32 at HIGHEST, or bf16 operands with float32 accumulation."""
+  if matmul == "highest":
+    return jnp.einsum(spec, a, b, precision=_HI)
+  return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                    preferred_element_type=jnp.float32)
 
 
 def canonical_gates(mixer, v, gates):
@@ -74,23 +89,23 @@ def _masked_exp(x, mask):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-def _pair_matrices_no_gate(Q, K, Kt):
-  P = _einsum("...ic,...jc->...ij", Q, K)
-  L = None if Kt is None else _einsum("...ic,...jc->...ij", Kt, K)
+def _pair_matrices_no_gate(Q, K, Kt, matmul):
+  P = _dot("...ic,...jc->...ij", Q, K, matmul)
+  L = None if Kt is None else _dot("...ic,...jc->...ij", Kt, K, matmul)
   return P, L
 
 
-def _pair_matrices_scalar(Q, K, Kt, G):
+def _pair_matrices_scalar(Q, K, Kt, G, matmul):
   """G [..., C] scalar cumulative gate: one C×C decay matrix e^{G_i − G_j}."""
   c = G.shape[-1]
   lower = jnp.tril(jnp.ones((c, c), bool))
   decay = _masked_exp(G[..., :, None] - G[..., None, :], lower)
-  P = _einsum("...ic,...jc->...ij", Q, K) * decay
-  L = None if Kt is None else _einsum("...ic,...jc->...ij", Kt, K) * decay
+  P = _dot("...ic,...jc->...ij", Q, K, matmul) * decay
+  L = None if Kt is None else _dot("...ic,...jc->...ij", Kt, K, matmul) * decay
   return P, L
 
 
-def _pair_matrices_channel(Q, K, Kt, G):
+def _pair_matrices_channel(Q, K, Kt, G, matmul):
   """G [..., C, K] per-channel cumulative gate: anchored sub-chunks, exact diagonal blocks."""
   *lead, c, dk = Q.shape
   cs = min(SUB_CHUNK, c)
@@ -112,33 +127,39 @@ def _pair_matrices_channel(Q, K, Kt, G):
   eye = jnp.eye(ns, dtype=Q.dtype)
 
   def assemble(A):  # A [..., ns, cs, K] row factors -> [..., C, C]
-    off = _einsum("...pic,...pqjc->...piqj", A * row, Kcol)
-    on = _einsum("...pic,...pjc,...pijc->...pij", A, Kr, diag)
+    off = _dot("...pic,...pqjc->...piqj", A * row, Kcol, matmul)
+    # The exact diagonal blocks stay elementwise float32 (no matmul to round).
+    on = jnp.sum(A[..., :, :, None, :] * Kr[..., :, None, :, :] * diag, axis=-1)
     full = off + on[..., :, :, None, :] * eye[:, None, :, None]
     return full.reshape(*lead, c, c)
 
   return assemble(Qr), (None if Ktr is None else assemble(Ktr))
 
 
-def _intra_chunk(Q, K, Kt, Vt, G, gate_kind, same, cont, keep):
+def _intra_chunk(Q, K, Kt, Vt, G, gate_kind, same, cont, keep, *, matmul="highest",
+                 solve="trsm"):
   """Everything that does not depend on the chunk-entry state, for all chunks at once.
 
-  Args (leading dims [..., C]): Q, K, Kt (or None), Vt, G ([..., C, K] / [..., C] / None);
-    same [..., C, C] same-segment mask or None; cont [..., C] continuation flag c_i or None;
-    keep [..., C] rows that reach the chunk's last row or None.
+  Args (leading dims [..., C], any batch layout): Q, K, Kt (or None), Vt, G ([..., C, K] /
+    [..., C] / None); same [..., C, C] same-segment mask or None; cont [..., C] continuation
+    flag c_i or None; keep [..., C] rows that reach the chunk's last row or None;
+    matmul: "highest" or "bf16" (`MATMULS`); solve: "trsm" or "inverse" (`SOLVES`).
   Returns: QG, P, Y, U, KG (exit-decayed keys), gC (decay of S_0 across the chunk, [..., K]).
   """
+  if matmul not in MATMULS or solve not in SOLVES:
+    raise ValueError(f"_intra_chunk: matmul must be one of {MATMULS} and solve one of "
+                     f"{SOLVES}, got {matmul!r}, {solve!r}.")
   c = Q.shape[-2]
   if gate_kind == "channel":
-    P, L = _pair_matrices_channel(Q, K, Kt, G)
+    P, L = _pair_matrices_channel(Q, K, Kt, G, matmul)
     gam, gam_exit = jnp.exp(G), jnp.exp(G[..., -1:, :] - G)
     gC = jnp.exp(G[..., -1, :])
   elif gate_kind == "scalar":
-    P, L = _pair_matrices_scalar(Q, K, Kt, G)
+    P, L = _pair_matrices_scalar(Q, K, Kt, G, matmul)
     gam, gam_exit = jnp.exp(G)[..., None], jnp.exp(G[..., -1:] - G)[..., None]
     gC = jnp.exp(G[..., -1:])
   else:
-    P, L = _pair_matrices_no_gate(Q, K, Kt)
+    P, L = _pair_matrices_no_gate(Q, K, Kt, matmul)
     gam = gam_exit = gC = None
 
   P = P * jnp.tril(jnp.ones((c, c), bool))
@@ -160,10 +181,14 @@ def _intra_chunk(Q, K, Kt, Vt, G, gate_kind, same, cont, keep):
     Y, U = None, Vt
   else:
     rhs = jnp.concatenate([scale_rows(Kt, entry), Vt], axis=-1)
-    eye = jnp.eye(c, dtype=L.dtype)
-    with jax.default_matmul_precision("highest"):
-      sol = jax.lax.linalg.triangular_solve(
-          eye + L, rhs, left_side=True, lower=True, unit_diagonal=True)
+    if solve == "inverse":
+      # The inverse itself is float32; only its application follows `matmul`.
+      sol = _dot("...ij,...jd->...id", triangular.unit_lower_inverse(L), rhs, matmul)
+    else:
+      eye = jnp.eye(c, dtype=L.dtype)
+      with jax.default_matmul_precision("highest"):
+        sol = jax.lax.linalg.triangular_solve(
+            eye + L, rhs, left_side=True, lower=True, unit_diagonal=True)
     dk = Kt.shape[-1]
     Y, U = sol[..., :dk], sol[..., dk:]
   return QG, P, Y, U, KG, gC

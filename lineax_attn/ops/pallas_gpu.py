@@ -7,14 +7,14 @@ resources:
   `pallas_kernels.gpu.intra_chunk`, forward and backward kernels, one CTA per chunk; the
   forward's bf16 inverse is the backward's residual; QG/KG cotangents, Gx's chain rule and GVA's
   head sum stay in XLA (`_intra_kernel_bwd`).
-* **Intra-chunk otherwise (XLA, differentiated by autodiff):** the masked
-  intra-chunk attention P, the WY/UT solve Y = Z(K̃⊙Γ), U = ZṼ, the gated queries/keys QG, KG
-  and the chunk decay gc. For scalar gates (GDN) and no gate (DeltaNet, linear attention) the
-  C×C products take bf16 operands with float32 accumulation; the unit-lower-triangular
-  systems are inverted in float32 (blocked inverse by matmuls, closed-form VJP) and the inverse
-  is applied with bf16 operands; per-channel gates (KDA, GDN-2) reuse the overflow-free
-  sub-chunk form of `chunked._intra_chunk` (float32). DeltaNet and GDN take this path with
-  `GpuTuning(intra="xla")` and under `shard_map` (the kernel outputs carry no varying-axes
+* **Intra-chunk otherwise (XLA, differentiated by autodiff):** `chunked._intra_chunk` with
+  `matmul="bf16"`: the masked intra-chunk attention P, the WY/UT solve Y = Z(K̃⊙Γ), U = ZṼ,
+  the gated queries/keys QG, KG and the chunk decay gc, every matmul with bf16 operands and
+  float32 accumulation (per-channel gates: the overflow-free sub-chunk form, its exact diagonal
+  blocks elementwise in float32); the unit-lower-triangular systems are inverted in float32
+  (`ops.triangular`: blocked inverse by matmuls, closed-form VJP) and the inverse is applied
+  with bf16 operands. Linear attention, KDA and GDN-2 always take this path; DeltaNet and GDN
+  with `GpuTuning(intra="xla")` and under `shard_map` (the kernel outputs carry no varying-axes
   types).
 * **Sequential state pass (Mosaic GPU kernels, `pallas_kernels.gpu.state_passing`):**
   E = U − Y·S, O = QG·S + P·E, S' = gc⊙S + KGᵀ·E with the float32 state on chip; its backward is
@@ -51,7 +51,6 @@ _log = logging.getLogger(__name__)
 _warned: set[str] = set()
 _F32 = jnp.float32
 _MM = sp.MM_DTYPE
-_HI = jax.lax.Precision.HIGHEST
 INTRA_CHOICES = ("kernel", "xla")
 SOLVE_CHOICES = ("inverse", "trsm")
 
@@ -70,8 +69,8 @@ class GpuTuning:
       2.5 ms vs 4.6 ms at B4 T4096 H16 D128 on an H200, docs/BENCHMARKS.md run 5) or "xla" (the
       XLA path; also what runs under shard_map). Linear attention, KDA and GDN-2 always take the
       XLA path.
-    solve: how the XLA path solves the intra-chunk unit-lower-triangular systems (scalar or no
-      gates): "inverse" (blocked inverse by matmuls, `unit_lower_inverse`, applied with bf16
+    solve: how the XLA path solves the intra-chunk unit-lower-triangular systems: "inverse"
+      (blocked inverse by matmuls, `ops.triangular.unit_lower_inverse`, applied with bf16
       operands) or "trsm" (`lax.linalg.triangular_solve` in float32).
     remat_intra: whether the backward recomputes the XLA intra-chunk part (`jax.checkpoint`:
       less memory) or keeps its residuals (the C×C products and the inverse per chunk: a faster
@@ -219,113 +218,6 @@ _state_pass_vjp.defvjp(_state_pass_fwd, _state_pass_bwd)
 # ----------------------------------------------------------------------------- intra-chunk
 
 
-def _masked_exp(x, mask):
-  return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
-
-
-def _intra_scalar(Q, K, Kt, Vt, G, same, cont, keep, *, solve):
-  """`chunked._intra_chunk` for scalar or no gates, with bf16 operands in the C×C products.
-
-  Leading dims [..., C]; G [..., C] or None; Kt None for linear attention; solve: `GpuTuning.solve`.
-  Returns QG, P, Y (or None), U, KG, gC ([..., 1] or None), like `chunked._intra_chunk`.
-  """
-  c = Q.shape[-2]
-  lower = jnp.tril(jnp.ones((c, c), bool))
-  strict = jnp.tril(jnp.ones((c, c), bool), k=-1)
-  if G is None:
-    decay = lower.astype(_F32)
-    gam = gam_exit = gC = None
-  else:
-    decay = _masked_exp(G[..., :, None] - G[..., None, :], lower)
-    gam, gam_exit = jnp.exp(G)[..., None], jnp.exp(G[..., -1:] - G)[..., None]
-    gC = jnp.exp(G[..., -1:])
-  if same is not None:
-    decay = decay * same
-  P = _mm("...ic,...jc->...ij", Q, K) * decay
-  rows = lambda x, f: x if f is None else x * f
-  entry = gam if cont is None else (cont[..., None] if gam is None else gam * cont[..., None])
-  QG = rows(Q, entry)
-  KG = rows(rows(K, gam_exit), None if keep is None else keep[..., None])
-  if cont is not None:
-    gC = cont[..., -1:] if gC is None else gC * cont[..., -1:]
-  if Kt is None:
-    return QG, P, None, Vt, KG, gC
-  L = _mm("...ic,...jc->...ij", Kt, K) * (decay * strict)
-  rhs = jnp.concatenate([rows(Kt, entry), Vt], axis=-1)
-  if solve == "trsm":
-    eye = jnp.eye(c, dtype=_F32)
-    with jax.default_matmul_precision("highest"):
-      sol = jax.lax.linalg.triangular_solve(eye + L, rhs, left_side=True, lower=True,
-                                            unit_diagonal=True)
-  else:
-    # bf16 operands, float32 accumulation (as for every other C×C product here): the
-    # inverse itself is computed in float32, only its application is rounded.
-    sol = _mm("...ij,...jd->...id", unit_lower_inverse(L), rhs)
-  dk = Kt.shape[-1]
-  return QG, P, sol[..., :dk], sol[..., dk:], KG, gC
-
-
-def _unit_lower_inverse_fwd_math(L, block=16):
-  """(I + L)^{-1} by matmuls only (see `unit_lower_inverse`).
-
-  Matmuls only (a batched `triangular_solve` of many 64×64 systems is slow on GPU). Each 16×16
-  diagonal block N = −L_bb is nilpotent, so (I − N)^{-1} = Σ_{j<16} N^j
-  = (I + N)(I + N²)(I + N⁴)(I + N⁸); blocks are then merged pairwise with
-  [[A, 0], [B, D]]^{-1} = [[A^{-1}, 0], [−D^{-1} B A^{-1}, D^{-1}]] (docs/MATH.md §3.7).
-  """
-  c = L.shape[-1]
-  b = min(block, c)
-  mm = lambda x, y: jnp.einsum("...ij,...jk->...ik", x, y, precision=_HI)
-  eye = jnp.eye(b, dtype=L.dtype)
-  invs = []
-  for i in range(c // b):
-    n = -L[..., i * b:(i + 1) * b, i * b:(i + 1) * b]
-    z, pw = eye + n, n
-    for _ in range(max(b.bit_length() - 2, 0)):   # 16 -> N², N⁴, N⁸
-      pw = mm(pw, pw)
-      z = z + mm(z, pw)
-    invs.append(z)
-  while len(invs) > 1:
-    size = invs[0].shape[-1]
-    merged = []
-    for j in range(0, len(invs), 2):
-      a_inv, d_inv = invs[j], invs[j + 1]
-      r0, c0 = (j + 1) * size, j * size
-      lower_left = -mm(mm(d_inv, L[..., r0:r0 + size, c0:c0 + size]), a_inv)
-      top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1)
-      bottom = jnp.concatenate([lower_left, d_inv], axis=-1)
-      merged.append(jnp.concatenate([top, bottom], axis=-2))
-    invs = merged
-  return invs[0]
-
-
-@jax.custom_vjp
-def unit_lower_inverse(L):
-  """(I + L)^{-1} for strictly lower-triangular L `[..., C, C]` (C a multiple of 16), float32.
-
-  Forward: blocked nilpotent series by matmuls (`_unit_lower_inverse_fwd_math`). Backward by the
-  closed form instead of autodiff through the ~30 small matmuls of the forward: with
-  X = (I + L)^{-1}, dX = −X dL X, so L̄ = −Xᵀ X̄ Xᵀ restricted to the strictly lower triangle
-  (L's other entries are structurally zero). Two C×C matmuls per chunk.
-  """
-  return _unit_lower_inverse_fwd_math(L)
-
-
-def _unit_lower_inverse_fwd(L):
-  x = _unit_lower_inverse_fwd_math(L)
-  return x, x
-
-
-def _unit_lower_inverse_bwd(x, x_bar):
-  c = x.shape[-1]
-  xt = jnp.swapaxes(x, -1, -2)
-  l_bar = -jnp.einsum("...ij,...jk,...kl->...il", xt, x_bar, xt, precision=_HI)
-  return (jnp.where(jnp.tril(jnp.ones((c, c), bool), k=-1), l_bar, 0.0),)
-
-
-unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
-
-
 def _to_chunks(x, c):
   """[B, T, HV, ...] -> [B, HV, Nc, C, ...]."""
   if x is None:
@@ -364,10 +256,8 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TU
   if segidx is not None:
     same, cont, keep = _segment_masks(segidx, c)
   chunks = (_to_chunks(q, c), _to_chunks(k, c), _to_chunks(kt, c), _to_chunks(vt, c), G)
-  if gate_kind == "channel":
-    intra = functools.partial(chunked._intra_chunk, gate_kind="channel")
-  else:
-    intra = functools.partial(_intra_scalar, solve=tuning.solve)
+  intra = functools.partial(chunked._intra_chunk, gate_kind=gate_kind, matmul="bf16",
+                            solve=tuning.solve)
   if tuning.remat_intra:
     intra = jax.checkpoint(intra)
   QG, P, Y, U, KG, gC = intra(*chunks, same=same, cont=cont, keep=keep)
