@@ -5,6 +5,7 @@
 #   bash experiments/run_gpu_train.sh seq LENGTHS STEPS  # bench_seq_scaling --preset=paper
 #   bash experiments/run_gpu_train.sh mqar [--config.x=y ...]      # eval_recall, configs/mqar.py:gpu
 #   bash experiments/run_gpu_train.sh parallel MESHES [flags ...]  # bench_parallel on all local GPUs
+#   bash experiments/run_gpu_train.sh paper ARMS STEPS [flags ...]  # 350M tokens/s per arm, one GPU
 #
 # `compare` trains the arms as concurrent processes on the one GPU (a 26M-parameter model keeps an
 # H200 mostly idle, so concurrent arms overlap one another's host work; each process gets a fifth
@@ -60,7 +61,18 @@ parallel)
   echo "parallel rc=$?"; cat /tmp/par/results.md 2>/dev/null; tail -n 3 /tmp/par/log
   tar czf $OUT/parallel.tgz -C /tmp par
   ;;
+paper)
+  # The 350M 2:1 hybrids (and the softmax baseline) of configs/mixers.py:paper on one GPU, 16 rows
+  # of 4096 per step without micro-batches (issue #17's throughput rows), one arm per process.
+  ARMS=${1:-softmax,gdn,kda,gdn2}; STEPS=${2:-8}; shift 2
+  for arm in ${ARMS//,/ }; do
+    python3 -u -m experiments.bench_parallel --config=configs/mixers.py:paper --config.arm=$arm \
+      --config.train.global_batch_size=16 --config.train.grad_accum_steps=1 --meshes=data=1 \
+      --steps=$STEPS --out_md=$OUT/paper_$arm.md "$@" > $OUT/paper_$arm.log 2>&1
+    echo "$arm rc=$?"; grep -E "^\| *data=1|tokens/s" $OUT/paper_$arm.md 2>/dev/null | head -3
+  done
+  ;;
 *)
-  echo "unknown mode $MODE (compare | seq | mqar | parallel)" >&2; exit 2
+  echo "unknown mode $MODE (compare | seq | mqar | parallel | paper)" >&2; exit 2
   ;;
 esac

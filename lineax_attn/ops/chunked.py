@@ -105,35 +105,82 @@ def _pair_matrices_scalar(Q, K, Kt, G, matmul):
   return P, L
 
 
-def _pair_matrices_channel(Q, K, Kt, G, matmul):
-  """G [..., C, K] per-channel cumulative gate: anchored sub-chunks, exact diagonal blocks."""
-  *lead, c, dk = Q.shape
+def _channel_factors(G):
+  """The decay factors of the anchored sub-chunk form, from G [..., C, K] (docs/MATH.md §3.4).
+
+  Pairs of different sub-chunks (q < p) are anchored at n = the first row of sub-chunk p:
+  e^{G_i − G_j} = e^{G_i − G_n} · e^{G_n − G_j}, both exponents <= 0 since j < n <= i.
+  Returns (row [..., p, i, K], col [..., p, q, j, K], zero unless q < p, and the exact
+  diagonal blocks diag [..., p, i, j, K] = e^{G_i − G_j} for j <= i within sub-chunk p).
+  """
+  *lead, c, dk = G.shape
   cs = min(SUB_CHUNK, c)
   ns = c // cs
-  split = lambda x: x.reshape(*lead, ns, cs, dk)
-  Qr, Kr, Gr = split(Q), split(K), split(G)
-  Ktr = None if Kt is None else split(Kt)
-
-  # Off-diagonal sub-block pairs (q < p), anchored at n = first row of sub-chunk p:
-  # e^{G_i − G_j} = e^{G_i − G_n} · e^{G_n − G_j}, both exponents <= 0 since j < n <= i.
+  Gr = G.reshape(*lead, ns, cs, dk)
   anchor = Gr[..., :, :1, :]                                       # [..., ns, 1, K]
-  row = jnp.exp(Gr - anchor)                                       # [..., ns(p), cs(i), K]
+  row = jnp.exp(Gr - anchor)
   earlier = jnp.tril(jnp.ones((ns, ns), bool), k=-1)[:, :, None, None]   # q < p
   col = _masked_exp(anchor[..., :, None, :, :] - Gr[..., None, :, :, :], earlier)
-  Kcol = Kr[..., None, :, :, :] * col                              # [..., p, q, cs(j), K]
-  # Diagonal sub-blocks: the exact C_s×C_s×K form.
   within = jnp.tril(jnp.ones((cs, cs), bool))[:, :, None]          # j <= i
-  diag = _masked_exp(Gr[..., :, :, None, :] - Gr[..., :, None, :, :], within)  # [..., p, i, j, K]
-  eye = jnp.eye(ns, dtype=Q.dtype)
+  diag = _masked_exp(Gr[..., :, :, None, :] - Gr[..., :, None, :, :], within)
+  return row, col, diag
 
-  def assemble(A):  # A [..., ns, cs, K] row factors -> [..., C, C]
-    off = _dot("...pic,...pqjc->...piqj", A * row, Kcol, matmul)
-    # The exact diagonal blocks stay elementwise float32 (no matmul to round).
-    on = jnp.sum(A[..., :, :, None, :] * Kr[..., :, None, :, :] * diag, axis=-1)
-    full = off + on[..., :, :, None, :] * eye[:, None, :, None]
-    return full.reshape(*lead, c, c)
 
-  return assemble(Qr), (None if Ktr is None else assemble(Ktr))
+def _subchunks(x):
+  *lead, c, d = x.shape
+  cs = min(SUB_CHUNK, c)
+  return x.reshape(*lead, c // cs, cs, d)
+
+
+def _channel_pair_fwd_math(A, K, G, matmul):
+  Ar, Kr = _subchunks(A), _subchunks(K)
+  row, col, diag = _channel_factors(G)
+  ns, c = Ar.shape[-3], A.shape[-2]
+  off = _dot("...pic,...pqjc->...piqj", Ar * row, Kr[..., None, :, :, :] * col, matmul)
+  # The exact diagonal blocks stay elementwise float32 (no matmul to round).
+  on = jnp.sum(Ar[..., :, :, None, :] * Kr[..., :, None, :, :] * diag, axis=-1)
+  full = off + on[..., :, :, None, :] * jnp.eye(ns, dtype=off.dtype)[:, None, :, None]
+  return full.reshape(*A.shape[:-2], c, c)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _channel_pair(A, K, G, matmul):
+  """M_ij = Σ_c A_ic K_jc e^{G_ic − G_jc} for j <= i (else 0), G [..., C, K] per channel.
+
+  A custom VJP: autodiff of the anchored form would build (and keep) the sub-chunk pair
+  tensors of its exponentials; the hand-written backward reuses the forward's two products.
+  M depends on G only through A ⊙ e^G and K ⊙ e^{−G}, so dG = A ⊙ dA − K ⊙ dK.
+  """
+  return _channel_pair_fwd_math(A, K, G, matmul)
+
+
+def _channel_pair_fwd(A, K, G, matmul):
+  return _channel_pair_fwd_math(A, K, G, matmul), (A, K, G)
+
+
+def _channel_pair_bwd(matmul, res, dM):
+  A, K, G = res
+  Ar, Kr = _subchunks(A), _subchunks(K)
+  row, col, diag = _channel_factors(G)
+  *lead, ns, cs, _ = Ar.shape
+  W = dM.reshape(*lead, ns, cs, ns, cs)                            # [..., p, i, q, j]
+  Wd = jnp.moveaxis(jnp.diagonal(W, axis1=-4, axis2=-2), -1, -3)   # [..., p, i, j]
+  # dA_i = Σ_{j<=i} dM_ij K_j ⊙ e^{G_i − G_j};  dK_j = Σ_{i>=j} dM_ij A_i ⊙ e^{G_i − G_j}.
+  dA = row * _dot("...piqj,...pqjc->...pic", W, Kr[..., None, :, :, :] * col, matmul)
+  dA = dA + jnp.sum(Wd[..., None] * Kr[..., :, None, :, :] * diag, axis=-2)
+  dK = jnp.sum(col * _dot("...piqj,...pic->...pqjc", W, Ar * row, matmul), axis=-4)
+  dK = dK + jnp.sum(Wd[..., None] * Ar[..., :, :, None, :] * diag, axis=-3)
+  dA, dK = dA.reshape(A.shape), dK.reshape(K.shape)
+  return dA, dK, A * dA - K * dK
+
+
+_channel_pair.defvjp(_channel_pair_fwd, _channel_pair_bwd)
+
+
+def _pair_matrices_channel(Q, K, Kt, G, matmul):
+  """G [..., C, K] per-channel cumulative gate: anchored sub-chunks, exact diagonal blocks."""
+  return (_channel_pair(Q, K, G, matmul),
+          None if Kt is None else _channel_pair(Kt, K, G, matmul))
 
 
 def _intra_chunk(Q, K, Kt, Vt, G, gate_kind, same, cont, keep, *, matmul="highest",
