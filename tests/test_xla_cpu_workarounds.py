@@ -1,5 +1,6 @@
-"""A minimal reproduction of the XLA CPU miscompile behind KDA/GDN-2 `chunk`'s one-chunk garbage,
-and the workaround that `lineax_attn.ops.chunked._state_passing` applies.
+"""Reproductions of two XLA CPU (YNNPACK fusion) bugs and the library's workarounds: the
+miscompile behind KDA/GDN-2 `chunk`'s one-chunk garbage (`chunked._state_passing`'s barrier), and
+a compile crash of the per-channel pair's reduce form (`chunked._channel_pair`'s CPU branch).
 
 jax/jaxlib 0.11.2 on CPU: when a product P (built from a multiply + reduce) meets dots with a
 zero state S that XLA sees as a constant, the CPU backend puts them into one YNNPACK fusion that
@@ -59,3 +60,33 @@ def test_the_unprotected_pattern_still_miscompiles_on_this_jax():
       f"XLA CPU's YNNPACK miscompile no longer reproduces on jax {jax.__version__}: the "
       f"optimization_barrier in lineax_attn.ops.chunked._state_passing may be unnecessary "
       f"(errors of 16 fresh compiles: {errors}).")
+
+
+_CRASH = """
+import jax, jax.numpy as jnp
+from lineax_attn.ops import chunked
+if {reduce_form}:   # what the library does off CPU
+  jax.default_backend = lambda: "gpu"
+ks = jax.random.split(jax.random.key(0), 3)
+a, k = (jax.random.normal(kk, (1, 2, 2, 64, 64)) for kk in ks[:2])
+g = jnp.cumsum(-jax.random.uniform(ks[2], a.shape), axis=-2)
+print(jax.jit(lambda a, k, g: chunked._channel_pair(a, k, g, "bf16"))(a, k, g).shape)
+"""
+
+
+def test_ynnpack_reduce_crash_reproduces_and_its_workaround():
+  # jaxlib 0.11.2 on CPU: compiling the per-channel pair with its diagonal blocks as a
+  # multiply-reduce over the channel axis of [..., i, j, K] (the form used on GPUs) recurses
+  # without end in YNNPACK's (slinky) simplifier and the process dies (SIGSEGV) when the pair is
+  # its own program; chunked._channel_pair uses an einsum on CPU instead. Canary: when the
+  # reduce form stops crashing, the CPU branch can go.
+  import os
+  import subprocess
+  import sys
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  run = lambda form: subprocess.run([sys.executable, "-c", _CRASH.format(reduce_form=form)],
+                                    env=env, capture_output=True, text=True)
+  fine = run(False)
+  assert fine.returncode == 0 and "(1, 2, 2, 64, 64)" in fine.stdout, fine.stderr[-2000:]
+  crashed = run(True)
+  assert crashed.returncode != 0, "YNNPACK no longer crashes: drop the CPU branch of _channel_pair"

@@ -138,7 +138,13 @@ def _channel_pair_fwd_math(A, K, G, matmul):
   ns, c = Ar.shape[-3], A.shape[-2]
   off = _dot("...pic,...pqjc->...piqj", Ar * row, Kr[..., None, :, :, :] * col, matmul)
   # The exact diagonal blocks stay elementwise float32 (no matmul to round).
-  on = jnp.sum(Ar[..., :, :, None, :] * Kr[..., :, None, :, :] * diag, axis=-1)
+  if matmul == "bf16" and jax.default_backend() != "cpu":
+    # The exact diagonal blocks stay elementwise float32 (no matmul to round), one fused reduce.
+    on = jnp.sum(Ar[..., :, :, None, :] * Kr[..., :, None, :, :] * diag, axis=-1)
+  else:
+    # (XLA CPU's YNNPACK fusion crashes compiling the reduce form above when the pair is a
+    # program of its own: tests/test_xla_cpu_workarounds.py.)
+    on = _einsum("...pic,...pjc,...pijc->...pij", Ar, Kr, diag)
   full = off + on[..., :, :, None, :] * jnp.eye(ns, dtype=off.dtype)[:, None, :, None]
   return full.reshape(*A.shape[:-2], c, c)
 
