@@ -183,20 +183,24 @@ def _channel_pair_bwd(matmul, res, dM):
 _channel_pair.defvjp(_channel_pair_fwd, _channel_pair_bwd)
 
 
-def _pair_matrices_channel(Q, K, Kt, G, matmul):
-  """G [..., C, K] per-channel cumulative gate: anchored sub-chunks, exact diagonal blocks."""
-  return (_channel_pair(Q, K, G, matmul),
-          None if Kt is None else _channel_pair(Kt, K, G, matmul))
+def _pair_matrices_channel(Q, K, Kt, G, matmul, pair=None):
+  """G [..., C, K] per-channel cumulative gate: anchored sub-chunks, exact diagonal blocks.
+
+  pair: None (`_channel_pair` in XLA) or a differentiable (A, K, G) -> M computing the same
+  matrix (the pallas_gpu path passes its kernel)."""
+  pair = pair or (lambda A, K, G: _channel_pair(A, K, G, matmul))
+  return pair(Q, K, G), (None if Kt is None else pair(Kt, K, G))
 
 
 def _intra_chunk(Q, K, Kt, Vt, G, gate_kind, same, cont, keep, *, matmul="highest",
-                 solve="trsm"):
+                 solve="trsm", channel_pair=None):
   """Everything that does not depend on the chunk-entry state, for all chunks at once.
 
   Args (leading dims [..., C], any batch layout): Q, K, Kt (or None), Vt, G ([..., C, K] /
     [..., C] / None); same [..., C, C] same-segment mask or None; cont [..., C] continuation
     flag c_i or None; keep [..., C] rows that reach the chunk's last row or None;
-    matmul: "highest" or "bf16" (`MATMULS`); solve: "trsm" or "inverse" (`SOLVES`).
+    matmul: "highest" or "bf16" (`MATMULS`); solve: "trsm" or "inverse" (`SOLVES`);
+    channel_pair: see `_pair_matrices_channel` (per-channel gates only).
   Returns: QG, P, Y, U, KG (exit-decayed keys), gC (decay of S_0 across the chunk, [..., K]).
   """
   if matmul not in MATMULS or solve not in SOLVES:
@@ -204,7 +208,7 @@ def _intra_chunk(Q, K, Kt, Vt, G, gate_kind, same, cont, keep, *, matmul="highes
                      f"{SOLVES}, got {matmul!r}, {solve!r}.")
   c = Q.shape[-2]
   if gate_kind == "channel":
-    P, L = _pair_matrices_channel(Q, K, Kt, G, matmul)
+    P, L = _pair_matrices_channel(Q, K, Kt, G, matmul, channel_pair)
     gam, gam_exit = jnp.exp(G), jnp.exp(G[..., -1:, :] - G)
     gC = jnp.exp(G[..., -1, :])
   elif gate_kind == "scalar":

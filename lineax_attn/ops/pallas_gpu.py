@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from lineax_attn.ops import chunked
+from pallas_kernels.gpu import channel_pair as cp
 from pallas_kernels.gpu import intra_chunk as ic
 from pallas_kernels.gpu import state_passing as sp
 
@@ -52,6 +53,7 @@ _warned: set[str] = set()
 _F32 = jnp.float32
 _MM = sp.MM_DTYPE
 INTRA_CHOICES = ("kernel", "xla")
+PAIR_CHOICES = ("kernel", "xla")
 SOLVE_CHOICES = ("inverse", "trsm")
 
 
@@ -72,6 +74,10 @@ class GpuTuning:
     solve: how the XLA path solves the intra-chunk unit-lower-triangular systems: "inverse"
       (blocked inverse by matmuls, `ops.triangular.unit_lower_inverse`, applied with bf16
       operands) or "trsm" (`lax.linalg.triangular_solve` in float32).
+    channel_pair: who computes the per-channel pair matrices P and L of KDA / GDN-2 inside the
+      XLA intra-chunk path: "kernel" (`pallas_kernels.gpu.channel_pair`, Pallas on Triton,
+      forward and backward: nothing but the C×C result leaves the chip) or "xla"
+      (`chunked._channel_pair`).
     remat_intra: whether the backward recomputes the XLA intra-chunk part (`jax.checkpoint`:
       less memory) or keeps its residuals (the C×C products and the inverse per chunk: a faster
       backward).
@@ -79,10 +85,12 @@ class GpuTuning:
 
   intra: str = "kernel"
   solve: str = "inverse"
+  channel_pair: str = "kernel"
   remat_intra: bool = True
 
   def __post_init__(self):
-    for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES)):
+    for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
+                          ("channel_pair", PAIR_CHOICES)):
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")
@@ -245,6 +253,34 @@ def _segment_masks(segidx, c):
   return same, cont, keep
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _channel_pair_kernel(a, k, g, interpret):
+  """`chunked._channel_pair` (bf16 products) by the Pallas kernels; a, k, g [..., C, K]."""
+  lead, (c, d) = a.shape[:-2], a.shape[-2:]
+  flat = lambda x: x.reshape(-1, c, d)
+  m = cp.channel_pair_fwd(flat(a), flat(k), flat(g), interpret=interpret)
+  return m.reshape(*lead, c, c)
+
+
+def _channel_pair_kernel_fwd(a, k, g, interpret):
+  return _channel_pair_kernel(a, k, g, interpret), (a, k, g)
+
+
+def _channel_pair_kernel_bwd(interpret, res, dm):
+  a, k, g = res
+  lead, (c, d) = a.shape[:-2], a.shape[-2:]
+  flat = lambda x: x.reshape(-1, c, d)
+  da, dk = cp.channel_pair_bwd(flat(a), flat(k), flat(g),
+                               dm.reshape(-1, c, c), interpret=interpret)
+  da, dk = da.reshape(a.shape), dk.reshape(k.shape)
+  # M depends on G only through A ⊙ e^G and K ⊙ e^{−G}.
+  dg = a.astype(_F32) * da - k.astype(_F32) * dk
+  return da.astype(a.dtype), dk.astype(k.dtype), dg.astype(g.dtype)
+
+
+_channel_pair_kernel.defvjp(_channel_pair_kernel_fwd, _channel_pair_kernel_bwd)
+
+
 def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TUNING):
   """XLA part: [B, T, HV, ...] inputs (T a multiple of c) -> the state-pass kernel's inputs.
 
@@ -256,8 +292,13 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TU
   if segidx is not None:
     same, cont, keep = _segment_masks(segidx, c)
   chunks = (_to_chunks(q, c), _to_chunks(k, c), _to_chunks(kt, c), _to_chunks(vt, c), G)
+  # (Under shard_map the kernel's outputs would lack the varying-axes types: XLA there.)
+  pair = None
+  if (gate_kind == "channel" and tuning.channel_pair == "kernel" and not _vma(q, k, kt)
+      and cp.supported(c, q.shape[-1]) is None):
+    pair = functools.partial(_channel_pair_kernel, interpret=_interpret_params() is not None)
   intra = functools.partial(chunked._intra_chunk, gate_kind=gate_kind, matmul="bf16",
-                            solve=tuning.solve)
+                            solve=tuning.solve, channel_pair=pair)
   if tuning.remat_intra:
     intra = jax.checkpoint(intra)
   QG, P, Y, U, KG, gC = intra(*chunks, same=same, cont=cont, keep=keep)
