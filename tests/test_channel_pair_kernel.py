@@ -64,3 +64,23 @@ def test_rejects_shapes_it_does_not_handle():
     cp.channel_pair_fwd(a[..., :48], k[..., :48], g[..., :48])
   with pytest.raises(ValueError, match="dM"):
     cp.channel_pair_bwd(a, k, g, dm[:, :32])
+
+
+def test_op_with_the_kernel_matches_the_xla_pair():
+  # The opt-in path through the op: same output and gradients as the default XLA pair (which
+  # tests/test_pallas_gpu.py checks against the scan), within bf16 rounding.
+  from lineax_attn import bench, ops
+  from lineax_attn.ops import pallas_gpu
+  args = bench.mixer_inputs("gdn2", batch=1, seq_len=96, heads=1, v_heads=2, head_dim_k=64,
+                            head_dim_v=64)
+
+  def run(pair):
+    tuning = pallas_gpu.GpuTuning(channel_pair=pair)
+    f = lambda *a: ops.gdn2(*a, implementation="pallas_gpu", tuning=tuning)[0]
+    loss = lambda *a: jnp.sum(jnp.sin(f(*a)))
+    return jax.jit(f)(*args), jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*args)
+
+  (o_k, g_k), (o_x, g_x) = run("kernel"), run("xla")
+  assert_close(o_k, o_x, 1e-3, "o")
+  for name, a, b in zip(("q", "k", "v", "g", "b", "w"), g_k, g_x):
+    assert_close(a, b, 1e-2, f"d{name}")

@@ -75,9 +75,10 @@ class GpuTuning:
       (blocked inverse by matmuls, `ops.triangular.unit_lower_inverse`, applied with bf16
       operands) or "trsm" (`lax.linalg.triangular_solve` in float32).
     channel_pair: who computes the per-channel pair matrices P and L of KDA / GDN-2 inside the
-      XLA intra-chunk path: "kernel" (`pallas_kernels.gpu.channel_pair`, Pallas on Triton,
-      forward and backward: nothing but the C×C result leaves the chip) or "xla"
-      (`chunked._channel_pair`).
+      XLA intra-chunk path: "xla" (`chunked._channel_pair`, the default) or "kernel"
+      (`pallas_kernels.gpu.channel_pair`, Pallas on Triton, forward and backward: nothing but
+      the C×C result leaves the chip, but as written it is slower: KDA fwd+bwd 18.2 vs 11.2 ms
+      at B4 T4096 H16 D128 on an H200, docs/BENCHMARKS.md).
     remat_intra: whether the backward recomputes the XLA intra-chunk part (`jax.checkpoint`:
       less memory) or keeps its residuals (the C×C products and the inverse per chunk: a faster
       backward).
@@ -85,7 +86,7 @@ class GpuTuning:
 
   intra: str = "kernel"
   solve: str = "inverse"
-  channel_pair: str = "kernel"
+  channel_pair: str = "xla"
   remat_intra: bool = True
 
   def __post_init__(self):

@@ -19,6 +19,13 @@ Backward (`channel_pair_bwd`), from dM: dA_i = Σ_{j<=i} dM_ij K_j ⊙ e^{G_i �
 dK_j = Σ_{i>=j} dM_ij A_i ⊙ e^{G_i − G_j}, by the same anchoring (dG = A ⊙ dA − K ⊙ dK is left
 to the caller: M depends on G only through A ⊙ e^G and K ⊙ e^{−G}).
 
+Status (H200, 2026-12-01, B4 T4096 H16 D128): opt-in (`GpuTuning(channel_pair="kernel")`)
+because, as written, it is slower than the XLA form it replaces: KDA through pallas_gpu
+fwd 6.96 ms vs 3.30, fwd+bwd 18.2 vs 11.2. Likely why (not yet profiled): one program per chunk
+walks 10 sub-chunk blocks × 4 channel slices serially with 16×16 dots (tensor cores mostly
+idle) and [16, 16, 32] elementwise blocks, 4096 programs in ~31 waves. Next: a program per
+(chunk, row sub-chunk), wider dots (a whole row block against all earlier columns at once).
+
 Layouts: A, K `[N, C, D]` (any float dtype; bf16 in the pallas_gpu path), G `[N, C, D]` float32,
 dM and M `[N, C, C]` float32; C a multiple of 16, D a multiple of 32. Imports nothing of
 lineax_attn.
