@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from lineax_attn.layers.linear_mixer import (LINEAR_MIXER_ALIASES, LINEAR_MIXERS,
                                              canonical_linear_mixer)
 from lineax_attn.layers.norm import OUTPUT_GATES
+from lineax_attn.ops import specs
 
 SOFTMAX = "softmax"
 MIXERS = LINEAR_MIXERS + (SOFTMAX,)
@@ -230,7 +231,9 @@ class ModelConfig:
   def attention_output_gate(self) -> bool:
     if self.attn_output_gate is not None:
       return self.attn_output_gate
-    return any(k in ("gdn", "kda", "gdn2") for k in self.layer_types)
+    # On when a linear mixer of the stack has an output gate by default (GDN, KDA, GDN-2).
+    return any(k != SOFTMAX and specs.resolve(k).layer.output_gate != "none"
+               for k in self.layer_types)
 
   @property
   def out_init_std(self) -> float:

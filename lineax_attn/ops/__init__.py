@@ -19,6 +19,7 @@ from lineax_attn.ops import chunked as _chunked
 from lineax_attn.ops import pallas_gpu as _pallas_gpu
 from lineax_attn.ops import pallas_tpu as _pallas_tpu
 from lineax_attn.ops import reference as _reference
+from lineax_attn.ops import specs
 from lineax_attn.ops.attention import softmax_attention
 from lineax_attn.ops.delta_rule import delta_rule
 from lineax_attn.ops.gated_delta_rule import gated_delta_rule
@@ -31,14 +32,14 @@ _api.register_implementation("scan", _reference.scan_reference)
 _api.register_implementation("chunk", _chunked.chunk_delta_family)
 _api.register_implementation("pallas_tpu", _pallas_tpu.pallas_tpu_impl)
 _api.register_implementation("pallas_gpu", _pallas_gpu.pallas_gpu_delta_family,
-                             tuning_type=_pallas_gpu.GpuTuning)
+                             tuning_type=_pallas_gpu.GpuTuning, supports=_pallas_gpu.supports)
 
 available_implementations = _api.available_implementations
 checked = _api.checked
 debug_checks = _api.debug_checks
 set_debug_checks = _api.set_debug_checks
 debug_checks_enabled = _api.debug_checks_enabled
-MIXERS = tuple(_api.MIXER_GATES)
+MIXERS = specs.names()  # the canonical names of every `specs.MixerSpec`
 
 __all__ = [
     "linear_attention", "delta_rule", "gated_delta_rule", "kda", "gdn2", "softmax_attention",
