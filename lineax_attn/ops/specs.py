@@ -26,6 +26,7 @@ from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -342,3 +343,22 @@ def random_gates(spec, normal: Callable[[str, tuple[int, ...]], object], *, b: i
     else:
       out.append(-xp.logaddexp(0.0, -x) / tau)
   return tuple(out)
+
+
+def random_inputs(spec, *, b: int, t: int, h: int, hv: int | None = None, dk: int, dv: int,
+                  tau: float = 1.0, seed: int = 0, with_state: bool = True):
+  """Random op inputs of docs/MATH.md §9 as numpy float32, the one factory of tests and
+  benchmarks: unit-norm q, k `[B, T, H, K]`, v ~ N(0, 1) `[B, T, HV, V]`, the gates of
+  `random_gates`, and an initial state ~ N(0, 1) `[B, HV, K, V]` (None without `with_state`).
+
+  numpy draws: jax.random would compile anew for every shape, which dominates small tests.
+  Returns (q, k, v, gates tuple, initial_state).
+  """
+  hv = hv or h
+  rng = np.random.default_rng(seed)
+  n = lambda shape: rng.standard_normal(shape).astype(np.float32)
+  unit = lambda x: x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+  q, k, v = unit(n((b, t, h, dk))), unit(n((b, t, h, dk))), n((b, t, hv, dv))
+  gates = random_gates(spec, lambda _, shape: n(shape), b=b, t=t, hv=hv, dk=dk, dv=dv, tau=tau,
+                       xp=np)
+  return q, k, v, gates, (n((b, hv, dk, dv)) if with_state else None)
