@@ -41,8 +41,12 @@ set_debug_checks = _api.set_debug_checks
 debug_checks_enabled = _api.debug_checks_enabled
 MIXERS = specs.names()  # the canonical names of every `specs.MixerSpec`
 
-__all__ = [
-    "linear_attention", "delta_rule", "gated_delta_rule", "kda", "gdn2", "softmax_attention",
-    "available_implementations", "MIXERS", "checked", "debug_checks", "set_debug_checks",
-    "debug_checks_enabled", "GpuTuning",
+# A mixer without a hand-written op module gets its op generated from its spec.
+for _name in MIXERS:
+  if _name not in globals():
+    globals()[_name] = _api.make_op(specs.SPECS[_name])
+
+__all__ = list(MIXERS) + [
+    "softmax_attention", "available_implementations", "MIXERS", "checked", "debug_checks",
+    "set_debug_checks", "debug_checks_enabled", "GpuTuning", "specs",
 ]
