@@ -275,6 +275,20 @@ register(MixerSpec(
     tpu_kernel="gdn2"))
 
 
+def simple_gla_step(S, q, k, v, g):
+  S = jnp.exp(g) * S + jnp.outer(k, v)  # scalar decay, plain write: no delta edit (r = v)
+  return S, _read(S, q), v
+
+
+register(MixerSpec(
+    # Mamba-2's SSD core: q = C, k = B, v = dt·x, g = dt·A (A < 0).
+    name="simple_gla", layer_name="simple_gla", aliases=("ssd",), gates=(G_SCALAR,),
+    step=simple_gla_step, template=Template(decay="g"),
+    layer=LayerSpec(output_gate="none", projections=("f",),
+                    gates=(LayerGate("g", "f", kind="decay"),), decay_init=_GDN_INIT),
+    summary="S_t = α_t S_{t−1} + k_t v_tᵀ, α_t = e^{g_t} per value head (simple GLA)"))
+
+
 def resolve(name) -> MixerSpec:
   """The spec `name` stands for: a canonical name, a layer name or an alias (any case)."""
   if isinstance(name, MixerSpec):
