@@ -1,4 +1,5 @@
-"""One NNX layer shell for the five linear mixers: linear attention, DeltaNet, GDN, KDA, GDN-2.
+"""One NNX layer shell for every linear mixer of `lineax_attn.ops.specs` (linear attention,
+DeltaNet, GDN, KDA, GDN-2, ...), driven by each mixer's `specs.LayerSpec`.
 
 docs/MATH.md §4.1 with the per-mixer differences of §4.3:
 
@@ -20,6 +21,8 @@ Fused in-projection layout (fixed, so checkpoints stay stable), in this order:
 | gdn | z (if gated), β (HV), f (HV) |
 | kda | β (HV); f and z come from a low-rank branch d → rank → HV·d_k / HV·d_v (z-up has a bias) |
 | gdn2 | z (if gated), b (H·d_k), w (HV·d_v), f (H·d_k) |
+
+(Any other mixer: z if gated, then its `LayerSpec.projections`, each as wide as its op gate.)
 
 Per-mixer parameters: GDN A_log[HV], dt_bias[HV]; KDA A_log[HV], dt_bias[HV, d_k]; GDN-2
 A_log[H], dt_bias[H, d_k] (GDN-2's f, b, A_log and dt_bias live per key head and are repeated to

@@ -11,8 +11,9 @@ The stack is a mixer per layer, resolved from (in this order of precedence):
   (N = 3 is the paper's 2:1 stack);
 * otherwise every layer is `mixer` (pure; `mixer="softmax"` is a Transformer++).
 
-Mixer names: "linear_attention", "deltanet", "gdn", "kda", "gdn2", "softmax" (aliases such as
-"gated_delta_rule", "delta_rule", "attention", "sdpa" are accepted).
+Mixer names: the layer names of `lineax_attn.ops.specs` ("linear_attention", "deltanet", "gdn",
+"kda", "gdn2", "simple_gla") and "softmax" (aliases such as "gated_delta_rule", "delta_rule",
+"attention", "sdpa" are accepted).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Context parallelism for the five linear mixers: the sequence axis sharded over devices.
+"""Context parallelism for the linear mixers: the sequence axis sharded over devices.
 
 Every linear mixer is S_t = A_t S_{t−1} + (write), with A_t acting on the key side only, and its
 outputs are linear in the state read-out (docs/MATH.md §2.0). So the pass of one device over its
