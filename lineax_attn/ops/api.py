@@ -46,20 +46,7 @@ from lineax_attn.ops import specs
 
 # Which gates each mixer takes, and the trailing axis each gate carries beyond [B, T, HV]:
 # None = scalar per value head, "k" = per key channel, "v" = per value channel (`specs.Gate`).
-class _GateTable(Mapping):
-  """mixer name -> ((gate name, axis), ...), read live from `specs.SPECS`."""
-
-  def __getitem__(self, mixer):
-    return specs.SPECS[mixer].gate_axes
-
-  def __iter__(self):
-    return iter(specs.SPECS)
-
-  def __len__(self):
-    return len(specs.SPECS)
-
-
-MIXER_GATES: Mapping[str, tuple[tuple[str, str | None], ...]] = _GateTable()
+MIXER_GATES: Mapping[str, tuple[tuple[str, str | None], ...]] = specs.SpecView("gate_axes")
 
 _IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {}
 # The tuning class each implementation accepts (None: it takes no tuning, only tuning=None).

@@ -23,20 +23,8 @@ from lineax_attn.ops import segments as seg_lib
 from lineax_attn.ops import specs
 
 
-class _Steps(Mapping):
-  """mixer name -> its scan step (`specs.MixerSpec.step`, written out per mixer in specs.py)."""
-
-  def __getitem__(self, mixer):
-    return specs.SPECS[mixer].step
-
-  def __iter__(self):
-    return iter(specs.SPECS)
-
-  def __len__(self):
-    return len(specs.SPECS)
-
-
-STEPS: Mapping = _Steps()
+# mixer name -> its scan step (`specs.MixerSpec.step`, written out per mixer in specs.py).
+STEPS: Mapping = specs.SpecView("step")
 
 
 def _scan_row(step, S0, xs, valid, start, start_state, gate_names, keep_states=False):

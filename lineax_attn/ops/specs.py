@@ -319,6 +319,22 @@ def layer_names() -> tuple[str, ...]:
 # ----------------------------------------------------------------------------------------------
 # Derived maps shared by every implementation and the test/benchmark inputs.
 
+class SpecView(Mapping):
+  """A live, read-only map: canonical mixer name -> one field of its spec (e.g. "step")."""
+
+  def __init__(self, field: str):
+    self._field = field
+
+  def __getitem__(self, name):
+    return getattr(SPECS[name], self._field)
+
+  def __iter__(self):
+    return iter(SPECS)
+
+  def __len__(self):
+    return len(SPECS)
+
+
 def template_gates(spec, gates: Mapping[str, jax.Array]):
   """(g, erase, write) of the shared template from the op's (float32) gates.
 
