@@ -67,7 +67,7 @@ def test_simple_gla_is_mamba2_ssd(impl):
 
 
 def test_simple_gla_spec_names_and_validation():
-  spec = specs.resolve("SSD")
+  spec = specs.resolve("Simple_GLA")
   assert spec.name == "simple_gla" and spec.gate_names == ("g",)
   x, b_in, c_in, dt, a, _ = _ssd_inputs()
   f32 = lambda z: jnp.asarray(z, jnp.float32)

@@ -23,8 +23,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from lineax_attn.layers.linear_mixer import (LINEAR_MIXER_ALIASES, LINEAR_MIXERS,
-                                             canonical_linear_mixer)
+from lineax_attn.layers.linear_mixer import LINEAR_MIXERS
 from lineax_attn.layers.norm import OUTPUT_GATES
 from lineax_attn.ops import specs
 
@@ -40,10 +39,11 @@ def canonical_mixer(name: str) -> str:
   key = str(name).strip().lower()
   if key in _SOFTMAX_ALIASES:
     return SOFTMAX
-  if key in LINEAR_MIXER_ALIASES:
-    return canonical_linear_mixer(key)
-  raise ValueError(f"unknown mixer {name!r}; expected one of {MIXERS} "
-                   f"(aliases: {sorted(set(LINEAR_MIXER_ALIASES) | set(_SOFTMAX_ALIASES))}).")
+  try:
+    return specs.resolve(key).layer_name
+  except ValueError:
+    raise ValueError(f"unknown mixer {name!r}; expected one of {MIXERS} (aliases: "
+                     f"{sorted(set(specs.all_names()) | set(_SOFTMAX_ALIASES))}).") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,9 @@
 
     o, final_state = gated_delta_rule(q, k, v, g, beta, implementation="chunk")
 
+The mixers are `MIXERS`, one `specs.MixerSpec` each (lineax_attn/ops/specs.py; a new one is a
+spec entry, docs/ADDING_A_MIXER.md).
+
 Implementations: "scan" (the `lax.scan` reference, the truth), "chunk" (chunkwise-parallel
 pure JAX, differentiable), "pallas_tpu" (Pallas Mosaic TPU kernels; the TPU interpreter off TPU)
 and "pallas_gpu" (Mosaic GPU state-passing kernels on Hopper, the rest in XLA; other shapes fall

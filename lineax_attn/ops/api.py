@@ -13,8 +13,12 @@ naming the argument) from the functionalized function. The mode is a `jax.make_u
 it is part of jit's cache key: flipping it retraces a jitted function instead of reusing a trace
 made in the other mode.
 
-Implementations register themselves by name with `register_implementation`; each receives
-already-validated arrays and the mixer name, and returns `(o, final_state, r)` in float32:
+Every mixer is a `specs.MixerSpec` (lineax_attn/ops/specs.py): its gates, their shapes and
+ranges are read from there. Implementations register themselves by name with
+`register_implementation`, optionally with `supports(call) -> None | reason`: for a `Call` it
+rejects, dispatch runs "chunk" instead and logs the reason once (`select_implementation`).
+Each receives already-validated arrays and the mixer name, and returns `(o, final_state, r)` in
+float32:
 
     impl(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
          output_final_state, tuning) -> (o, final_state | None, r)
@@ -87,8 +91,8 @@ def available_implementations() -> tuple[str, ...]:
 def default_implementation(backend: str | None = None) -> str:
   """The best implementation available on `backend` (default: jax's default backend).
 
-  "pallas_tpu" on TPU, "pallas_gpu" on Hopper GPUs (it falls back to "chunk" itself for shapes
-  it does not handle), else the chunked pure-JAX form; the scan is an oracle, far too slow to
+  "pallas_tpu" on TPU, "pallas_gpu" on Hopper GPUs (for calls its `supports` rejects,
+  `run_mixer` runs "chunk" instead), else the chunked pure-JAX form; the scan is an oracle, far too slow to
   train with.
   """
   backend = backend or jax.default_backend()

@@ -282,7 +282,7 @@ def simple_gla_step(S, q, k, v, g):
 
 register(MixerSpec(
     # Mamba-2's SSD core: q = C, k = B, v = dt·x, g = dt·A (A < 0).
-    name="simple_gla", layer_name="simple_gla", aliases=("ssd",), gates=(G_SCALAR,),
+    name="simple_gla", layer_name="simple_gla", aliases=(), gates=(G_SCALAR,),
     step=simple_gla_step, template=Template(decay="g"),
     layer=LayerSpec(output_gate="none", projections=("f",),
                     gates=(LayerGate("g", "f", kind="decay"),), decay_init=_GDN_INIT),
