@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 
 from experiments import cli  # noqa: E402
 from lineax_attn import ops  # noqa: E402
+from lineax_attn.ops import specs  # noqa: E402
 
 _SHAPES = flags.DEFINE_string("shapes", "4,4096,16,128;2,16384,16,128",
                               "';'-separated B,T,H,D (H = q/k and value heads, D = K = V).")
@@ -117,21 +118,11 @@ def log(*a):
 
 
 def make_inputs(mixer, b, t, h, d, seed=0):
-  """bf16 inputs of docs/MATH.md §9 (unit q/k, σ gates, logsigmoid decays) as numpy float32."""
-  rng = np.random.default_rng(seed)
-  n = lambda *s: rng.standard_normal(s, dtype=np.float32)
-  unit = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
-  sig = lambda x: 1 / (1 + np.exp(-x))
-  logsig = lambda x: -np.logaddexp(0, -x)
-  q, k, v = unit(n(b, t, h, d)), unit(n(b, t, h, d)), n(b, t, h, d)
-  gates = {
-      "linear_attention": {},
-      "delta_rule": {"beta": sig(n(b, t, h))},
-      "gated_delta_rule": {"g": logsig(n(b, t, h)), "beta": sig(n(b, t, h))},
-      "kda": {"g": logsig(n(b, t, h, d)), "beta": sig(n(b, t, h))},
-      "gdn2": {"g": logsig(n(b, t, h, d)), "b": sig(n(b, t, h, d)), "w": sig(n(b, t, h, d))},
-  }[mixer]
-  return q, k, v, gates
+  """Inputs of docs/MATH.md §9 (`specs.random_inputs`: unit q/k, σ gates, logsigmoid decays) as
+  numpy float32, gates by name."""
+  q, k, v, gates, _ = specs.random_inputs(mixer, b=b, t=t, h=h, dk=d, dv=d, seed=seed,
+                                          with_state=False)
+  return q, k, v, dict(zip(specs.resolve(mixer).gate_names, gates))
 
 
 # ------------------------------------------------------------------------------ timing

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lineax_attn.ops import specs
+
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
@@ -114,28 +116,23 @@ def mixer_inputs(mixer: str, *, batch: int, seq_len: int, heads: int, v_heads: i
                  head_dim_k: int, head_dim_v: int, dtype=jnp.float32, seed: int = 0):
   """Random positional inputs of `lineax_attn.ops.<mixer>` as in docs/MATH.md §9.
 
-  q, k `[B, T, H, K]` unit-norm, v `[B, T, HV, V]` ~ N(0, 1) in `dtype`; float32 gates:
-  β, b, w = σ(N(0, 1)), g = logsigmoid(N(0, 1)) (scalar `[B, T, HV]` for GDN, per channel
-  `[B, T, HV, K]` for KDA and GDN-2).
+  q, k `[B, T, H, K]` unit-norm, v `[B, T, HV, V]` ~ N(0, 1) in `dtype`; float32 gates drawn as
+  `specs.random_gates` (β, b, w = σ(N(0, 1)), g = logsigmoid(N(0, 1)), each gate's shape from
+  its spec), here with jax.random on the device (benchmark shapes are large).
   """
   b, t, h, hv, dk, dv = batch, seq_len, heads, v_heads, head_dim_k, head_dim_v
-  keys = jax.random.split(jax.random.key(seed), 7)
+  if mixer not in specs.SPECS:
+    raise ValueError(f"unknown mixer {mixer!r}; expected one of {sorted(specs.SPECS)}.")
+  spec = specs.SPECS[mixer]
+  keys = jax.random.split(jax.random.key(seed), 3 + len(spec.gates))
   n = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32)
   q = _l2norm(n(0, (b, t, h, dk))).astype(dtype)
   k = _l2norm(n(1, (b, t, h, dk))).astype(dtype)
   v = n(2, (b, t, hv, dv)).astype(dtype)
-  sig = lambda i, shape: jax.nn.sigmoid(n(i, shape))
-  logsig = lambda i, shape: jax.nn.log_sigmoid(n(i, shape))
-  gates = {
-      "linear_attention": lambda: (),
-      "delta_rule": lambda: (sig(3, (b, t, hv)),),
-      "gated_delta_rule": lambda: (logsig(4, (b, t, hv)), sig(3, (b, t, hv))),
-      "kda": lambda: (logsig(4, (b, t, hv, dk)), sig(3, (b, t, hv))),
-      "gdn2": lambda: (logsig(4, (b, t, hv, dk)), sig(5, (b, t, hv, dk)), sig(6, (b, t, hv, dv))),
-  }
-  if mixer not in gates:
-    raise ValueError(f"unknown mixer {mixer!r}; expected one of {sorted(gates)}.")
-  return (q, k, v) + gates[mixer]()
+  gate_key = {name: 3 + i for i, name in enumerate(spec.gate_names)}
+  gates = specs.random_gates(spec, lambda name, shape: n(gate_key[name], shape), b=b, t=t, hv=hv,
+                             dk=dk, dv=dv)
+  return (q, k, v) + gates
 
 
 def attention_inputs(*, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,

@@ -43,17 +43,12 @@ from flax import nnx
 from lineax_attn.ops import api as ops_api
 from lineax_attn.ops import reference
 from lineax_attn.ops import segments as seg_lib
+from lineax_attn.ops import specs
 
 MAX_TRAJECTORY_LEN = 512  # S_t for every t costs T·HV·K·V floats per row: short prompts only
 
-# Layer kind (models) -> op name (ops.api.MIXER_GATES, reference.STEPS).
-OP_NAMES = {
-    "linear_attention": "linear_attention",
-    "deltanet": "delta_rule",
-    "gdn": "gated_delta_rule",
-    "kda": "kda",
-    "gdn2": "gdn2",
-}
+# Layer kind (models) -> op name (from `ops.specs`).
+OP_NAMES = {spec.layer_name: spec.name for spec in specs.SPECS.values()}
 
 
 def _op_name(mixer: str) -> str:

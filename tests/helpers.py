@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lineax_attn import ops
+from lineax_attn.ops import specs
 
-MIXERS = ops.MIXERS  # linear_attention, delta_rule, gated_delta_rule, kda, gdn2
+MIXERS = ops.MIXERS  # every `specs.MixerSpec`, by canonical name
 
 
 def rel_err(x, ref) -> float:
@@ -40,37 +41,15 @@ def l2norm(x, axis=-1):
 
 def make_inputs(mixer, *, b=2, t=75, h=2, hv=None, dk=16, dv=24, tau=1.0, dtype=jnp.float32,
                 seed=0, with_state=True):
-  """Random inputs of docs/MATH.md §9: unit q/k, β/b/w = σ(N(0,1)), g = logsigmoid(N(0,1))/τ.
+  """Random inputs of docs/MATH.md §9 (`specs.random_inputs`: unit q/k, β/b/w = σ(N(0,1)),
+  g = logsigmoid(N(0,1))/τ), q, k, v in `dtype`, gates and state float32.
 
   Returns (args, kwargs): args are the positional arrays of `getattr(ops, mixer)`.
   """
-  hv = hv or h
-  # numpy draws: jax.random would compile anew for every shape, which dominates small tests.
-  rng = np.random.default_rng(seed)
-  n = lambda shape: rng.standard_normal(shape).astype(np.float32)
-  sigmoid = lambda x: 1.0 / (1.0 + np.exp(-x))
-  log_sigmoid = lambda x: -np.logaddexp(0.0, -x)
-  unit = lambda x: x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
-  q = jnp.asarray(unit(n((b, t, h, dk))), dtype)
-  k = jnp.asarray(unit(n((b, t, h, dk))), dtype)
-  v = jnp.asarray(n((b, t, hv, dv)), dtype)
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  beta = f32(sigmoid(n((b, t, hv))))
-  g_scalar = f32(log_sigmoid(n((b, t, hv))) / tau)
-  g_channel = f32(log_sigmoid(n((b, t, hv, dk))) / tau)
-  gate_b = f32(sigmoid(n((b, t, hv, dk))))
-  gate_w = f32(sigmoid(n((b, t, hv, dv))))
-  gates = {
-      "linear_attention": (),
-      "delta_rule": (beta,),
-      "gated_delta_rule": (g_scalar, beta),
-      "kda": (g_channel, beta),
-      "gdn2": (g_channel, gate_b, gate_w),
-  }[mixer]
-  kwargs = {}
-  if with_state:
-    kwargs["initial_state"] = f32(n((b, hv, dk, dv)))
-  return (q, k, v) + gates, kwargs
+  q, k, v, gates, s0 = specs.random_inputs(mixer, b=b, t=t, h=h, hv=hv, dk=dk, dv=dv, tau=tau,
+                                           seed=seed, with_state=with_state)
+  args = tuple(jnp.asarray(x, dtype) for x in (q, k, v)) + tuple(jnp.asarray(g) for g in gates)
+  return args, ({"initial_state": jnp.asarray(s0)} if with_state else {})
 
 
 def run(mixer, args, **kwargs):

@@ -130,6 +130,20 @@ def test_command_line_overrides_and_unknown_fields():
 MIXERS_FILE = os.path.join(ROOT, "configs", "mixers.py")
 
 
+def test_config_mixer_tuples_use_the_spec_vocabulary():
+  # configs/ are data and cannot import the specs, so their MIXERS tuples are literal
+  # selections (the comparison of configs/mixers.py leaves linear attention out on purpose);
+  # every name must be a canonical layer name of `lineax_attn.ops.specs` (or softmax), never
+  # an alias, so configs, tables and checkpoints speak one vocabulary.
+  from configs import mqar  # pylint: disable=g-import-not-at-top
+  from lineax_attn.ops import specs  # pylint: disable=g-import-not-at-top
+  known = set(specs.layer_names()) | {"softmax"}
+  assert set(MIXERS) == known
+  for tuple_ in (mixers.MIXERS, mqar.MIXERS):
+    assert len(set(tuple_)) == len(tuple_) and set(tuple_) <= known, tuple_
+  assert set(mqar.MIXERS) >= set(mixers.MIXERS)
+
+
 def test_command_line_field_wins_over_the_arm():
   config, command_line = _parse([f"--config={MIXERS_FILE}:tiny", "--config.arm=gdn",
                                  "--config.model.mixer=kda", "--config.model.chunk_size=16"],

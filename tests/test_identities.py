@@ -19,6 +19,7 @@ import pytest
 
 from helpers import assert_close
 from lineax_attn import ops
+from lineax_attn.ops import specs
 
 IMPLS = ("scan", "chunk")
 DELTA_MIXERS = ("delta_rule", "gated_delta_rule", "kda", "gdn2")
@@ -47,14 +48,6 @@ def _f32(*xs):
   return tuple(jnp.asarray(np.asarray(x, np.float32)) for x in xs)
 
 
-def _sigmoid(x):
-  return 1.0 / (1.0 + np.exp(-x))
-
-
-def _log_sigmoid(x):
-  return -np.logaddexp(0.0, -x)
-
-
 def _base(seed, b=B, t=T, h=H, hv=HV, dk=DK, dv=DV):
   """Random q, k (unit rows), v, initial state S0 as numpy float32, plus the generator."""
   rng = np.random.default_rng(seed)
@@ -66,19 +59,9 @@ def _base(seed, b=B, t=T, h=H, hv=HV, dk=DK, dv=DV):
 
 
 def _gates(rng, mixer, b=B, t=T, hv=HV, dk=DK, dv=DV, tau=1.0):
-  """docs/MATH.md §9 gates: β, b, w = σ(N(0,1)); g = logsigmoid(N(0,1)) / τ."""
-  beta = _sigmoid(rng.standard_normal((b, t, hv)))
-  g_scalar = _log_sigmoid(rng.standard_normal((b, t, hv))) / tau
-  g_channel = _log_sigmoid(rng.standard_normal((b, t, hv, dk))) / tau
-  gate_b = _sigmoid(rng.standard_normal((b, t, hv, dk)))
-  gate_w = _sigmoid(rng.standard_normal((b, t, hv, dv)))
-  return {
-      "linear_attention": (),
-      "delta_rule": (beta,),
-      "gated_delta_rule": (g_scalar, beta),
-      "kda": (g_channel, beta),
-      "gdn2": (g_channel, gate_b, gate_w),
-  }[mixer]
+  """docs/MATH.md §9 gates (`specs.random_gates`): β, b, w = σ(N(0,1)); g = logsigmoid(N(0,1)) / τ."""
+  return specs.random_gates(mixer, lambda _, shape: rng.standard_normal(shape), b=b, t=t, hv=hv,
+                            dk=dk, dv=dv, tau=tau, xp=np)
 
 
 def _key_heads_to_value_heads(x, hv):

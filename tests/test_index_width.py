@@ -251,7 +251,6 @@ def test_chunk_form_indexes_per_dimension_past_2_31_elements(mixer, mode):
 
 def test_pallas_gpu_falls_back_past_2_31_rows_and_kernels_raise(caplog):
   from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
-  from lineax_attn.ops import segments  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import state_passing as sp  # pylint: disable=g-import-not-at-top
   # B·T·HV rows of [B, T, HV, D]: the largest TMA view dimension.
   assert sp.index_range_reason(1, 2**27, 15, 128) is None
@@ -266,9 +265,8 @@ def test_pallas_gpu_falls_back_past_2_31_rows_and_kernels_raise(caplog):
   q = SDS((b, t, h, d), BF)
   with caplog.at_level(logging.WARNING, logger=pallas_gpu.__name__):
     pallas_gpu._warned.clear()
-    out = jax.eval_shape(lambda q, k, v: pallas_gpu.pallas_gpu_delta_family(
-        "linear_attention", q, k, v, {}, scale=0.1, initial_state=None,
-        layout=segments.SegmentLayout(), chunk_size=64)[0], q, q, q)
+    out = jax.eval_shape(lambda q, k, v: ops.linear_attention(
+        q, k, v, scale=0.1, chunk_size=64, implementation="pallas_gpu")[0], q, q, q)
   assert out.shape == (b, t, h, d)
   assert "falls back to implementation='chunk'" in caplog.text and "2147483648" in caplog.text
 

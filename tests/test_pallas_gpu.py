@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads, run
+from helpers import (MIXERS, assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads,
+                     run)
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -86,8 +87,7 @@ def _segments(b, t):
   return ids.astype(jnp.int32)
 
 
-@pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule", "linear_attention", "kda",
-                                   "gdn2"])
+@pytest.mark.parametrize("mixer", MIXERS)
 def test_op_forward_matches_scan_and_chunk(mixer):
   # T = 100: two chunks, the second padded; GVA (1 q/k head, 2 value heads); a reset at 30, a
   # segment crossing the chunk boundary, trailing padding; an initial state.

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 import helpers
 from lineax_attn import ops
 from lineax_attn.ops import api
+from lineax_attn.ops import pallas_tpu
 from lineax_attn.ops import segments as seg_lib
 from pallas_kernels import tpu
 
@@ -153,8 +154,9 @@ class TestPallasTPU:
 
     def loss(args, s0):
       q, k, v, *gates = args
-      o, final, r = tpu.MIXERS[mixer](q, k, v, *gates, initial_state=s0, output_final_state=True,
-                                      segidx=layout.segidx, valid=layout.valid, interpret=False)
+      o, final, r = pallas_tpu.kernel(mixer)(q, k, v, *gates, initial_state=s0,
+                                             output_final_state=True, segidx=layout.segidx,
+                                             valid=layout.valid, interpret=False)
       return jnp.sum(o) + jnp.sum(final) + jnp.sum(r)
 
     fwd = export.export(jax.jit(loss), platforms=["tpu"])(args, kw["initial_state"])
@@ -183,8 +185,8 @@ def test_bf16_inputs_match_fp32_reference(mixer):
   def kernel(args, s0, extra):
     del extra
     q, k, v, *gates = args
-    return tpu.MIXERS[mixer](q, k, v, *gates, initial_state=s0, output_final_state=True,
-                             block_sizes=tpu.BlockSizes(chunk_size=16))
+    return pallas_tpu.kernel(mixer)(q, k, v, *gates, initial_state=s0, output_final_state=True,
+                                    block_sizes=tpu.BlockSizes(chunk_size=16))
 
   with kernel_mode():
     got = _value_and_grads(kernel, bf16, kw["initial_state"])

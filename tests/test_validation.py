@@ -27,6 +27,7 @@ import pytest
 
 from lineax_attn import ops
 from lineax_attn.ops import api
+from lineax_attn.ops import specs
 from helpers import assert_close, make_inputs
 
 B, T, H, HV, DK, DV = 2, 5, 2, 4, 3, 6
@@ -50,13 +51,10 @@ def _call(mixer, *, implementation="scan", **override):
   """Calls `ops.<mixer>` on valid inputs with some positional arrays or keywords replaced."""
   x = _valid()
   x.update({name: override.pop(name) for name in list(override) if name in x})
-  gates = {
-      "linear_attention": (),
-      "delta_rule": (x["beta"],),
-      "gated_delta_rule": (x["g_scalar"], x["beta"]),
-      "kda": (x["g_channel"], x["beta"]),
-      "gdn2": (x["g_channel"], x["b"], x["w"]),
-  }[mixer]
+  # The spec's gates in order; a log decay is `g_scalar` or `g_channel` by its axis.
+  key = lambda gate: (("g_channel" if gate.axis else "g_scalar") if gate.is_log_decay
+                      else gate.name)
+  gates = tuple(x[key(gate)] for gate in specs.resolve(mixer).gates)
   return getattr(ops, mixer)(x["q"], x["k"], x["v"], *gates, implementation=implementation,
                              **override)
 
@@ -474,9 +472,9 @@ def test_checked_mode_keeps_results_on_valid_inputs(mixer):
   checked mode, and the output and final state equal those of the same jitted function
   unchecked."""
   arrays, kwargs = _tiny(mixer)
-  ends = {"g": (0.0, None), "beta": (0.0, 2.0), "b": (0.0, 2.0), "w": (0.0, 1.0)}
-  for name in _GATE_NAMES[mixer]:
-    for t, end in enumerate(ends[name]):
+  for gate in specs.resolve(mixer).gates:
+    name = gate.name
+    for t, end in enumerate((gate.low, gate.high)):
       if end is not None:
         arrays[name] = arrays[name].at[0, t].set(end)
   kwargs["segment_ids"] = jnp.asarray([[1, 1, 2, 2, 2, 3, 3, 0]], jnp.int32)

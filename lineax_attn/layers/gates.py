@@ -2,7 +2,7 @@
 
 Every decay leaves here as a log decay g = log α ≤ 0 in float32, the form the ops take (§1.5):
 
-    g = −exp(A_log) · softplus(f + dt_bias)                   GDN, KDA, GDN-2
+    g = −exp(A_log) · softplus(f + dt_bias)                   every decay (GDN, KDA, GDN-2, ...)
     g = lb · σ(exp(A_log) · (f + dt_bias)),  lb ∈ [−5, 0)     KDA's optional "safe" bounded gate
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from lineax_attn.ops import specs
 
 GATE_INITS = ("repo", "fla", "long")
 
@@ -47,21 +49,20 @@ def dt_bias_ones_init(key, shape, dtype=jnp.float32):
 
 def gate_initializers(kind: str, gate_init: str):
   """(A_log init, dt_bias init) of docs/MATH.md §4.4 for a mixer kind and preset ("repo", "fla", or
-  "long": a slow initial decay for short synthetic runs)."""
+  "long": a slow initial decay for short synthetic runs). The "repo" / "fla" values are the
+  mixer's `specs.LayerSpec.decay_init`."""
   if gate_init not in GATE_INITS:
     raise ValueError(f"unknown gate_init {gate_init!r}; expected one of {GATE_INITS}.")
+  spec = specs.resolve(kind)
+  if spec.layer.decay_init is None:
+    raise ValueError(f"mixer {spec.layer_name!r} has no decay to initialise.")
   if gate_init == "long":
     # Long initial memory for short synthetic runs (MQAR): dt ~ LogU(1e-4, 1e-3) puts the
     # per-token log decay in [-0.016, -1e-4] (a horizon of 60 to 10^4 tokens) instead of FLA's
     # ~6-token median horizon, which AdamW needs thousands of steps at 1e-3 to stretch.
     return a_log_init(1.0, 16.0), dt_bias_log_uniform_init(1e-4, 1e-3, floor=1e-5)
-  if kind == "kda":  # the same in "repo" and "fla"
-    return a_log_init(1.0, 16.0), dt_bias_log_uniform_init()
-  if gate_init == "repo":
-    return a_log_init(1.0, 16.0), dt_bias_ones_init
-  if kind == "gdn":
-    return a_log_init(0.0, 16.0), dt_bias_log_uniform_init()
-  return a_log_init(1.0, 16.0), dt_bias_log_uniform_init()  # gdn2: NVlabs dt, repo A
+  low, high, dt = spec.layer.decay_init[gate_init]
+  return a_log_init(low, high), (dt_bias_ones_init if dt == "ones" else dt_bias_log_uniform_init())
 
 
 def log_decay(f: jax.Array, a_log: jax.Array, dt_bias: jax.Array,

@@ -1,4 +1,5 @@
-"""One NNX layer shell for the five linear mixers: linear attention, DeltaNet, GDN, KDA, GDN-2.
+"""One NNX layer shell for every linear mixer of `lineax_attn.ops.specs` (linear attention,
+DeltaNet, GDN, KDA, GDN-2, ...), driven by each mixer's `specs.LayerSpec`.
 
 docs/MATH.md §4.1 with the per-mixer differences of §4.3:
 
@@ -20,6 +21,8 @@ Fused in-projection layout (fixed, so checkpoints stay stable), in this order:
 | gdn | z (if gated), β (HV), f (HV) |
 | kda | β (HV); f and z come from a low-rank branch d → rank → HV·d_k / HV·d_v (z-up has a bias) |
 | gdn2 | z (if gated), b (H·d_k), w (HV·d_v), f (H·d_k) |
+
+(Any other mixer: z if gated, then its `LayerSpec.projections`, each as wide as its op gate.)
 
 Per-mixer parameters: GDN A_log[HV], dt_bias[HV]; KDA A_log[HV], dt_bias[HV, d_k]; GDN-2
 A_log[H], dt_bias[H, d_k] (GDN-2's f, b, A_log and dt_bias live per key head and are repeated to
@@ -44,39 +47,22 @@ from flax import nnx
 
 from lineax_attn import ops
 from lineax_attn.ops import segments as seg_lib
+from lineax_attn.ops import specs
 from lineax_attn.layers import conv as conv_lib
 from lineax_attn.layers import gates as gates_lib
 from lineax_attn.layers import norm as norm_lib
 from lineax_attn.layers import partition
 from lineax_attn.parallel import context as context_parallel
 
-LINEAR_MIXERS = ("linear_attention", "deltanet", "gdn", "kda", "gdn2")
-
-# Accepted spellings -> canonical layer names (the op names work too).
-LINEAR_MIXER_ALIASES = {
-    "linear_attention": "linear_attention", "la": "linear_attention",
-    "deltanet": "deltanet", "delta_rule": "deltanet", "dn": "deltanet",
-    "gdn": "gdn", "gated_deltanet": "gdn", "gated_delta_rule": "gdn",
-    "kda": "kda",
-    "gdn2": "gdn2", "gdn-2": "gdn2", "gated_deltanet2": "gdn2",
-}
-
-_OPS = {
-    "linear_attention": ops.linear_attention,
-    "deltanet": ops.delta_rule,
-    "gdn": ops.gated_delta_rule,
-    "kda": ops.kda,
-    "gdn2": ops.gdn2,
-}
+# The layer names of every linear mixer, and every accepted spelling -> its layer name (the op
+# names work too); both read from `lineax_attn.ops.specs`.
+LINEAR_MIXERS = specs.layer_names()
+LINEAR_MIXER_ALIASES = {name: spec.layer_name for spec in specs.SPECS.values()
+                        for name in spec.names}
 
 # docs/MATH.md §4.3: SiLU for GDN and GDN-2, sigmoid for KDA, none for DeltaNet and linear
-# attention.
-DEFAULT_OUTPUT_GATE = {
-    "linear_attention": "none", "deltanet": "none", "gdn": "silu", "kda": "sigmoid", "gdn2": "silu",
-}
-
-_GATED_KINDS = ("gdn", "kda", "gdn2")   # have a decay (A_log, dt_bias)
-_BETA_KINDS = ("deltanet", "gdn", "kda")
+# attention (`specs.LayerSpec.output_gate`).
+DEFAULT_OUTPUT_GATE = {spec.layer_name: spec.layer.output_gate for spec in specs.SPECS.values()}
 
 
 class MixerOutput(NamedTuple):
@@ -94,11 +80,12 @@ class MixerOutput(NamedTuple):
 
 
 def canonical_linear_mixer(kind: str) -> str:
-  name = LINEAR_MIXER_ALIASES.get(str(kind).lower())
-  if name is None:
-    raise ValueError(f"unknown linear mixer {kind!r}; expected one of {LINEAR_MIXERS} "
-                     f"(aliases: {sorted(LINEAR_MIXER_ALIASES)}).")
-  return name
+  """The layer name of `kind` (any name or alias of a `specs.MixerSpec`)."""
+  try:
+    return specs.resolve(kind).layer_name
+  except ValueError:
+    raise ValueError(f"unknown linear mixer {kind!r}; expected one of {specs.layer_names()} "
+                     f"(aliases: {specs.all_names()}).") from None
 
 
 def _layout(segment_ids):
@@ -148,6 +135,8 @@ class LinearMixer(nnx.Module):
                init_std: float = 0.02, out_init_std: float | None = None, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
     kind = canonical_linear_mixer(kind)
+    spec = specs.resolve(kind)
+    decay = next((lg for lg in spec.layer.gates if lg.kind == "decay"), None)
     if num_heads <= 0:
       raise ValueError(f"num_heads must be positive, got {num_heads}.")
     if head_dim_k is None:
@@ -163,13 +152,15 @@ class LinearMixer(nnx.Module):
     if min(head_dim_k, head_dim_v, num_v_heads) <= 0:
       raise ValueError(f"head dims and num_v_heads must be positive, got d_k={head_dim_k}, "
                        f"d_v={head_dim_v}, num_v_heads={num_v_heads}.")
-    output_gate = DEFAULT_OUTPUT_GATE[kind] if output_gate is None else output_gate
+    output_gate = spec.layer.output_gate if output_gate is None else output_gate
     if output_gate not in norm_lib.OUTPUT_GATES:
       raise ValueError(f"unknown output_gate {output_gate!r}; expected one of "
                        f"{norm_lib.OUTPUT_GATES} or None (the mixer's default).")
     if gate_lower_bound is not None:
-      if kind not in _GATED_KINDS:
-        raise ValueError(f"gate_lower_bound applies to gated mixers {_GATED_KINDS}, not {kind!r}.")
+      if decay is None:
+        gated = tuple(s.layer_name for s in specs.SPECS.values()
+                      if any(lg.kind == "decay" for lg in s.layer.gates))
+        raise ValueError(f"gate_lower_bound applies to gated mixers {gated}, not {kind!r}.")
       if not -5.0 <= gate_lower_bound < 0.0:
         raise ValueError(f"gate_lower_bound must lie in [-5, 0), got {gate_lower_bound}.")
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % 16:
@@ -193,14 +184,16 @@ class LinearMixer(nnx.Module):
     self.conv_channels = 2 * qk + vw
     parts = [("q", qk), ("k", qk), ("v", vw)]
     gated_out = output_gate != "none"
-    if kind in ("linear_attention", "deltanet", "gdn", "gdn2") and gated_out:
+    if gated_out and not spec.layer.low_rank:
       parts.append(("z", vw))
-    if kind in _BETA_KINDS:
-      parts.append(("beta", num_v_heads))
-    if kind == "gdn":
-      parts.append(("f", num_v_heads))
-    if kind == "gdn2":
-      parts += [("b", qk), ("w", vw), ("f", qk)]
+    # The spec's projections in its order, each as wide as the op gate it feeds (per key or
+    # value head, times d_k / d_v for a per-channel gate).
+    widths = {}
+    for lg in spec.layer.gates:
+      heads = num_heads if lg.heads == "k" else num_v_heads
+      axis = spec.gate(lg.gate).axis
+      widths[lg.source] = heads * {None: 1, "k": head_dim_k, "v": head_dim_v}[axis]
+    parts += [(name, widths[name]) for name in spec.layer.projections]
     self.in_parts = tuple(parts)
 
     normal = nnx.initializers.normal
@@ -213,13 +206,14 @@ class LinearMixer(nnx.Module):
     self.conv = conv_lib.ShortConv(self.conv_channels, conv_width, param_dtype=param_dtype,
                                    rngs=rngs)
 
-    if kind in _GATED_KINDS:
+    if decay is not None:
       a_init, dt_init = gates_lib.gate_initializers(kind, gate_init)
-      gate_heads = num_heads if kind == "gdn2" else num_v_heads
-      dt_shape = (num_v_heads,) if kind == "gdn" else (gate_heads, head_dim_k)
+      gate_heads = num_heads if decay.heads == "k" else num_v_heads
+      per_channel = spec.gate(decay.gate).axis == "k"
+      dt_shape = (gate_heads, head_dim_k) if per_channel else (gate_heads,)
       self.A_log = partition.param(rngs, a_init, (gate_heads,), jnp.float32, (None,))
       self.dt_bias = partition.param(rngs, dt_init, dt_shape, jnp.float32, (None,) * len(dt_shape))
-    if kind == "kda":
+    if spec.layer.low_rank:
       down_width = gate_rank * (2 if gated_out else 1)
       self.gate_down = nnx.Linear(
           d_model, down_width, use_bias=False,
@@ -243,6 +237,11 @@ class LinearMixer(nnx.Module):
         kernel_init=partition.partitioned(normal(out_init_std), (partition.HEADS, partition.EMBED)),
         **linear)
 
+  @property
+  def spec(self) -> specs.MixerSpec:
+    """The mixer's `specs.MixerSpec`."""
+    return specs.resolve(self.kind)
+
   # ----------------------------------------------------------------------------------------
   def init_cache(self, batch: int, max_len: int | None = None) -> dict[str, jax.Array]:
     """Empty decoding cache: conv `[B, W−1, 2·H·d_k + HV·d_v]` (compute dtype) and the
@@ -259,29 +258,25 @@ class LinearMixer(nnx.Module):
     b, t, _ = x.shape
     h, hv, dk, dv = self.num_heads, self.num_v_heads, self.head_dim_k, self.head_dim_v
     n_rep = hv // h
-    lb = self.gate_lower_bound
-    if self.kind == "linear_attention":
-      return (), None
-    if self.kind == "deltanet":
-      return (gates_lib.sigmoid_gate(parts["beta"], self.allow_neg_eigval),), parts.get("z")
-    if self.kind == "gdn":
-      g = gates_lib.log_decay(parts["f"], self.A_log[...], self.dt_bias[...], lb)
-      beta = gates_lib.sigmoid_gate(parts["beta"], self.allow_neg_eigval)
-      return (g, beta), parts.get("z")
-    if self.kind == "kda":
+    spec = self.spec
+    z = parts.get("z")
+    if spec.layer.low_rank:  # KDA: f and z from the low-rank branch
       down = self.gate_down(x)
-      f = self.f_up(down[..., :self.gate_rank]).reshape(b, t, hv, dk)
+      parts = dict(parts, low_rank=self.f_up(down[..., :self.gate_rank]))
       z = self.z_up(down[..., self.gate_rank:]) if self.output_gate != "none" else None
-      g = gates_lib.log_decay(f, self.A_log[...][:, None], self.dt_bias[...], lb)
-      beta = gates_lib.sigmoid_gate(parts["beta"], self.allow_neg_eigval)
-      return (g, beta), z
-    # gdn2: decay and erase gate per key head, repeated to the value heads.
-    f = parts["f"].reshape(b, t, h, dk)
-    g = gates_lib.log_decay(f, self.A_log[...][:, None], self.dt_bias[...], lb)
-    erase = gates_lib.sigmoid_gate(parts["b"].reshape(b, t, h, dk), self.allow_neg_eigval)
-    write = gates_lib.sigmoid_gate(parts["w"].reshape(b, t, hv, dv))
-    g, erase = jnp.repeat(g, n_rep, axis=2), jnp.repeat(erase, n_rep, axis=2)
-    return (g, erase, write), parts.get("z")
+    out = []
+    for lg in spec.layer.gates:
+      axis = spec.gate(lg.gate).axis
+      heads = h if lg.heads == "k" else hv
+      x_gate = parts[lg.source].reshape((b, t, heads) + {None: (), "k": (dk,), "v": (dv,)}[axis])
+      if lg.kind == "decay":
+        a_log = self.A_log[...] if axis is None else self.A_log[...][:, None]
+        gate = gates_lib.log_decay(x_gate, a_log, self.dt_bias[...], self.gate_lower_bound)
+      else:
+        gate = gates_lib.sigmoid_gate(x_gate, self.allow_neg_eigval and lg.neg_eigval)
+      # Per key head (GDN-2): repeated to the value heads that read it.
+      out.append(jnp.repeat(gate, n_rep, axis=2) if lg.heads == "k" else gate)
+    return tuple(out), z
 
   def forward(self, x: jax.Array, segment_ids: jax.Array | None = None, *,
               value_delta: jax.Array | None = None, cache: dict[str, jax.Array] | None = None,
@@ -341,7 +336,7 @@ class LinearMixer(nnx.Module):
       results = context_parallel.sharded_mixer(self.kind, q, k, v, *gate_args,
                                                axis=self.context_axis, **op_kwargs)
     else:
-      results = _OPS[self.kind](q, k, v, *gate_args, **op_kwargs)
+      results = getattr(ops, self.spec.name)(q, k, v, *gate_args, **op_kwargs)
     o, state = results[0], results[1]
     r = results[2] if with_residual else None
     if z is not None:

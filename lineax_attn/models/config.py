@@ -11,8 +11,9 @@ The stack is a mixer per layer, resolved from (in this order of precedence):
   (N = 3 is the paper's 2:1 stack);
 * otherwise every layer is `mixer` (pure; `mixer="softmax"` is a Transformer++).
 
-Mixer names: "linear_attention", "deltanet", "gdn", "kda", "gdn2", "softmax" (aliases such as
-"gated_delta_rule", "delta_rule", "attention", "sdpa" are accepted).
+Mixer names: the layer names of `lineax_attn.ops.specs` ("linear_attention", "deltanet", "gdn",
+"kda", "gdn2", "simple_gla") and "softmax" (aliases such as "gated_delta_rule", "delta_rule",
+"attention", "sdpa" are accepted).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from lineax_attn.layers.linear_mixer import (LINEAR_MIXER_ALIASES, LINEAR_MIXERS,
-                                             canonical_linear_mixer)
+from lineax_attn.layers.linear_mixer import LINEAR_MIXERS
 from lineax_attn.layers.norm import OUTPUT_GATES
+from lineax_attn.ops import specs
 
 SOFTMAX = "softmax"
 MIXERS = LINEAR_MIXERS + (SOFTMAX,)
@@ -38,10 +39,11 @@ def canonical_mixer(name: str) -> str:
   key = str(name).strip().lower()
   if key in _SOFTMAX_ALIASES:
     return SOFTMAX
-  if key in LINEAR_MIXER_ALIASES:
-    return canonical_linear_mixer(key)
-  raise ValueError(f"unknown mixer {name!r}; expected one of {MIXERS} "
-                   f"(aliases: {sorted(set(LINEAR_MIXER_ALIASES) | set(_SOFTMAX_ALIASES))}).")
+  try:
+    return specs.resolve(key).layer_name
+  except ValueError:
+    raise ValueError(f"unknown mixer {name!r}; expected one of {MIXERS} (aliases: "
+                     f"{sorted(set(specs.all_names()) | set(_SOFTMAX_ALIASES))}).") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,7 +232,9 @@ class ModelConfig:
   def attention_output_gate(self) -> bool:
     if self.attn_output_gate is not None:
       return self.attn_output_gate
-    return any(k in ("gdn", "kda", "gdn2") for k in self.layer_types)
+    # On when a linear mixer of the stack has an output gate by default (GDN, KDA, GDN-2).
+    return any(k != SOFTMAX and specs.resolve(k).layer.output_gate != "none"
+               for k in self.layer_types)
 
   @property
   def out_init_std(self) -> float:

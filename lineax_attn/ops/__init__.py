@@ -2,6 +2,9 @@
 
     o, final_state = gated_delta_rule(q, k, v, g, beta, implementation="chunk")
 
+The mixers are `MIXERS`, one `specs.MixerSpec` each (lineax_attn/ops/specs.py; a new one is a
+spec entry, docs/ADDING_A_MIXER.md).
+
 Implementations: "scan" (the `lax.scan` reference, the truth), "chunk" (chunkwise-parallel
 pure JAX, differentiable), "pallas_tpu" (Pallas Mosaic TPU kernels; the TPU interpreter off TPU)
 and "pallas_gpu" (Mosaic GPU state-passing kernels on Hopper, the rest in XLA; other shapes fall
@@ -19,6 +22,7 @@ from lineax_attn.ops import chunked as _chunked
 from lineax_attn.ops import pallas_gpu as _pallas_gpu
 from lineax_attn.ops import pallas_tpu as _pallas_tpu
 from lineax_attn.ops import reference as _reference
+from lineax_attn.ops import specs
 from lineax_attn.ops.attention import softmax_attention
 from lineax_attn.ops.delta_rule import delta_rule
 from lineax_attn.ops.gated_delta_rule import gated_delta_rule
@@ -31,17 +35,21 @@ _api.register_implementation("scan", _reference.scan_reference)
 _api.register_implementation("chunk", _chunked.chunk_delta_family)
 _api.register_implementation("pallas_tpu", _pallas_tpu.pallas_tpu_impl)
 _api.register_implementation("pallas_gpu", _pallas_gpu.pallas_gpu_delta_family,
-                             tuning_type=_pallas_gpu.GpuTuning)
+                             tuning_type=_pallas_gpu.GpuTuning, supports=_pallas_gpu.supports)
 
 available_implementations = _api.available_implementations
 checked = _api.checked
 debug_checks = _api.debug_checks
 set_debug_checks = _api.set_debug_checks
 debug_checks_enabled = _api.debug_checks_enabled
-MIXERS = tuple(_api.MIXER_GATES)
+MIXERS = specs.names()  # the canonical names of every `specs.MixerSpec`
 
-__all__ = [
-    "linear_attention", "delta_rule", "gated_delta_rule", "kda", "gdn2", "softmax_attention",
-    "available_implementations", "MIXERS", "checked", "debug_checks", "set_debug_checks",
-    "debug_checks_enabled", "GpuTuning",
+# A mixer without a hand-written op module gets its op generated from its spec.
+for _name in MIXERS:
+  if _name not in globals():
+    globals()[_name] = _api.make_op(specs.SPECS[_name])
+
+__all__ = list(MIXERS) + [
+    "softmax_attention", "available_implementations", "MIXERS", "checked", "debug_checks",
+    "set_debug_checks", "debug_checks_enabled", "GpuTuning", "specs",
 ]

@@ -13,8 +13,12 @@ naming the argument) from the functionalized function. The mode is a `jax.make_u
 it is part of jit's cache key: flipping it retraces a jitted function instead of reusing a trace
 made in the other mode.
 
-Implementations register themselves by name with `register_implementation`; each receives
-already-validated arrays and the mixer name, and returns `(o, final_state, r)` in float32:
+Every mixer is a `specs.MixerSpec` (lineax_attn/ops/specs.py): its gates, their shapes and
+ranges are read from there. Implementations register themselves by name with
+`register_implementation`, optionally with `supports(call) -> None | reason`: for a `Call` it
+rejects, dispatch runs "chunk" instead and logs the reason once (`select_implementation`).
+Each receives already-validated arrays and the mixer name, and returns `(o, final_state, r)` in
+float32:
 
     impl(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
          output_final_state, tuning) -> (o, final_state | None, r)
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import logging
 import math
 import os
 from typing import Any, Callable, Mapping
@@ -40,30 +46,42 @@ import jax.numpy as jnp
 import numpy as np
 
 from lineax_attn.ops import segments as seg_lib
+from lineax_attn.ops import specs
 
 # Which gates each mixer takes, and the trailing axis each gate carries beyond [B, T, HV]:
-# None = scalar per value head, "k" = per key channel, "v" = per value channel.
-MIXER_GATES: dict[str, tuple[tuple[str, str | None], ...]] = {
-    "linear_attention": (),
-    "delta_rule": (("beta", None),),
-    "gated_delta_rule": (("g", None), ("beta", None)),
-    "kda": (("g", "k"), ("beta", None)),
-    "gdn2": (("g", "k"), ("b", "k"), ("w", "v")),
-}
+# None = scalar per value head, "k" = per key channel, "v" = per value channel (`specs.Gate`).
+MIXER_GATES: Mapping[str, tuple[tuple[str, str | None], ...]] = specs.SpecView("gate_axes")
 
 _IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {}
 # The tuning class each implementation accepts (None: it takes no tuning, only tuning=None).
 _TUNING_TYPES: dict[str, type | None] = {}
+# supports(call) -> None | reason, per implementation (None: it runs every call).
+_SUPPORTS: dict[str, Callable[["Call"], str | None] | None] = {}
+# The fallback reasons already logged, per implementation (one log line per reason).
+_FALLBACK_LOGGED: dict[str, set[str]] = {}
+FALLBACK = "chunk"
 # Implementations that may exist later but are not built yet: a clear error, not a KeyError.
 _PLANNED: tuple[str, ...] = ()
 
 
 def register_implementation(name: str, fn: Callable[..., Any], *,
-                            tuning_type: type | None = None) -> None:
-  """Registers `fn` as `implementation=name`; `tuning_type` is the class of the static
-  `tuning=` values it accepts (None: it takes none)."""
+                            tuning_type: type | None = None,
+                            supports: Callable[["Call"], str | None] | None = None) -> None:
+  """Registers `fn` as `implementation=name`.
+
+  tuning_type: the class of the static `tuning=` values it accepts (None: it takes none).
+  supports: `supports(call) -> None | reason` for a `Call`; where it gives a reason, `run_mixer`
+    runs the "chunk" implementation instead and logs the reason once (None: `fn` runs all).
+  """
   _IMPLEMENTATIONS[name] = fn
   _TUNING_TYPES[name] = tuning_type
+  _SUPPORTS[name] = supports
+  _FALLBACK_LOGGED.setdefault(name, set())
+
+
+def fallback_logged(name: str) -> set[str]:
+  """The fallback reasons of implementation `name` logged so far (clear it to log them again)."""
+  return _FALLBACK_LOGGED.setdefault(name, set())
 
 
 def available_implementations() -> tuple[str, ...]:
@@ -73,8 +91,8 @@ def available_implementations() -> tuple[str, ...]:
 def default_implementation(backend: str | None = None) -> str:
   """The best implementation available on `backend` (default: jax's default backend).
 
-  "pallas_tpu" on TPU, "pallas_gpu" on Hopper GPUs (it falls back to "chunk" itself for shapes
-  it does not handle), else the chunked pure-JAX form; the scan is an oracle, far too slow to
+  "pallas_tpu" on TPU, "pallas_gpu" on Hopper GPUs (for calls its `supports` rejects,
+  `run_mixer` runs "chunk" instead), else the chunked pure-JAX form; the scan is an oracle, far too slow to
   train with.
   """
   backend = backend or jax.default_backend()
@@ -191,12 +209,12 @@ def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
   return run
 
 
-# The closed range each gate must lie in (None: unbounded). beta and b are write/erase strengths,
-# σ(·) ∈ (0, 1) from the layer, or 2σ(·) ∈ (0, 2) with negative eigenvalues (`allow_neg_eigval`):
-# with unit keys I − β k kᵀ has eigenvalues in [−1, 1] exactly for β ∈ [0, 2].
+# The closed range each gate must lie in (None: unbounded), from the specs (`specs.Gate`). beta
+# and b are write/erase strengths, σ(·) ∈ (0, 1) from the layer, or 2σ(·) ∈ (0, 2) with negative
+# eigenvalues (`allow_neg_eigval`): with unit keys I − β k kᵀ has eigenvalues in [−1, 1] exactly
+# for β ∈ [0, 2]. Keyed by gate name: a name means the same range in every mixer.
 GATE_RANGES: dict[str, tuple[float | None, float | None]] = {
-    "g": (None, 0.0), "beta": (0.0, 2.0), "b": (0.0, 2.0), "w": (0.0, 1.0),
-}
+    gate.name: (gate.low, gate.high) for spec in specs.SPECS.values() for gate in spec.gates}
 
 
 # A rule maps (xp, x) to a list of (ok, message template, format values), computed with numpy
@@ -209,17 +227,17 @@ def _finite_rule(name):
   return rule
 
 
-def _gate_rule(name):
-  low, high = GATE_RANGES[name]
+def _gate_rule(gate: specs.Gate):
+  name, low, high = gate.name, gate.low, gate.high
 
   def rule(xp, x):
     finite = xp.isfinite(x)
     lo = xp.min(xp.where(finite, x, xp.inf)).astype(xp.float32)
     hi = xp.max(xp.where(finite, x, -xp.inf)).astype(xp.float32)
     checks = [(xp.all(finite), f"`{name}` contains NaN or Inf.", {})]
-    if name == "g":
-      checks.append((hi <= high, "`g` is a log decay and must be <= 0 everywhere (got max {hi}).",
-                     {"hi": hi}))
+    if gate.is_log_decay:
+      checks.append((hi <= high, f"`{name}` is a log decay and must be <= 0 everywhere "
+                     "(got max {hi}).", {"hi": hi}))
     else:
       checks.append((xp.logical_and(lo >= low, hi <= high),
                      f"`{name}` must lie in [{low:g}, {high:g}] everywhere, got min {{lo}}, max {{hi}}.",
@@ -294,8 +312,9 @@ def check_qkv(q, k, v) -> Dims:
 
 
 def check_gate(mixer: str, name: str, x, axis: str | None, dims: Dims):
-  """Validates one gate's dtype and shape, then its values: finite and in `GATE_RANGES[name]`
-  (concrete arrays always, traced ones in checked mode). Returns it as float32."""
+  """Validates one gate's dtype and shape, then its values: finite and in the range of its
+  `specs.Gate` (concrete arrays always, traced ones in checked mode). Returns it as float32."""
+  gate = specs.resolve(mixer).gate(name)
   _check_float(name, x)
   shape = (dims.b, dims.t, dims.hv)
   desc = "[B, T, HV]"
@@ -304,7 +323,7 @@ def check_gate(mixer: str, name: str, x, axis: str | None, dims: Dims):
   elif axis == "v":
     shape, desc = shape + (dims.dv,), "[B, T, HV, V]"
   _check_shape(name, x, shape, desc + f" for {mixer}")
-  _check_values(x, _gate_rule(name))
+  _check_values(x, _gate_rule(gate))
   return x.astype(jnp.float32)
 
 
@@ -412,13 +431,40 @@ def check_tuning(tuning, name: str):
   return tuning
 
 
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """What an implementation's `supports(call)` sees: the validated, static facts of one call."""
+  spec: specs.MixerSpec
+  dims: Dims
+  chunk_size: int
+  varlen: bool
+  tuning: Any
+
+
+def select_implementation(name: str, call: Call) -> str:
+  """`name`, or "chunk" where `name`'s `supports(call)` gives a reason (logged once per reason,
+  on the implementation's logger `lineax_attn.ops.<name>`, like FLA's backend `verify()`)."""
+  supports = _SUPPORTS.get(name)
+  reason = None if supports is None else supports(call)
+  if not reason:
+    return name
+  logged = fallback_logged(name)
+  if reason not in logged:
+    logged.add(reason)
+    logging.getLogger(f"lineax_attn.ops.{name}").warning(
+        "%s: %s; %s falls back to implementation=%r.", name, reason, call.spec.name, FALLBACK)
+  return FALLBACK
+
+
 def run_mixer(mixer: str, q, k, v, gates: Mapping[str, Any], *, scale=None, initial_state=None,
               output_final_state=False, segment_ids=None, cu_seqlens=None, chunk_size=64,
               return_residual=False, implementation=None, tuning=None):
-  """Validates, dispatches and casts back. Shared body of the five linear mixers."""
+  """Validates, dispatches and casts back. Shared body of the linear mixers."""
+  spec = specs.resolve(mixer)
+  mixer = spec.name
   dims = check_qkv(q, k, v)
-  checked = {name: check_gate(mixer, name, gates[name], axis, dims)
-             for name, axis in MIXER_GATES[mixer]}
+  checked = {gate.name: check_gate(mixer, gate.name, gates[gate.name], gate.axis, dims)
+             for gate in spec.gates}
   scale = check_scale(scale, dims.dk)
   chunk_size = check_chunk_size(chunk_size)
   layout = check_segments(segment_ids, cu_seqlens, dims)
@@ -427,6 +473,10 @@ def run_mixer(mixer: str, q, k, v, gates: Mapping[str, Any], *, scale=None, init
   check_finite((("q", q), ("k", k), ("v", v), ("initial_state", initial_state)))
   name = resolve_implementation(implementation)
   tuning = check_tuning(tuning, name)
+  selected = select_implementation(name, Call(spec=spec, dims=dims, chunk_size=chunk_size,
+                                              varlen=layout.is_varlen, tuning=tuning))
+  if selected != name:  # the fallback runs with its own default tuning
+    name, tuning = selected, None
   impl = _IMPLEMENTATIONS[name]
   f32 = lambda x: x.astype(jnp.float32)
   o, final_state, r = impl(mixer, f32(q), f32(k), f32(v), checked, scale=scale,
@@ -476,3 +526,41 @@ def with_common_doc(fn):
   """Fills the keyword arguments every linear mixer shares into `fn`'s docstring."""
   fn.__doc__ = fn.__doc__.replace("{common}", _COMMON_DOC)
   return fn
+
+
+def make_op(spec: specs.MixerSpec) -> Callable[..., Any]:
+  """The public op of `spec`: `op(q, k, v, *gates, scale=None, ...)` with the gates as
+  positional (or keyword) arguments in the spec's order, over `run_mixer`."""
+  gate_names = spec.gate_names
+
+  def op(q, k, v, *gate_args, scale=None, initial_state=None, output_final_state=False,
+         segment_ids=None, cu_seqlens=None, chunk_size=64, return_residual=False,
+         implementation=None, tuning=None, **gate_kwargs):
+    if len(gate_args) + len(gate_kwargs) != len(gate_names) or not set(gate_kwargs) <= set(
+        gate_names[len(gate_args):]):
+      raise ValueError(f"{spec.name} takes the gates {gate_names} (after q, k, v), got "
+                       f"{len(gate_args)} positional and {sorted(gate_kwargs)} by keyword.")
+    gates = dict(zip(gate_names, gate_args), **gate_kwargs)
+    return run_mixer(spec.name, q, k, v, gates, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, segment_ids=segment_ids,
+                     cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                     return_residual=return_residual, implementation=implementation,
+                     tuning=tuning)
+
+  positional = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                for n in ("q", "k", "v") + gate_names]
+  keywords = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d) for n, d in (
+      ("scale", None), ("initial_state", None), ("output_final_state", False),
+      ("segment_ids", None), ("cu_seqlens", None), ("chunk_size", 64),
+      ("return_residual", False), ("implementation", None), ("tuning", None))]
+  op.__signature__ = inspect.Signature(positional + keywords)
+  op.__name__ = op.__qualname__ = spec.name
+  op.__module__ = "lineax_attn.ops"
+  gate_doc = "".join(f"\n    {g.name}: `{_GATE_SHAPE_DOC[g.axis]}` {g.doc}." for g in spec.gates)
+  op.__doc__ = (f"{spec.name}: {spec.summary}.\n\n  Args:\n    q, k: `[B, T, H, K]` queries and keys."
+                f"\n    v: `[B, T, HV, V]` values; HV must be a multiple of H.{gate_doc}"
+                f"\n    {_COMMON_DOC}\n  ")
+  return op
+
+
+_GATE_SHAPE_DOC = {None: "[B, T, HV]", "k": "[B, T, HV, K]", "v": "[B, T, HV, V]"}

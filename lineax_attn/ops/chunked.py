@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from lineax_attn.ops import segments as seg_lib
+from lineax_attn.ops import specs
 from lineax_attn.ops import triangular
 
 _HI = jax.lax.Precision.HIGHEST
@@ -59,26 +60,15 @@ def _dot(spec, a, b, matmul):
 
 
 def canonical_gates(mixer, v, gates):
-  """Maps a mixer's gates to the shared template: (g, erase, write).
+  """Maps a mixer's gates to the shared template: (g, erase, write), read from its spec
+  (`specs.MixerSpec.template`; v is unused, kept for the callers).
 
   g: None (no decay), [B,T,HV] scalar or [B,T,HV,K] per channel log decay.
   erase: None (no delta edit: k̃ = 0) or the factor multiplying k ([B,T,HV,1] or [B,T,HV,K]).
   write: the factor multiplying v ([B,T,HV,1] or [B,T,HV,V]), or None for 1.
   """
-  if mixer == "linear_attention":
-    return None, None, None
-  if mixer == "delta_rule":
-    beta = gates["beta"][..., None]
-    return None, beta, beta
-  if mixer == "gated_delta_rule":
-    beta = gates["beta"][..., None]
-    return gates["g"], beta, beta
-  if mixer == "kda":
-    beta = gates["beta"][..., None]
-    return gates["g"], beta, beta
-  if mixer == "gdn2":
-    return gates["g"], gates["b"], gates["w"]
-  raise ValueError(f"unknown mixer {mixer!r}")
+  del v
+  return specs.template_gates(mixer, gates)
 
 
 def _masked_exp(x, mask):

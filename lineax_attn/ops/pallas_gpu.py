@@ -38,18 +38,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 
+from lineax_attn.ops import api
 from lineax_attn.ops import chunked
+from lineax_attn.ops import specs
 from pallas_kernels.gpu import channel_pair as cp
 from pallas_kernels.gpu import intra_chunk as ic
 from pallas_kernels.gpu import state_passing as sp
 
-_log = logging.getLogger(__name__)
-_warned: set[str] = set()
+# The fallback reasons `api` has logged for pallas_gpu (clear it to log them again).
+_warned: set[str] = api.fallback_logged("pallas_gpu")
 _F32 = jnp.float32
 _MM = sp.MM_DTYPE
 INTRA_CHOICES = ("kernel", "xla")
@@ -148,10 +149,11 @@ def unsupported_reason(*, dk: int, dv: int, chunk_size: int, varlen: bool, b: in
   return None
 
 
-def _fallback(reason: str, mixer: str):
-  if reason not in _warned:
-    _warned.add(reason)
-    _log.warning("pallas_gpu: %s; %s falls back to implementation='chunk'.", reason, mixer)
+def supports(call) -> str | None:
+  """`api.Call` -> None, or why `pallas_gpu` cannot run it (dispatch then runs "chunk")."""
+  d = call.dims
+  return unsupported_reason(dk=d.dk, dv=d.dv, chunk_size=call.chunk_size, varlen=call.varlen,
+                            b=d.b, t=d.t, hv=d.hv)
 
 
 # ----------------------------------------------------------------------------- state pass
@@ -411,7 +413,7 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret):
 
 
 def _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning) -> bool:
-  return (tuning.intra == "kernel" and mixer in ("delta_rule", "gated_delta_rule")
+  return (tuning.intra == "kernel" and specs.resolve(mixer).gpu_intra_kernel
           and ic.supported(chunk_size, dk, dv) is None)
 
 
@@ -419,19 +421,17 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
                             output_final_state=False, tuning=None):
   """The `pallas_gpu` implementation (see `api.run_mixer` for the contract).
 
-  tuning: a `GpuTuning`, or None for `DEFAULT_TUNING` (the `chunk` fallback ignores it).
+  tuning: a `GpuTuning`, or None for `DEFAULT_TUNING`. Calls that `supports` rejects never get
+  here: `api` dispatch runs "chunk" for them (with one log line per reason).
   """
   tuning = check_tuning(tuning)
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   reason = unsupported_reason(dk=dk, dv=dv, chunk_size=chunk_size, varlen=layout.is_varlen,
                               b=b, t=t, hv=hv)
-  if reason:
-    _fallback(reason, mixer)
-    return chunked.chunk_delta_family(mixer, q, k, v, gates, scale=scale,
-                                      initial_state=initial_state, layout=layout,
-                                      chunk_size=chunk_size,
-                                      output_final_state=output_final_state)
+  if reason:  # called directly, past the dispatch: refuse rather than run wrong
+    raise ValueError(f"pallas_gpu cannot run this call: {reason}; call it through the op "
+                     f"(implementation='pallas_gpu' falls back to 'chunk').")
   g, erase, write = chunked.canonical_gates(mixer, v, gates)
   c = chunk_size
   t_pad = -(-t // c) * c

@@ -18,8 +18,9 @@ import threading
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 
-from lineax_attn.ops import api
+from lineax_attn.ops import specs
 from pallas_kernels import tpu
 
 DEFAULT_BATCH_AXES = ("data", "fsdp", "batch")
@@ -53,12 +54,37 @@ def _pick_axes(mesh, names, dim):
   return tuple(chosen)
 
 
+def kernel(mixer):
+  """The `pallas_kernels.tpu` entry point of `mixer`, with the kernels' signature
+  `fn(q, k, v, *gates, scale=None, initial_state=None, ..., block_sizes=None, interpret=None)`.
+
+  The mapping is the spec's (`specs.MixerSpec.tpu_kernel`; the kernels know nothing of the
+  specs): a named entry of `tpu.MIXERS`, or else the generic `tpu.delta_template` on the
+  spec's template map (k̃ = erase ⊙ k at the value heads, ṽ = write ⊙ v, decay g).
+  """
+  spec = specs.resolve(mixer)
+  if spec.tpu_kernel is not None:
+    return tpu.MIXERS[spec.tpu_kernel]
+
+  def template_kernel(q, k, v, *gate_args, scale=None, **kwargs):
+    g, erase, write = specs.template_gates(spec, dict(zip(spec.gate_names, gate_args)))
+    n_rep = v.shape[2] // k.shape[2]  # GVA: value head j reads key head j // n_rep
+    kt = None if erase is None else jnp.repeat(k.astype(jnp.float32), n_rep, axis=2) * erase
+    vt = v if write is None else v.astype(jnp.float32) * write
+    return tpu.delta_template(q, k, kt, vt, g, scale=q.shape[-1] ** -0.5 if scale is None
+                              else float(scale), out_dtype=v.dtype, **kwargs)
+
+  template_kernel.__name__ = spec.name
+  return template_kernel
+
+
 def pallas_tpu_impl(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
                     output_final_state=False, tuning=None):
   """`implementation="pallas_tpu"` (see `api.run_mixer` for the contract)."""
   del tuning  # no tuning yet (api passes None); the block sizes follow chunk_size
-  fn = tpu.MIXERS[mixer]
-  gate_args = tuple(gates[name] for name, _ in api.MIXER_GATES[mixer])
+  spec = specs.resolve(mixer)
+  fn = kernel(spec)
+  gate_args = tuple(gates[name] for name in spec.gate_names)
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty:
     batch_names, head_names = getattr(_local, "axes", None) or (DEFAULT_BATCH_AXES,

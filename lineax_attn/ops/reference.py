@@ -6,66 +6,25 @@ decay is applied before the delta edit, and the edit reads the decayed state:
 
     S̄_t = Diag(α_t) S_{t−1};   r_t = ṽ_t − S̄_tᵀ k̃_t;   S_t = S̄_t + k_t r_tᵀ;   o_t = S_tᵀ (scale·q_t)
 
-Each `*_step` below is that template for one mixer, on one (batch, value head) and one token.
-`scan_reference` runs a step over time, vmapped over batch and value heads, and handles
+Each mixer's step (`specs.MixerSpec.step`, written out per mixer in `specs.py`) is that template
+for one mixer, on one (batch, value head) and one token. `scan_reference` runs a step over time, vmapped over batch and value heads, and handles
 padding (identity steps, zero outputs), segment resets and varlen start states (docs/MATH.md §1.7).
 All arithmetic is float32 with `Precision.HIGHEST` matmuls.
 """
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import jax
 import jax.numpy as jnp
 
 from lineax_attn.ops import segments as seg_lib
-
-_HI = jax.lax.Precision.HIGHEST
-
-
-def _read(S, x):
-  """Sᵀ x for S [K, V], x [K] -> [V]."""
-  return jnp.dot(x, S, precision=_HI)
+from lineax_attn.ops import specs
 
 
-def linear_attention_step(S, q, k, v):
-  S = S + jnp.outer(k, v)
-  return S, _read(S, q), v
-
-
-def delta_rule_step(S, q, k, v, beta):
-  r = beta * (v - _read(S, k))
-  S = S + jnp.outer(k, r)
-  return S, _read(S, q), r
-
-
-def gated_delta_rule_step(S, q, k, v, g, beta):
-  S = jnp.exp(g) * S  # scalar decay
-  r = beta * (v - _read(S, k))
-  S = S + jnp.outer(k, r)
-  return S, _read(S, q), r
-
-
-def kda_step(S, q, k, v, g, beta):
-  S = jnp.exp(g)[:, None] * S  # per key channel decay
-  r = beta * (v - _read(S, k))
-  S = S + jnp.outer(k, r)
-  return S, _read(S, q), r
-
-
-def gdn2_step(S, q, k, v, g, b, w):
-  S = jnp.exp(g)[:, None] * S
-  r = w * v - _read(S, b * k)  # erase along key channels by b, write gated by w
-  S = S + jnp.outer(k, r)
-  return S, _read(S, q), r
-
-
-STEPS = {
-    "linear_attention": linear_attention_step,
-    "delta_rule": delta_rule_step,
-    "gated_delta_rule": gated_delta_rule_step,
-    "kda": kda_step,
-    "gdn2": gdn2_step,
-}
+# mixer name -> its scan step (`specs.MixerSpec.step`, written out per mixer in specs.py).
+STEPS: Mapping = specs.SpecView("step")
 
 
 def _scan_row(step, S0, xs, valid, start, start_state, gate_names, keep_states=False):
@@ -102,7 +61,7 @@ def scan_reference(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk
   Returns o [B, T, HV, V], final_state ([B or N, HV, K, V] or None) and r [B, T, HV, V].
   """
   del chunk_size, tuning  # one token at a time; no tuning (api passes None)
-  step = STEPS[mixer]
+  step = specs.resolve(mixer).step
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   n_rep = hv // h

@@ -1,4 +1,4 @@
-"""Context parallelism for the five linear mixers: the sequence axis sharded over devices.
+"""Context parallelism for the linear mixers: the sequence axis sharded over devices.
 
 Every linear mixer is S_t = A_t S_{t−1} + (write), with A_t acting on the key side only, and its
 outputs are linear in the state read-out (docs/MATH.md §2.0). So the pass of one device over its
@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec
 from lineax_attn import ops
 from lineax_attn.ops import api
 from lineax_attn.ops import segments as seg_lib
+from lineax_attn.ops import specs
 
 _HI = jax.lax.Precision.HIGHEST
 SEQUENCE_AXIS = "sequence"
@@ -57,30 +58,21 @@ SEQUENCE_AXIS = "sequence"
 DEFAULT_BATCH_AXES = ("data", "fsdp")
 DEFAULT_HEAD_AXES = ("tensor",)
 
-# Public op functions and layer spellings -> the op names of `api.MIXER_GATES`.
-_OP_NAMES = {
-    "linear_attention": "linear_attention", "la": "linear_attention",
-    "delta_rule": "delta_rule", "deltanet": "delta_rule", "dn": "delta_rule",
-    "gated_delta_rule": "gated_delta_rule", "gdn": "gated_delta_rule",
-    "gated_deltanet": "gated_delta_rule",
-    "kda": "kda",
-    "gdn2": "gdn2", "gdn-2": "gdn2", "gated_deltanet2": "gdn2",
-}
 
 
 def mixer_name(mixer: str | Callable[..., Any]) -> str:
   """The op name of `mixer`: a public op function (`ops.kda`) or a name/alias ("gdn")."""
   if callable(mixer):
-    for name in api.MIXER_GATES:
+    for name in specs.names():
       if getattr(ops, name) is mixer:
         return name
     raise ValueError(f"`mixer` must be one of the public linear-mixer ops "
-                     f"{tuple(api.MIXER_GATES)} or their names, got the callable {mixer!r}.")
-  name = _OP_NAMES.get(str(mixer).lower())
-  if name is None:
-    raise ValueError(f"unknown `mixer` {mixer!r}; expected one of {tuple(api.MIXER_GATES)} "
-                     f"(aliases: {sorted(_OP_NAMES)}).")
-  return name
+                     f"{specs.names()} or their names, got the callable {mixer!r}.")
+  try:
+    return specs.resolve(mixer).name
+  except ValueError:
+    raise ValueError(f"unknown `mixer` {mixer!r}; expected one of {specs.names()} "
+                     f"(aliases: {specs.all_names()}).") from None
 
 
 def active_axis_size(axis: str | None, mesh=None) -> int:
@@ -238,7 +230,8 @@ def context_parallel(mixer, q, k, v, *gates, axis_name: str = SEQUENCE_AXIS, sca
     raise ValueError("`cu_seqlens` (varlen mode) is not supported under context parallelism: "
                      "pack the sequences into rows with `segment_ids` instead (the state "
                      "resets where the id changes).")
-  gate_specs = api.MIXER_GATES[name]
+  spec = specs.resolve(name)
+  gate_specs = spec.gate_axes
   if len(gates) != len(gate_specs):
     raise ValueError(f"{name} takes {len(gate_specs)} gate array(s) "
                      f"{tuple(g for g, _ in gate_specs)}, got {len(gates)}.")
@@ -264,8 +257,9 @@ def context_parallel(mixer, q, k, v, *gates, axis_name: str = SEQUENCE_AXIS, sca
                 output_final_state=True, return_residual=True, implementation=implementation)
   v32 = v.astype(jnp.float32)  # outputs stay float32 until the correction is added
 
-  if name == "linear_attention":
-    # Transition I, or 0 once a segment starts inside the shard: one flag per row.
+  if not spec.gates:
+    # Linear attention (no gates): transition I, or 0 once a segment starts inside the shard:
+    # one flag per row.
     zeros = _varying(jnp.zeros((b, hv, dk, dv), jnp.float32), axis_name, q, k, v)
     o0, b_local, r = op(q, k, v32, initial_state=zeros, **common)
     layout = (seg_lib.layout_from_segment_ids(segment_ids.astype(jnp.int32))
@@ -286,9 +280,10 @@ def context_parallel(mixer, q, k, v, *gates, axis_name: str = SEQUENCE_AXIS, sca
     # The augmented pass: K extra zero value columns starting from [0 | I] track d(.)/d S_in.
     v_aug = jnp.concatenate([v32, jnp.zeros((b, dims.t, hv, dk), jnp.float32)], axis=-1)
     gates = list(gates)
-    if name == "gdn2":  # w multiplies the zero columns: any value will do
-      w = gates[2].astype(jnp.float32)
-      gates[2] = jnp.concatenate([w, jnp.ones((b, dims.t, hv, dk), jnp.float32)], axis=-1)
+    for i, (_, axis) in enumerate(gate_specs):
+      if axis == "v":  # per value channel (GDN-2's w): it multiplies the zero columns, any value will do
+        pad = jnp.ones((b, dims.t, hv, dk), jnp.float32)
+        gates[i] = jnp.concatenate([gates[i].astype(jnp.float32), pad], axis=-1)
     s_aug = jnp.concatenate([jnp.zeros((b, hv, dk, dv), jnp.float32),
                              jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, hv, dk, dk))],
                             axis=-1)
