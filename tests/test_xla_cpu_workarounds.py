@@ -64,29 +64,37 @@ def test_the_unprotected_pattern_still_miscompiles_on_this_jax():
 
 _CRASH = """
 import jax, jax.numpy as jnp
-from lineax_attn.ops import chunked
-if {reduce_form}:   # what the library does off CPU
-  jax.default_backend = lambda: "gpu"
+def masked_exp(x, m): return jnp.where(m, jnp.exp(jnp.where(m, x, 0.0)), 0.0)
+def pair(A, K, G):
+  sh = A.shape[:-2] + (4, 16, 64)
+  Ar, Kr, Gr = A.reshape(sh), K.reshape(sh), G.reshape(sh)
+  anchor = Gr[..., :, :1, :]
+  row = jnp.exp(Gr - anchor)
+  col = masked_exp(anchor[..., :, None, :, :] - Gr[..., None, :, :, :], jnp.tril(jnp.ones((4, 4), bool), -1)[:, :, None, None])
+  diag = masked_exp(Gr[..., :, :, None, :] - Gr[..., :, None, :, :], jnp.tril(jnp.ones((16, 16), bool))[:, :, None])
+  off = jnp.einsum("...pic,...pqjc->...piqj", (Ar * row).astype(jnp.bfloat16), (Kr[..., None, :, :, :] * col).astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  on = jnp.sum(Ar[..., :, :, None, :] * Kr[..., :, None, :, :] * diag, axis=-1)
+  return (off + on[..., :, :, None, :] * jnp.eye(4)[:, None, :, None]).reshape(A.shape[:-2] + (64, 64))
 ks = jax.random.split(jax.random.key(0), 3)
 a, k = (jax.random.normal(kk, (1, 2, 2, 64, 64)) for kk in ks[:2])
 g = jnp.cumsum(-jax.random.uniform(ks[2], a.shape), axis=-2)
-print(jax.jit(lambda a, k, g: chunked._channel_pair(a, k, g, "bf16"))(a, k, g).shape)
+print(jax.jit(pair)(a, k, g).shape)
 """
 
 
 def test_ynnpack_reduce_crash_reproduces_and_its_workaround():
-  # jaxlib 0.11.2 on CPU: compiling the per-channel pair with its diagonal blocks as a
-  # multiply-reduce over the channel axis of [..., i, j, K] (the form used on GPUs) recurses
-  # without end in YNNPACK's (slinky) simplifier and the process dies (SIGSEGV) when the pair is
-  # its own program; chunked._channel_pair uses an einsum on CPU instead. Canary: when the
-  # reduce form stops crashing, the CPU branch can go.
+  # jaxlib 0.11.2 on CPU: the per-channel pair matrix (as chunked._channel_pair first wrote it,
+  # inlined above) with its diagonal blocks as a multiply-reduce over the channel axis of
+  # [..., i, j, K] recurses without end in YNNPACK's (slinky) simplifier when it is a program
+  # of its own, and the process dies (SIGSEGV). chunked._channel_pairs therefore builds the
+  # diagonal blocks with an einsum on CPU. Canary: when this stops crashing, that branch can go.
   import os
   import subprocess
   import sys
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  run = lambda form: subprocess.run([sys.executable, "-c", _CRASH.format(reduce_form=form)],
-                                    env=env, capture_output=True, text=True)
-  fine = run(False)
+  run = lambda flags: subprocess.run(
+      [sys.executable, "-c", _CRASH], capture_output=True, text=True,
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags})
+  fine = run("--xla_cpu_experimental_ynn_fusion_type=")
   assert fine.returncode == 0 and "(1, 2, 2, 64, 64)" in fine.stdout, fine.stderr[-2000:]
-  crashed = run(True)
-  assert crashed.returncode != 0, "YNNPACK no longer crashes: drop the CPU branch of _channel_pair"
+  crashed = run("")
+  assert crashed.returncode != 0, "YNNPACK no longer crashes: drop the CPU branch of _channel_pairs"
