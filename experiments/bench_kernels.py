@@ -11,8 +11,9 @@ Times, for each shape (B, T, H, D) and mixer, forward and forward+backward (medi
 * causal softmax attention: cuDNN via `jax.nn.dot_product_attention(implementation="cudnn")`
   and torch SDPA.
 
-Each peer runs only if importable. Peak memory: for JAX, arguments + outputs + temporaries of
-the compiled executable; for torch, `max_memory_allocated` over the call. Writes a Markdown
+Each peer runs only if importable. JAX timing, the 20/80 percentiles and the compiled memory
+are `lineax_attn.bench`'s (`measure_with_output`, `compiled_memory_bytes`). Peak memory: for JAX,
+arguments + outputs + temporaries of the compiled executable; for torch, `max_memory_allocated` over the call. Writes a Markdown
 table with the ratios ours/jla, ours/FLA, ours/chunk, ours/cuDNN (--out_md; a file that holds
 the markers below gets only the text between them replaced) and a JSON file of raw numbers.
 
@@ -29,7 +30,6 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -43,6 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import cli  # noqa: E402
+from lineax_attn import bench  # noqa: E402
 from lineax_attn import ops  # noqa: E402
 from lineax_attn.ops import specs  # noqa: E402
 
@@ -128,33 +129,19 @@ def make_inputs(mixer, b, t, h, d, seed=0):
 # ------------------------------------------------------------------------------ timing
 
 
-def _median_q(ts):
-  ts = sorted(ts)
-  return statistics.median(ts), ts[int(0.2 * (len(ts) - 1))], ts[int(0.8 * (len(ts) - 1))]
-
-
 def time_jax(fn, args):
-  """Compiles fn once (AOT), times it; returns (median, q20, q80 in ms, peak GiB, output)."""
+  """Compiles fn once (AOT) and times it with `bench.measure_with_output`; returns (median, q20,
+  q80 in ms, peak GiB of the compiled executable or None, output of the first call)."""
   compiled = jax.jit(fn).lower(*args).compile()
-  peak = None
-  try:
-    ma = compiled.memory_analysis()
-    peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-            - ma.alias_size_in_bytes) / 2**30
-  except Exception:  # noqa: BLE001  (not every backend reports it)
-    pass
-  out = jax.block_until_ready(compiled(*args))
-  for _ in range(_WARMUP.value):
-    jax.block_until_ready(compiled(*args))
-  ts = []
-  for _ in range(_ITERS.value):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    ts.append((time.perf_counter() - t0) * 1e3)
-  return (*_median_q(ts), peak, out)
+  peak = bench.compiled_memory_bytes(compiled)
+  timing, out = bench.measure_with_output(compiled, *args, repeats=_ITERS.value,
+                                          warmup=_WARMUP.value)
+  return (timing.median_ms, timing.p20_ms, timing.p80_ms,
+          None if peak is None else peak / 2**30, out)
 
 
 def time_torch(fn):
+  """Times a torch call (synchronised); returns (median, q20, q80 in ms, peak GiB)."""
   import torch
   fn()
   torch.cuda.synchronize()
@@ -170,7 +157,8 @@ def time_torch(fn):
     torch.cuda.synchronize()
     ts.append((time.perf_counter() - t0) * 1e3)
   peak = max(torch.cuda.max_memory_allocated(), base) / 2**30
-  return (*_median_q(ts), peak)
+  timing = bench.Timing.from_times(ts)
+  return timing.median_ms, timing.p20_ms, timing.p80_ms, peak
 
 
 def _grad_fn(fwd, n_args):

@@ -167,6 +167,7 @@ def _train(config, count: int, steps: int, head: dict, label: str):
   """Trains `steps` steps of config (its mesh set) on the first `count` local devices; returns
   (the row, starting with `head`; the Trainer)."""
   import jax  # pylint: disable=g-import-not-at-top
+  from lineax_attn import bench  # pylint: disable=g-import-not-at-top
   from lineax_attn.data import pipeline as pipeline_lib  # pylint: disable=g-import-not-at-top
   from lineax_attn.train import loop  # pylint: disable=g-import-not-at-top
   from lineax_attn.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
@@ -187,11 +188,9 @@ def _train(config, count: int, steps: int, head: dict, label: str):
   with jax.set_mesh(trainer.mesh):
     compiled = trainer.jitted_step.lower(params, opt_state, batch).compile()
   row["compile_s"] = time.perf_counter() - t0
-  memory = compiled.memory_analysis()
+  memory = bench.compiled_memory_bytes(compiled)
   if memory is not None:
-    row["compiled_mib_per_device"] = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                                      + memory.temp_size_in_bytes
-                                      - memory.alias_size_in_bytes) / 2**20
+    row["compiled_mib_per_device"] = memory / 2**20
   losses, times = [], []
   for i, local in enumerate(local_batches):
     batch = trainer.global_batch(local)

@@ -116,11 +116,9 @@ def measure_point(variant: str, seq_len: int, batch: int, preset: str, dtype: st
                               config.vocab_size, jnp.int32)
   try:
     compiled = step.lower(params, opt_state, tokens).compile()
-    memory = compiled.memory_analysis()
+    memory = bench.compiled_memory_bytes(compiled)
     if memory is not None:
-      total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-               + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
-      row["compiled_mib"] = total / 2**20
+      row["compiled_mib"] = memory / 2**20
     timing = bench.measure(compiled, params, opt_state, tokens, repeats=steps, warmup=warmup)
   except Exception as e:  # pylint: disable=broad-except
     # Out of memory at long T is a result of the study, not a crash of the benchmark.

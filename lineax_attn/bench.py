@@ -5,7 +5,8 @@
 
 Methodology (docs/MATH.md §7.3): compile once (the first call, untimed), run `warmup` more calls,
 then time `repeats` calls one by one with `jax.block_until_ready`; report the median (and the
-20/80 quantiles with `measure`).
+20/80 percentiles with `measure`; `measure_with_output` also keeps the first call's output,
+`compiled_memory_bytes` reads a compiled executable's memory).
 """
 
 from __future__ import annotations
@@ -31,12 +32,23 @@ class Timing:
   p80_ms: float
   repeats: int
 
+  @classmethod
+  def from_times(cls, times_ms: Sequence[float]) -> Timing:
+    """The median and 20/80 percentiles (linearly interpolated) of wall times in ms; for calls
+    timed elsewhere (e.g. torch with its own synchronisation)."""
+    if len(times_ms) < 1:
+      raise ValueError("times_ms is empty: need at least one timed call.")
+    p20, p50, p80 = np.percentile(times_ms, [20, 50, 80])
+    return cls(median_ms=float(p50), p20_ms=float(p20), p80_ms=float(p80), repeats=len(times_ms))
 
-def measure(fn: Callable[..., Any], *args, repeats: int = 10, warmup: int = 3) -> Timing:
-  """Times `fn(*args)`: one untimed call (compiles a jitted fn), `warmup` calls, `repeats` timed."""
+
+def _check_counts(repeats: int, warmup: int) -> None:
   if repeats < 1 or warmup < 0:
     raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}.")
-  jax.block_until_ready(fn(*args))  # compile (and first-run allocation) stays out of the numbers
+
+
+def _time_calls(fn: Callable[..., Any], args, repeats: int, warmup: int) -> Timing:
+  """`warmup` untimed calls, then `repeats` timed one by one (after the first call)."""
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   times = []
@@ -44,8 +56,38 @@ def measure(fn: Callable[..., Any], *args, repeats: int = 10, warmup: int = 3) -
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - start) * 1e3)
-  p20, p50, p80 = np.percentile(times, [20, 50, 80])
-  return Timing(median_ms=float(p50), p20_ms=float(p20), p80_ms=float(p80), repeats=repeats)
+  return Timing.from_times(times)
+
+
+def measure(fn: Callable[..., Any], *args, repeats: int = 10, warmup: int = 3) -> Timing:
+  """Times `fn(*args)`: one untimed call (compiles a jitted fn), `warmup` calls, `repeats` timed."""
+  _check_counts(repeats, warmup)
+  jax.block_until_ready(fn(*args))  # compile (and first-run allocation) stays out of the numbers
+  return _time_calls(fn, args, repeats, warmup)
+
+
+def measure_with_output(fn: Callable[..., Any], *args, repeats: int = 10,
+                        warmup: int = 3) -> tuple[Timing, Any]:
+  """`measure`, also returning the output of the first (untimed) call, so a benchmark can check
+  the numbers it timed without one more call. The output stays alive while the rest is timed
+  (`measure` drops it at once: use that where memory is tight)."""
+  _check_counts(repeats, warmup)
+  out = jax.block_until_ready(fn(*args))
+  return _time_calls(fn, args, repeats, warmup), out
+
+
+def compiled_memory_bytes(compiled) -> int | None:
+  """Device memory of a compiled executable (`jax.jit(f).lower(...).compile()`): arguments +
+  outputs + temporaries − donated (aliased) buffers, from its `memory_analysis()`; None where
+  the backend reports none."""
+  try:
+    memory = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001  (not every backend implements it)
+    return None
+  if memory is None:
+    return None
+  return int(memory.argument_size_in_bytes + memory.output_size_in_bytes
+             + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
 
 
 def time_fn(fn: Callable[..., Any], *args, repeats: int = 10, warmup: int = 3) -> float:

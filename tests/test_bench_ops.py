@@ -96,6 +96,24 @@ def test_max_rel_err_and_timing_helpers():
   assert 0 < timing.p20_ms <= timing.median_ms <= timing.p80_ms
 
 
+def test_timing_from_times_output_and_compiled_memory():
+  # Percentiles by hand: sorted [1, 2, 3, 4, 10], rank 0.2 * 4 = 0.8 -> 1.8, 0.8 * 4 = 3.2 -> 5.2.
+  timing = bench.Timing.from_times([4.0, 1.0, 10.0, 3.0, 2.0])
+  assert (timing.median_ms, timing.repeats) == (3.0, 5)
+  assert timing.p20_ms == pytest.approx(1.8) and timing.p80_ms == pytest.approx(5.2)
+  with pytest.raises(ValueError, match="times_ms"):
+    bench.Timing.from_times([])
+  x = jnp.arange(8.0).reshape(2, 4)
+  compiled = jax.jit(lambda a: a * 2).lower(x).compile()
+  timing, out = bench.measure_with_output(compiled, x, repeats=2, warmup=0)
+  np.testing.assert_array_equal(np.asarray(out), 2 * np.arange(8.0).reshape(2, 4))
+  assert timing.repeats == 2 and timing.median_ms > 0
+  # 8 float32 in, 8 out, nothing donated: 64 bytes (temporaries, if any, only add).
+  assert bench.compiled_memory_bytes(compiled) >= 64
+  with pytest.raises(ValueError, match="repeats"):
+    bench.measure_with_output(compiled, x, repeats=0)
+
+
 def test_bench_kernels_sweep_writes_table_json_and_plot(tmp_path):
   # experiments/bench_kernels.py on CPU (no peers, no kernels): the T sweep at fixed tokens
   # adds one row per length, the table/JSON/plot are written, and the err column compares the

@@ -1,7 +1,8 @@
 """The chunkwise-parallel form (docs/MATH.md §3) in pure JAX, for all five linear mixers.
 
 All five mixers are the one template of docs/MATH.md §2.0 with a decay α = exp(g), an erase key
-k̃ and a write value ṽ. Per chunk of C tokens (rows i = 1..C, G = in-chunk cumsum of g):
+k̃ (`k_erase` = k ⊙ erase in the code) and a write value ṽ (`v_write` = v ⊙ write). Per chunk
+of C tokens (rows i = 1..C, G = in-chunk cumsum of g):
 
     L_ij = Σ_c k̃_ic k_jc e^{G_ic − G_jc}   (j < i)        P_ij = Σ_c q_ic k_jc e^{G_ic − G_jc}   (j ≤ i)
     Z = (I + L)^{-1};   Y = Z (K̃ ⊙ e^G);   U = Z Ṽ                       # intra-chunk, parallel
@@ -79,19 +80,19 @@ def _masked_exp(x, mask):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-def _pair_matrices_no_gate(Q, K, Kt, matmul):
+def _pair_matrices_no_gate(Q, K, K_erase, matmul):
   P = _dot("...ic,...jc->...ij", Q, K, matmul)
-  L = None if Kt is None else _dot("...ic,...jc->...ij", Kt, K, matmul)
+  L = None if K_erase is None else _dot("...ic,...jc->...ij", K_erase, K, matmul)
   return P, L
 
 
-def _pair_matrices_scalar(Q, K, Kt, G, matmul):
+def _pair_matrices_scalar(Q, K, K_erase, G, matmul):
   """G [..., C] scalar cumulative gate: one C×C decay matrix e^{G_i − G_j}."""
   c = G.shape[-1]
   lower = jnp.tril(jnp.ones((c, c), bool))
   decay = _masked_exp(G[..., :, None] - G[..., None, :], lower)
   P = _dot("...ic,...jc->...ij", Q, K, matmul) * decay
-  L = None if Kt is None else _dot("...ic,...jc->...ij", Kt, K, matmul) * decay
+  L = None if K_erase is None else _dot("...ic,...jc->...ij", K_erase, K, matmul) * decay
   return P, L
 
 
@@ -180,26 +181,27 @@ def _channel_pair(A, K, G, matmul):
   return _channel_pairs(A[None], K, G, matmul)[0]
 
 
-def _pair_matrices_channel(Q, K, Kt, G, matmul, pair=None):
+def _pair_matrices_channel(Q, K, K_erase, G, matmul, pair=None):
   """G [..., C, K] per-channel cumulative gate: anchored sub-chunks, exact diagonal blocks.
 
   pair: None (`_channel_pairs` in XLA, P and L in one call) or a differentiable
   (A, K, G) -> M computing one such matrix (the pallas_gpu path can pass its kernel)."""
   if pair is not None:
-    return pair(Q, K, G), (None if Kt is None else pair(Kt, K, G))
-  if Kt is None:
+    return pair(Q, K, G), (None if K_erase is None else pair(K_erase, K, G))
+  if K_erase is None:
     return _channel_pair(Q, K, G, matmul), None
-  P, L = _channel_pairs(jnp.stack([Q, Kt]), K, G, matmul)
+  P, L = _channel_pairs(jnp.stack([Q, K_erase]), K, G, matmul)
   return P, L
 
 
-def _intra_chunk(Q, K, Kt, Vt, G, gate_kind, same, cont, keep, *, matmul="highest",
+def _intra_chunk(Q, K, K_erase, V_write, G, gate_kind, same, cont, keep, *, matmul="highest",
                  solve="trsm", channel_pair=None):
   """Everything that does not depend on the chunk-entry state, for all chunks at once.
 
-  Args (leading dims [..., C], any batch layout): Q, K, Kt (or None), Vt, G ([..., C, K] /
-    [..., C] / None); same [..., C, C] same-segment mask or None; cont [..., C] continuation
-    flag c_i or None; keep [..., C] rows that reach the chunk's last row or None;
+  Args (leading dims [..., C], any batch layout): Q, K, K_erase (the erase keys k̃, or None: no
+    delta edit), V_write (the write values ṽ), G ([..., C, K] / [..., C] / None); same
+    [..., C, C] same-segment mask or None; cont [..., C] continuation flag c_i or None; keep
+    [..., C] rows that reach the chunk's last row or None;
     matmul: "highest" or "bf16" (`MATMULS`); solve: "trsm" or "inverse" (`SOLVES`);
     channel_pair: see `_pair_matrices_channel` (per-channel gates only).
   Returns: QG, P, Y, U, KG (exit-decayed keys), gC (decay of S_0 across the chunk, [..., K]).
@@ -209,15 +211,15 @@ def _intra_chunk(Q, K, Kt, Vt, G, gate_kind, same, cont, keep, *, matmul="highes
                      f"{SOLVES}, got {matmul!r}, {solve!r}.")
   c = Q.shape[-2]
   if gate_kind == "channel":
-    P, L = _pair_matrices_channel(Q, K, Kt, G, matmul, channel_pair)
+    P, L = _pair_matrices_channel(Q, K, K_erase, G, matmul, channel_pair)
     gam, gam_exit = jnp.exp(G), jnp.exp(G[..., -1:, :] - G)
     gC = jnp.exp(G[..., -1, :])
   elif gate_kind == "scalar":
-    P, L = _pair_matrices_scalar(Q, K, Kt, G, matmul)
+    P, L = _pair_matrices_scalar(Q, K, K_erase, G, matmul)
     gam, gam_exit = jnp.exp(G)[..., None], jnp.exp(G[..., -1:] - G)[..., None]
     gC = jnp.exp(G[..., -1:])
   else:
-    P, L = _pair_matrices_no_gate(Q, K, Kt, matmul)
+    P, L = _pair_matrices_no_gate(Q, K, K_erase, matmul)
     gam = gam_exit = gC = None
 
   P = P * jnp.tril(jnp.ones((c, c), bool))
@@ -236,9 +238,9 @@ def _intra_chunk(Q, K, Kt, Vt, G, gate_kind, same, cont, keep, *, matmul="highes
     gC = last_cont if gC is None else gC * last_cont
 
   if L is None:  # linear attention: no delta edit, E = Ṽ
-    Y, U = None, Vt
+    Y, U = None, V_write
   else:
-    rhs = jnp.concatenate([scale_rows(Kt, entry), Vt], axis=-1)
+    rhs = jnp.concatenate([scale_rows(K_erase, entry), V_write], axis=-1)
     if solve == "inverse":
       # The inverse itself is float32; only its application follows `matmul`.
       sol = _dot("...ij,...jd->...id", triangular.unit_lower_inverse(L), rhs, matmul)
@@ -247,7 +249,7 @@ def _intra_chunk(Q, K, Kt, Vt, G, gate_kind, same, cont, keep, *, matmul="highes
       with jax.default_matmul_precision("highest"):
         sol = jax.lax.linalg.triangular_solve(
             eye + L, rhs, left_side=True, lower=True, unit_diagonal=True)
-    dk = Kt.shape[-1]
+    dk = K_erase.shape[-1]
     Y, U = sol[..., :dk], sol[..., dk:]
   return QG, P, Y, U, KG, gC
 
@@ -316,7 +318,7 @@ def chunk_cumulative_gates(g, to_chunks):
   return (G[..., 0] if gate_kind == "scalar" else G), gate_kind
 
 
-def _chunk_core(q, k, kt, vt, g, S0, *, chunk_size, segidx=None, starts=None,
+def _chunk_core(q, k, k_erase, v_write, g, S0, *, chunk_size, segidx=None, starts=None,
                 keep_states=False):
   """Chunked recurrence on [B, T, HV, ...] inputs with T a multiple of chunk_size."""
   c = chunk_size
@@ -331,8 +333,8 @@ def _chunk_core(q, k, kt, vt, g, S0, *, chunk_size, segidx=None, starts=None,
     cont = (sc == entry).astype(jnp.float32)
     keep = (sc == sc[..., -1:]).astype(jnp.float32)
   intra = jax.checkpoint(functools.partial(_intra_chunk, gate_kind=gate_kind))
-  QG, P, Y, U, KG, gC = intra(_to_chunks(q, c), _to_chunks(k, c), _to_chunks(kt, c),
-                              _to_chunks(vt, c), G, same=same, cont=cont, keep=keep)
+  QG, P, Y, U, KG, gC = intra(_to_chunks(q, c), _to_chunks(k, c), _to_chunks(k_erase, c),
+                              _to_chunks(v_write, c), G, same=same, cont=cont, keep=keep)
   O, E, S, states = _state_passing(QG, P, Y, U, KG, gC, S0, starts=starts,
                                    keep_states=keep_states)
   return _from_chunks(O), _from_chunks(E), S, states
@@ -364,8 +366,8 @@ def chunk_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, c
   n_rep = hv // h
   q = jnp.repeat(q, n_rep, axis=2) * scale
   k = jnp.repeat(k, n_rep, axis=2)
-  kt = None if erase is None else k * erase
-  vt = v if write is None else v * write
+  k_erase = None if erase is None else k * erase
+  v_write = v if write is None else v * write
   c = chunk_size
 
   if layout.is_varlen:
@@ -379,8 +381,9 @@ def chunk_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, c
     table = (jnp.zeros((chunk_off.shape[0], hv, dk, dv), jnp.float32) if initial_state is None
              else initial_state)
     S0 = jnp.zeros((1, hv, dk, dv), jnp.float32)
-    O, E, _, states = _chunk_core(place(q), place(k), place(kt), place(vt), place(g), S0,
-                                  chunk_size=c, starts=(flags, lambda i: table[seq_of_chunk[i]][None]),
+    start_state = lambda i: table[seq_of_chunk[i]][None]
+    O, E, _, states = _chunk_core(place(q), place(k), place(k_erase), place(v_write), place(g),
+                                  S0, chunk_size=c, starts=(flags, start_state),
                                   keep_states=output_final_state)
     final = states[last_chunk, 0] if output_final_state else None
     return O[:, dest], final, E[:, dest]
@@ -388,13 +391,13 @@ def chunk_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, c
   if layout.valid is not None:
     # Padding rows are identity steps: no decay, no erase, no write, zero output.
     m = layout.valid[:, :, None, None].astype(jnp.float32)
-    q, k, vt = q * m, k * m, vt * m
-    kt = None if kt is None else kt * m
+    q, k, v_write = q * m, k * m, v_write * m
+    k_erase = None if k_erase is None else k_erase * m
     g = None if g is None else g * (m if g.ndim == 4 else m[..., 0])
   t_pad = -(-t // c) * c
   pad = functools.partial(pad_time, t_pad=t_pad)
   segidx = None if layout.segidx is None else pad_time(layout.segidx, t_pad, mode="edge")
   S0 = jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None else initial_state
-  O, E, S, _ = _chunk_core(pad(q), pad(k), pad(kt), pad(vt), pad(g), S0, chunk_size=c,
+  O, E, S, _ = _chunk_core(pad(q), pad(k), pad(k_erase), pad(v_write), pad(g), S0, chunk_size=c,
                            segidx=segidx)
   return O[:, :t], (S if output_final_state else None), E[:, :t]

@@ -287,7 +287,9 @@ _channel_pair_kernel.defvjp(_channel_pair_kernel_fwd, _channel_pair_kernel_bwd)
 def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TUNING):
   """XLA part: [B, T, HV, ...] inputs (T a multiple of c) -> the state-pass kernel's inputs.
 
-  `tuning.solve` and `tuning.remat_intra` steer it (`GpuTuning`).
+  kt, vt: the erase key k ⊙ erase (None: no delta edit) and the write value v ⊙ write, called
+  `k_erase` / `v_write` everywhere else (the parameter names stay for callers of this public
+  function). `tuning.solve` and `tuning.remat_intra` steer it (`GpuTuning`).
   Returns (ny, qg, p, u, kg, gc) in the layouts of `state_passing.state_passing_fwd`.
   """
   G, gate_kind = chunked.chunk_cumulative_gates(g, functools.partial(_to_chunks, c=c))
@@ -313,9 +315,9 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TU
           gc.astype(_F32))
 
 
-def _core(q, k, kt, vt, g, s0, segidx, *, c, interpret, tuning):
+def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning):
   """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
-  ny, qg, p, u, kg, gc = prepare_chunks(q, k, kt, vt, g, segidx, c=c, tuning=tuning)
+  ny, qg, p, u, kg, gc = prepare_chunks(q, k, k_erase, v_write, g, segidx, c=c, tuning=tuning)
   o, e, s_final = _state_pass(ny, qg, p, u, kg, gc, s0, interpret)
   return _from_chunks(o), _from_chunks(e), s_final
 
@@ -454,10 +456,10 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
   n_rep = hv // h
   q = jnp.repeat(q, n_rep, axis=2) * scale
   k = jnp.repeat(k, n_rep, axis=2)
-  kt = None if erase is None else k * erase
-  vt = v if write is None else v * write
+  k_erase = None if erase is None else k * erase
+  v_write = v if write is None else v * write
   if m is not None:
-    vt = vt * m[..., None]
-  o, e, s_final = _core(pad(q), pad(k), pad(kt), pad(vt), pad(g), s0, segidx, c=c,
+    v_write = v_write * m[..., None]
+  o, e, s_final = _core(pad(q), pad(k), pad(k_erase), pad(v_write), pad(g), s0, segidx, c=c,
                         interpret=_interpret_params(), tuning=tuning)
   return o[:, :t], (s_final if output_final_state else None), e[:, :t]

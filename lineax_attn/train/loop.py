@@ -427,8 +427,10 @@ def train(config: ml_collections.ConfigDict | experiment_lib.Experiment, workdir
       eval_batches = [trainer.global_batch(b)
                       for b in _fixed_batches(exp.eval_data, settings.eval_batches)]
 
-    return _run(exp, trainer, ckpt, writer, bar, say, train_iterator, eval_batches, params,
-                opt_state, step, stop_at_step, start_time)
+    return _TrainingRun(exp=exp, trainer=trainer, ckpt=ckpt, writer=writer, bar=bar, say=say,
+                        train_iterator=train_iterator, eval_batches=eval_batches,
+                        stop_at_step=stop_at_step, start_time=start_time, params=params,
+                        opt_state=opt_state, step=step).run()
   finally:
     if writer is not None:
       writer.close()
@@ -452,113 +454,162 @@ def _finished_result(exp, workdir: str, step: int, num_params: int,
       stop_reason="already completed")
 
 
-def _run(exp, trainer, ckpt, writer, bar, say, train_iterator, eval_batches, params, opt_state,
-         step, stop_at_step, start_time) -> TrainResult:
-  settings = exp.train
-  first_step = step
-  last = settings.steps if stop_at_step is None else min(settings.steps, stop_at_step)
-  lr_at = jax.jit(optim_lib.schedules(exp.optim)["lr"])  # one compile, not an eager op each log
-  flops_per_token = trainer.flops_per_token()
-  devices = list(trainer.mesh.devices.flat)
-  tokens_per_step = exp.tokens_per_step
+@dataclasses.dataclass
+class _TrainingRun:
+  """One call of `train` from a start state to its last step.
 
-  def save(at_step, force=False):
+  The fields up to `start_time` are fixed for the run; `params`, `opt_state` and `step` advance
+  with each training step, and the logs of the call (losses, evaluations, step times) gather in
+  the fields that `__post_init__` sets. `run()` trains and returns the TrainResult.
+  """
+
+  exp: experiment_lib.Experiment
+  trainer: Trainer
+  ckpt: checkpoint_lib.Checkpointer
+  writer: metrics_lib.MetricWriter
+  bar: progress_lib.Progress
+  say: Callable[[str], None]
+  train_iterator: Any
+  eval_batches: list[dict[str, jax.Array]]
+  stop_at_step: int | None
+  start_time: float
+  params: Params
+  opt_state: Any
+  step: int
+
+  def __post_init__(self):
+    settings = self.exp.train
+    self.first_step = self.step
+    self.last = (settings.steps if self.stop_at_step is None
+                 else min(settings.steps, self.stop_at_step))
+    # One compile, not an eager op each log.
+    self.lr_at = jax.jit(optim_lib.schedules(self.exp.optim)["lr"])
+    self.flops_per_token = self.trainer.flops_per_token()
+    self.devices = list(self.trainer.mesh.devices.flat)
+    self.tokens_per_step = self.exp.tokens_per_step
+    self.losses: list[float] = []
+    self.eval_losses: list[tuple[int, float]] = []
+    self.step_times: list[float] = []       # seconds per step, this process run
+    self.interval_losses: list[float] = []  # the losses since the last logged step
+    self.val_loss: float | None = None
+    self.train_loss: float | None = None
+    self.stop_reason = ""
+
+  def run(self) -> TrainResult:
+    settings = self.exp.train
+    if self.step == 0 and self.eval_batches:
+      self._evaluate()
+    with _StopSignal() as stop:
+      while self.step < self.last:
+        loss, grad_norm, param_norm = self._train_step()
+        evaluated = False
+        if self.eval_batches and ((settings.eval_every and self.step % settings.eval_every == 0)
+                                  or self.step == settings.steps):
+          self._evaluate()
+          evaluated = True
+        self._log(loss, grad_norm, param_norm, evaluated)
+        # No directory listing per step.
+        if self.step == self.last or self.step % self.ckpt.save_interval_steps == 0:
+          self._save(force=self.step == self.last)
+        if stop.should_stop() and self.step < self.last:
+          self._save(force=True)
+          self.stop_reason = "SIGTERM"
+          self.say(f"SIGTERM: stopped at step {self.step} with a checkpoint; re-run to resume")
+          break
+    self.ckpt.wait_until_finished()
+    self.writer.flush()
+    return self._result()
+
+  def _train_step(self) -> tuple[float, float, float]:
+    """Trains one step and records its loss; (loss, gradient norm, parameter norm) of it.
+    Raises NonFiniteLossError (nothing of the step saved) on a NaN or Inf."""
+    t0 = time.perf_counter()
+    batch = self.trainer.global_batch(next(self.train_iterator))
+    self.params, self.opt_state, metrics = self.trainer.step(self.params, self.opt_state, batch)
+    metrics = jax.device_get(metrics)
+    self.step += 1
+    self.step_times.append(time.perf_counter() - t0)
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    param_norm = float(metrics["param_norm"])
+    if not all(map(math.isfinite, (loss, grad_norm, param_norm))):
+      self._stop_non_finite(loss, grad_norm, param_norm)
+    self.losses.append(loss)
+    self.interval_losses.append(loss)
+    return loss, grad_norm, param_norm
+
+  def _stop_non_finite(self, loss: float, grad_norm: float, param_norm: float):
+    self.ckpt.wait_until_finished()
+    good = self.ckpt.latest_step()
+    where = (f"the last good checkpoint is step {good} in {self.ckpt.directory}"
+             if good is not None else "no checkpoint was saved yet")
+    step = self.step
+    message = (f"{self.exp.run_name}: non-finite training loss at step {step} (loss {loss}, "
+               f"gradient norm {grad_norm}, parameter norm after the update {param_norm}); "
+               f"training stopped and nothing of step {step} was saved; {where}. Lower "
+               f"optim.learning_rate or check the data.")
+    self.writer.write(step, "error", {"loss": loss, "grad_norm": grad_norm,
+                                      "param_norm": param_norm, "last_good_checkpoint": good})
+    self.say(message)
+    raise NonFiniteLossError(message)
+
+  def _evaluate(self):
+    """Validation loss at the current step: logged and recorded."""
+    value = self.trainer.evaluate(self.params, self.eval_batches)
+    self.writer.write(self.step, "eval",
+                      {"loss": value, "tokens": self.step * self.tokens_per_step})
+    self.val_loss = value
+    self.eval_losses.append((self.step, value))
+
+  def _steady_step_time(self) -> float | None:
+    """The median step time, the first steps (compiles) left out; None before there is one."""
+    times = self.step_times
+    steady = times[2:] if len(times) > 2 else times[1:]
+    return float(np.median(steady)) if steady else None
+
+  def _tokens_per_second(self) -> float | None:
+    step_time = self._steady_step_time()
+    return None if step_time is None else self.tokens_per_step / step_time
+
+  def _log(self, loss: float, grad_norm: float, param_norm: float, evaluated: bool):
+    """The progress line of this step; every `log_every` steps (and the last) also a record."""
+    step = self.step
+    step_time = self._steady_step_time()
+    tokens_per_s = None if step_time is None else self.tokens_per_step / step_time
+    eta = None if step_time is None else step_time * (self.last - step)
+    if step % self.exp.train.log_every == 0 or step == self.last:
+      self.train_loss = float(np.mean(self.interval_losses))
+      self.interval_losses = []
+      mfu = (metrics_lib.mfu(self.flops_per_token, tokens_per_s, self.devices)
+             if tokens_per_s else None)
+      self.writer.write(step, "train", {
+          "loss": self.train_loss, "grad_norm": grad_norm, "param_norm": param_norm,
+          "lr": float(self.lr_at(step - 1)),
+          "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": self.step_times[-1],
+          "tokens": step * self.tokens_per_step})
+      self.bar.update(step, self.train_loss, keep=True,
+                      val_loss=self.val_loss if evaluated else None,
+                      tokens_per_s=tokens_per_s, mfu=mfu, eta_s=eta)
+    else:
+      self.bar.update(step, loss, tokens_per_s=tokens_per_s, eta_s=eta)
+
+  def _save(self, force: bool = False):
     # The step as a replicated global array: every process holds the same value.
-    step_array = jax.make_array_from_callback((), trainer.replicated,
+    at_step = self.step
+    step_array = jax.make_array_from_callback((), self.trainer.replicated,
                                               lambda _: np.asarray(at_step, np.int32))
-    state = {"params": params, "opt_state": opt_state, "step": step_array}
-    return ckpt.save(at_step, state, data_iterator=train_iterator, config=exp.config,
-                     force=force)
+    state = {"params": self.params, "opt_state": self.opt_state, "step": step_array}
+    return self.ckpt.save(at_step, state, data_iterator=self.train_iterator,
+                          config=self.exp.config, force=force)
 
-  def run_eval(at_step):
-    if not eval_batches:
-      return None
-    value = trainer.evaluate(params, eval_batches)
-    writer.write(at_step, "eval", {"loss": value, "tokens": at_step * tokens_per_step})
-    return value
-
-  losses: list[float] = []
-  eval_losses: list[tuple[int, float]] = []
-  step_times: list[float] = []       # seconds per step, this process run
-  interval_losses: list[float] = []
-  val_loss = None
-  train_loss = None
-  stop_reason = ""
-
-  if step == 0 and eval_batches:
-    val_loss = run_eval(0)
-    eval_losses.append((0, val_loss))
-
-  with _StopSignal() as stop:
-    while step < last:
-      t0 = time.perf_counter()
-      batch = trainer.global_batch(next(train_iterator))
-      params, opt_state, metrics = trainer.step(params, opt_state, batch)
-      metrics = jax.device_get(metrics)
-      step += 1
-      step_times.append(time.perf_counter() - t0)
-      loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-      param_norm = float(metrics["param_norm"])
-      if not all(map(math.isfinite, (loss, grad_norm, param_norm))):
-        ckpt.wait_until_finished()
-        good = ckpt.latest_step()
-        where = (f"the last good checkpoint is step {good} in {ckpt.directory}" if good is not None
-                 else "no checkpoint was saved yet")
-        message = (f"{exp.run_name}: non-finite training loss at step {step} (loss {loss}, "
-                   f"gradient norm {grad_norm}, parameter norm after the update {param_norm}); "
-                   f"training stopped and nothing of step {step} was saved; {where}. Lower "
-                   f"optim.learning_rate or check the data.")
-        writer.write(step, "error", {"loss": loss, "grad_norm": grad_norm,
-                                     "param_norm": param_norm, "last_good_checkpoint": good})
-        say(message)
-        raise NonFiniteLossError(message)
-      losses.append(loss)
-      interval_losses.append(loss)
-
-      evaluated = False
-      if eval_batches and ((settings.eval_every and step % settings.eval_every == 0)
-                           or step == settings.steps):
-        val_loss = run_eval(step)
-        eval_losses.append((step, val_loss))
-        evaluated = True
-
-      steady = step_times[2:] if len(step_times) > 2 else step_times[1:]
-      tokens_per_s = tokens_per_step / float(np.median(steady)) if steady else None
-      eta = None if not steady else float(np.median(steady)) * (last - step)
-      logged = step % settings.log_every == 0 or step == last
-      if logged:
-        train_loss = float(np.mean(interval_losses))
-        interval_losses = []
-        mfu = (metrics_lib.mfu(flops_per_token, tokens_per_s, devices)
-               if tokens_per_s else None)
-        writer.write(step, "train", {
-            "loss": train_loss, "grad_norm": grad_norm, "param_norm": param_norm,
-            "lr": float(lr_at(step - 1)),
-            "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": step_times[-1],
-            "tokens": step * tokens_per_step})
-        bar.update(step, train_loss, keep=True, val_loss=val_loss if evaluated else None,
-                   tokens_per_s=tokens_per_s, mfu=mfu, eta_s=eta)
-      else:
-        bar.update(step, loss, tokens_per_s=tokens_per_s, eta_s=eta)
-
-      if step == last or step % ckpt.save_interval_steps == 0:  # no directory listing per step
-        save(step, force=step == last)
-      if stop.should_stop() and step < last:
-        save(step, force=True)
-        stop_reason = "SIGTERM"
-        say(f"SIGTERM: stopped at step {step} with a checkpoint; re-run to resume")
-        break
-
-  ckpt.wait_until_finished()
-  writer.flush()
-  steady = step_times[2:] if len(step_times) > 2 else step_times[1:]
-  completed = step >= settings.steps
-  if not completed and not stop_reason:
-    stop_reason = f"stop_at_step={stop_at_step}"
-  return TrainResult(
-      name=exp.run_name, first_step=first_step, final_step=step, losses=losses,
-      eval_losses=eval_losses, train_loss=train_loss,
-      eval_loss=eval_losses[-1][1] if eval_losses else None,
-      tokens_per_second=tokens_per_step / float(np.median(steady)) if steady else None,
-      num_params=trainer.num_params, wall_seconds=time.perf_counter() - start_time,
-      completed=completed, stop_reason=stop_reason)
+  def _result(self) -> TrainResult:
+    completed = self.step >= self.exp.train.steps
+    stop_reason = self.stop_reason
+    if not completed and not stop_reason:
+      stop_reason = f"stop_at_step={self.stop_at_step}"
+    return TrainResult(
+        name=self.exp.run_name, first_step=self.first_step, final_step=self.step,
+        losses=self.losses, eval_losses=self.eval_losses, train_loss=self.train_loss,
+        eval_loss=self.eval_losses[-1][1] if self.eval_losses else None,
+        tokens_per_second=self._tokens_per_second(),
+        num_params=self.trainer.num_params, wall_seconds=time.perf_counter() - self.start_time,
+        completed=completed, stop_reason=stop_reason)
