@@ -111,20 +111,3 @@ def test_channel_pair_and_its_vjp_match_the_dense_definition(matmul):
   for name, g, w in zip("AKG", grad(lambda *x: chunked._channel_pair(*x, matmul)), grad(dense)):
     assert_close(g, w, 1e-4 if matmul == "highest" else 2e-2, f"d{name}")
 
-
-def test_stacked_pairs_share_k_and_g_and_sum_their_gate_gradients():
-  # P and L in one call (`_channel_pairs`, A stacked [2, ...]) equal two single calls, and the
-  # gradients of K and G are the sums of the two calls' (oracle: the single-pair function,
-  # itself checked against the dense definition above).
-  rng = np.random.default_rng(6)
-  A, A2, K = (jnp.asarray(rng.standard_normal((3, 64, 32)), jnp.float32) for _ in range(3))
-  G = jnp.cumsum(jnp.asarray(rng.uniform(-0.5, 0.0, (3, 64, 32)), jnp.float32), axis=1)
-  W = jnp.asarray(rng.standard_normal((2, 3, 64, 64)), jnp.float32)
-  both = lambda a, a2, k, g: chunked._channel_pairs(jnp.stack([a, a2]), k, g, "highest")
-  apart = lambda a, a2, k, g: jnp.stack([chunked._channel_pair(a, k, g, "highest"),
-                                         chunked._channel_pair(a2, k, g, "highest")])
-  assert_close(jax.jit(both)(A, A2, K, G), apart(A, A2, K, G), 1e-6, "M")
-  grad = lambda f: jax.jit(jax.grad(lambda *x: jnp.sum(f(*x) * W), argnums=(0, 1, 2, 3)))(
-      A, A2, K, G)
-  for name, g, w in zip(("A", "A2", "K", "G"), grad(both), grad(apart)):
-    assert_close(g, w, 1e-5, f"d{name}")

@@ -86,7 +86,7 @@ def test_ynnpack_reduce_crash_reproduces_and_its_workaround():
   # jaxlib 0.11.2 on CPU: the per-channel pair matrix (as chunked._channel_pair first wrote it,
   # inlined above) with its diagonal blocks as a multiply-reduce over the channel axis of
   # [..., i, j, K] recurses without end in YNNPACK's (slinky) simplifier when it is a program
-  # of its own, and the process dies (SIGSEGV). chunked._channel_pairs therefore builds the
+  # of its own, and the process dies (SIGSEGV). chunked._channel_pair therefore builds the
   # diagonal blocks with an einsum on CPU. Canary: when this stops crashing, that branch can go.
   import os
   import subprocess
@@ -97,4 +97,4 @@ def test_ynnpack_reduce_crash_reproduces_and_its_workaround():
   fine = run("--xla_cpu_experimental_ynn_fusion_type=")
   assert fine.returncode == 0 and "(1, 2, 2, 64, 64)" in fine.stdout, fine.stderr[-2000:]
   crashed = run("")
-  assert crashed.returncode != 0, "YNNPACK no longer crashes: drop the CPU branch of _channel_pairs"
+  assert crashed.returncode != 0, "YNNPACK no longer crashes: drop the CPU branch of _channel_pair"

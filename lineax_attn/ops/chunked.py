@@ -123,75 +123,66 @@ def _subchunks(x):
   return x.reshape(*lead, c // cs, cs, d)
 
 
-def _channel_pairs_fwd_math(A, K, G, matmul):
-  Ar, Kr = _subchunks(A), _subchunks(K)                        # Ar [n, ..., p, i, K]
+def _channel_pair_fwd_math(A, K, G, matmul):
+  Ar, Kr = _subchunks(A), _subchunks(K)
   row, col, diag = _channel_factors(G)
   ns, c = Ar.shape[-3], A.shape[-2]
-  off = _dot("n...pic,...pqjc->n...piqj", Ar * row, Kr[..., None, :, :, :] * col, matmul)
+  off = _dot("...pic,...pqjc->...piqj", Ar * row, Kr[..., None, :, :, :] * col, matmul)
+  # The exact diagonal blocks stay elementwise float32 (no matmul to round).
   if matmul == "bf16" and jax.default_backend() != "cpu":
-    # The exact diagonal blocks stay elementwise float32 (no matmul to round): one reduce for
-    # all n row matrices, so the [..., p, i, j, K] exponentials have one consumer and fuse.
+    # The exact diagonal blocks stay elementwise float32 (no matmul to round), one fused reduce.
     on = jnp.sum(Ar[..., :, :, None, :] * Kr[..., :, None, :, :] * diag, axis=-1)
   else:
     # (XLA CPU's YNNPACK fusion crashes compiling the reduce form above when the pair is a
     # program of its own: tests/test_xla_cpu_workarounds.py.)
-    on = _einsum("n...pic,...pjc,...pijc->n...pij", Ar, Kr, diag)
+    on = _einsum("...pic,...pjc,...pijc->...pij", Ar, Kr, diag)
   full = off + on[..., :, :, None, :] * jnp.eye(ns, dtype=off.dtype)[:, None, :, None]
   return full.reshape(*A.shape[:-2], c, c)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _channel_pairs(A, K, G, matmul):
-  """M_nij = Σ_c A_nic K_jc e^{G_ic − G_jc} for j <= i (else 0), G [..., C, K] per channel.
+def _channel_pair(A, K, G, matmul):
+  """M_ij = Σ_c A_ic K_jc e^{G_ic − G_jc} for j <= i (else 0), G [..., C, K] per channel.
 
-  A [n, ..., C, K] stacks the n row matrices that share K and G (P's Q and L's K̃), so the
-  decay factors are built once. A custom VJP: autodiff of the anchored form would build (and
-  keep) the sub-chunk pair tensors of its exponentials; the hand-written backward reuses the
-  forward's two products. M depends on G only through A ⊙ e^G and K ⊙ e^{−G}, so
-  dG = Σ_n A_n ⊙ dA_n − K ⊙ dK.
+  A custom VJP: autodiff of the anchored form would build (and keep) the sub-chunk pair
+  tensors of its exponentials; the hand-written backward reuses the forward's two products.
+  M depends on G only through A ⊙ e^G and K ⊙ e^{−G}, so dG = A ⊙ dA − K ⊙ dK.
   """
-  return _channel_pairs_fwd_math(A, K, G, matmul)
+  return _channel_pair_fwd_math(A, K, G, matmul)
 
 
-def _channel_pairs_fwd(A, K, G, matmul):
-  return _channel_pairs_fwd_math(A, K, G, matmul), (A, K, G)
+def _channel_pair_fwd(A, K, G, matmul):
+  return _channel_pair_fwd_math(A, K, G, matmul), (A, K, G)
 
 
-def _channel_pairs_bwd(matmul, res, dM):
+def _channel_pair_bwd(matmul, res, dM):
   A, K, G = res
   Ar, Kr = _subchunks(A), _subchunks(K)
   row, col, diag = _channel_factors(G)
   *lead, ns, cs, _ = Ar.shape
-  W = dM.reshape(*lead, ns, cs, ns, cs)                            # [n, ..., p, i, q, j]
-  Wd = jnp.moveaxis(jnp.diagonal(W, axis1=-4, axis2=-2), -1, -3)   # [n, ..., p, i, j]
-  # dA_i = Σ_{j<=i} dM_ij K_j ⊙ e^{G_i − G_j};  dK_j = Σ_n Σ_{i>=j} dM_nij A_ni ⊙ e^{G_i − G_j}.
-  dA = row * _dot("n...piqj,...pqjc->n...pic", W, Kr[..., None, :, :, :] * col, matmul)
+  W = dM.reshape(*lead, ns, cs, ns, cs)                            # [..., p, i, q, j]
+  Wd = jnp.moveaxis(jnp.diagonal(W, axis1=-4, axis2=-2), -1, -3)   # [..., p, i, j]
+  # dA_i = Σ_{j<=i} dM_ij K_j ⊙ e^{G_i − G_j};  dK_j = Σ_{i>=j} dM_ij A_i ⊙ e^{G_i − G_j}.
+  dA = row * _dot("...piqj,...pqjc->...pic", W, Kr[..., None, :, :, :] * col, matmul)
   dA = dA + jnp.sum(Wd[..., None] * Kr[..., :, None, :, :] * diag, axis=-2)
-  dK = jnp.sum(col * _dot("n...piqj,n...pic->...pqjc", W, Ar * row, matmul), axis=-4)
-  dK = dK + jnp.sum(Wd[..., None] * Ar[..., :, :, None, :] * diag, axis=(0, -3))
+  dK = jnp.sum(col * _dot("...piqj,...pic->...pqjc", W, Ar * row, matmul), axis=-4)
+  dK = dK + jnp.sum(Wd[..., None] * Ar[..., :, :, None, :] * diag, axis=-3)
   dA, dK = dA.reshape(A.shape), dK.reshape(K.shape)
-  return dA, dK, jnp.sum(A * dA, axis=0) - K * dK
+  return dA, dK, A * dA - K * dK
 
 
-_channel_pairs.defvjp(_channel_pairs_fwd, _channel_pairs_bwd)
-
-
-def _channel_pair(A, K, G, matmul):
-  """One pair matrix M_ij = Σ_c A_ic K_jc e^{G_ic − G_jc} (j <= i), see `_channel_pairs`."""
-  return _channel_pairs(A[None], K, G, matmul)[0]
+_channel_pair.defvjp(_channel_pair_fwd, _channel_pair_bwd)
 
 
 def _pair_matrices_channel(Q, K, K_erase, G, matmul, pair=None):
   """G [..., C, K] per-channel cumulative gate: anchored sub-chunks, exact diagonal blocks.
 
-  pair: None (`_channel_pairs` in XLA, P and L in one call) or a differentiable
-  (A, K, G) -> M computing one such matrix (the pallas_gpu path can pass its kernel)."""
-  if pair is not None:
-    return pair(Q, K, G), (None if K_erase is None else pair(K_erase, K, G))
-  if K_erase is None:
-    return _channel_pair(Q, K, G, matmul), None
-  P, L = _channel_pairs(jnp.stack([Q, K_erase]), K, G, matmul)
-  return P, L
+  pair: None (`_channel_pair` in XLA) or a differentiable (A, K, G) -> M computing the same
+  matrix (the pallas_gpu path can pass its kernel). P and L are two calls: one call on the
+  stacked [Q; K̃] (decay factors built once) measured slower on an H200 (KDA fwd+bwd 14.5 vs
+  11.2 ms, docs/BENCHMARKS.md run 6)."""
+  pair = pair or (lambda A, K, G: _channel_pair(A, K, G, matmul))
+  return pair(Q, K, G), (None if K_erase is None else pair(K_erase, K, G))
 
 
 def _intra_chunk(Q, K, K_erase, V_write, G, gate_kind, same, cont, keep, *, matmul="highest",
