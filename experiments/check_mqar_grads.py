@@ -22,22 +22,47 @@ path of KDA/GDN-2 differently from the scalar one of GDN).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+
+from absl import app, flags
+
+from experiments import cli
+
+# The program's own flag set: tests import this module beside other programs that define
+# flags of the same names in absl's global FLAGS.
+FLAGS = flags.FlagValues()
+_MIXERS = flags.DEFINE_list("mixers", "kda,gdn2,gdn", "Mixers to check.", flag_values=FLAGS)
+_DTYPES = flags.DEFINE_list("dtypes", "bfloat16,float32", "bfloat16 and/or float32.",
+                            flag_values=FLAGS)
+_VOCAB = flags.DEFINE_integer("vocab", 8192, "MQAR vocabulary.", flag_values=FLAGS)
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "MQAR sequence length.", flag_values=FLAGS)
+_NUM_PAIRS = flags.DEFINE_integer("num_pairs", 8, "Key-value pairs per example.", flag_values=FLAGS)
+_D_MODEL = flags.DEFINE_integer("d_model", 128, "Model width.", flag_values=FLAGS)
+_BATCH = flags.DEFINE_integer("batch", 64, "Examples in the batch.", flag_values=FLAGS)
+_COPIES = flags.DEFINE_integer("copies", 3, "Stacked parameter copies of the vmapped step.",
+                               flag_values=FLAGS)
+_DT_SHIFT = flags.DEFINE_float("dt_shift", 0.0, "Add this to every dt_bias first (e.g. 6: "
+                               "per-token decays near e^-A).", flag_values=FLAGS)
 
 TOLERANCE = {"bfloat16": 5e-2, "float32": 1e-3}
 
 
-def _rel_diff(a, b) -> float:
+def _rel_diffs(a, b) -> dict[str, float]:
+  """Relative L2 difference of every leaf of two equal pytrees, by the leaf's path."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  worst = 0.0
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  out = {}
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
     x, y = x.astype(jnp.float32), y.astype(jnp.float32)
-    worst = max(worst, float(jnp.linalg.norm(x - y) / (jnp.linalg.norm(x) + 1e-30)))
-  return worst
+    out[jax.tree_util.keystr(path)] = float(
+        jnp.linalg.norm(x - y) / (jnp.linalg.norm(x) + 1e-30))
+  return out
+
+
+def _rel_diff(a, b) -> float:
+  return max(_rel_diffs(a, b).values())
 
 
 def check(mixer: str, dtype: str, *, vocab: int, seq_len: int, num_pairs: int, d_model: int,
@@ -77,42 +102,41 @@ def check(mixer: str, dtype: str, *, vocab: int, seq_len: int, num_pairs: int, d
       stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (copies,) + a.shape), state)
       _, gv = jax.jit(jax.vmap(jax.value_and_grad(loss_fn)))(stacked)
       vmapped = max(_rel_diff(g, jax.tree.map(lambda a, j=j: a[j], gv)) for j in range(copies))
+  by_leaf = _rel_diffs(results["scan"][1], results["chunk"][1])
+  worst = sorted(by_leaf, key=by_leaf.get, reverse=True)[:3]
   return dict(mixer=mixer, dtype=dtype, backend=jax.default_backend(),
               loss_scan=results["scan"][0], loss_chunk=results["chunk"][0],
-              grad_chunk_vs_scan=_rel_diff(results["scan"][1], results["chunk"][1]),
+              grad_chunk_vs_scan=by_leaf[worst[0]],
+              worst_grad_leaves={name: by_leaf[name] for name in worst},
               logits_chunk_vs_scan=_rel_diff(results["scan"][2], results["chunk"][2]),
               grad_vmapped_vs_single=vmapped)
 
 
-def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--mixers", default="kda,gdn2,gdn")
-  p.add_argument("--dtypes", default="bfloat16,float32")
-  p.add_argument("--vocab", type=int, default=8192)
-  p.add_argument("--seq_len", type=int, default=128)
-  p.add_argument("--num_pairs", type=int, default=8)
-  p.add_argument("--d_model", type=int, default=128)
-  p.add_argument("--batch", type=int, default=64)
-  p.add_argument("--copies", type=int, default=3)
-  p.add_argument("--dt_shift", type=float, default=0.0,
-                 help="add this to every dt_bias first (e.g. 6: per-token decays near e^-A)")
-  args = p.parse_args(argv)
+def main(argv) -> None:
+  del argv
   failed = False
-  for dtype in args.dtypes.split(","):
+  for dtype in _DTYPES.value:
     if dtype not in TOLERANCE:
-      raise ValueError(f"--dtypes: expected bfloat16 and/or float32, got {dtype!r}.")
-    for mixer in args.mixers.split(","):
-      row = check(mixer, dtype, vocab=args.vocab, seq_len=args.seq_len,
-                  num_pairs=args.num_pairs, d_model=args.d_model, batch=args.batch,
-                  copies=args.copies, dt_shift=args.dt_shift)
+      raise app.UsageError(f"--dtypes: expected bfloat16 and/or float32, got {dtype!r}.")
+    for mixer in _MIXERS.value:
+      row = check(mixer, dtype, vocab=_VOCAB.value, seq_len=_SEQ_LEN.value,
+                  num_pairs=_NUM_PAIRS.value, d_model=_D_MODEL.value, batch=_BATCH.value,
+                  copies=_COPIES.value, dt_shift=_DT_SHIFT.value)
       worst = max(row["grad_chunk_vs_scan"], row["grad_vmapped_vs_single"],
                   row["logits_chunk_vs_scan"])
       row["ok"] = worst <= TOLERANCE[dtype]
-      row["dt_shift"] = args.dt_shift
+      row["dt_shift"] = _DT_SHIFT.value
       failed |= not row["ok"]
       print(json.dumps(row), flush=True)
-  return 1 if failed else 0
+  sys.exit(1 if failed else 0)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """This program's flags (`experiments.cli.parse_flags`); absl's own keep their defaults."""
+  rest = cli.parse_flags(argv, FLAGS)
+  flags.FLAGS(rest[:1])
+  return rest
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  app.run(main, flags_parser=parse_flags)
