@@ -1,7 +1,7 @@
 r"""Does the MQAR training step compute the same loss and gradients with `chunk` as with the
 `scan` oracle, on this backend? (docs/EXPERIMENTS.md, "Why KDA and GDN-2 stayed at chance".)
 
-    python -m experiments.check_mqar_grads                         # configs/mqar.py:gpu sizes
+    python -m experiments.check_mqar_grads    # configs/mqar.py:gpu sizes
     python -m experiments.check_mqar_grads --mixers=kda,gdn2,gdn --dtypes=bfloat16,float32
     python -m experiments.check_mqar_grads --vocab=256 --seq_len=64 --d_model=32   # a CPU smoke run
 
