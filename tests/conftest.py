@@ -38,7 +38,9 @@ _HEAVY_MODULES_S = {
     "test_jit_edges.py": 40, "test_decode.py": 35, "test_bench_startup.py": 29,
     "test_pallas_tpu.py": 35, "test_properties.py": 35, "test_models.py": 30,
     "test_inspect.py": 30, "test_train_loop.py": 25, "test_cli.py": 21, "test_bench_ops.py": 20,
-    "test_readme.py": 17,
+    "test_readme.py": 17, "test_layers.py": 45, "test_check_mqar_grads.py": 22,
+    "test_channel_pair_kernel.py": 25, "test_xla_cpu_workarounds.py": 25,
+    "test_intra_chunk_parts.py": 20, "test_chunk_vs_scan.py": 30,
 }
 
 

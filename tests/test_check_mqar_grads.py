@@ -3,6 +3,8 @@ gradients, vmapped gradients and evaluation logits agree with the scan oracle (f
 
 from __future__ import annotations
 
+import pytest
+
 from experiments import check_mqar_grads
 
 
@@ -16,6 +18,7 @@ def test_kda_training_step_chunk_matches_scan_on_cpu():
   assert row["grad_vmapped_vs_single"] < 1e-5
 
 
+@pytest.mark.slow   # op-level strong-decay gradients: test_chunk_vs_scan.py::test_grads_strong_decay
 def test_gdn2_with_strong_decays_chunk_matches_scan_on_cpu():
   # dt_bias + 8: per-token log decays around −A·softplus(~0) ∈ [−11, −0.7], where the chunk
   # form's anchored sub-chunk products matter most. Measured 3.7e-4 on the worst leaf (float32
