@@ -55,7 +55,7 @@ def _einsum(spec, *xs):
 def _dot(spec, a, b, matmul):
   """A two-operand einsum: float32 at HIGHEST, or bf16 operands with float32 accumulation."""
   if matmul == "highest":
-    return jnp.einsum(spec, a, b, precision=_HI)
+    return _einsum(spec, a, b)
   return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
                     preferred_element_type=jnp.float32)
 
