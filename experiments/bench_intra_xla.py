@@ -3,7 +3,8 @@
 KDA and GDN-2 (per-channel decay) take the XLA intra-chunk path of `implementation="pallas_gpu"`
 (`chunked._intra_chunk` with bf16 matmuls, then the Mosaic GPU state pass). This times its
 pieces alone, forward and forward+backward, at one shape, so the next optimisation goes where
-the time is: the per-channel pair matrix (`chunked._channel_pair`, one of P or L), the blocked
+the time is: the per-channel pair matrix (`chunked._channel_pair`, one of P or L; and the Pallas
+kernels that compute both, `pallas_kernels.gpu.channel_pair`, alone at two warp counts), the blocked
 inverse (`ops.triangular`), the whole preparation (`pallas_gpu.prepare_chunks`) and the whole op
 with and without recomputing the intra-chunk part in the backward (`GpuTuning.remat_intra`).
 
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from experiments import cli
 from lineax_attn import bench, ops
 from lineax_attn.ops import chunked, pallas_gpu, triangular
+from pallas_kernels.gpu import channel_pair as cp
 
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
 _MIXER = flags.DEFINE_enum("mixer", "kda", ["kda", "gdn2"], "Per-channel-gate mixer.")
@@ -47,8 +49,12 @@ def rows_for(mixer, b, t, h, d, iters):
   L = jnp.tril(0.05 * rng, k=-1)
   pair = lambda A, K, G: chunked._channel_pair(A, K, G, "bf16")
   op = getattr(ops, mixer)
-  whole = lambda remat: (lambda *a: op(*a, implementation="pallas_gpu",
-                                       tuning=pallas_gpu.GpuTuning(remat_intra=remat))[0])
+  whole = lambda **tune: (lambda *a: op(*a, implementation="pallas_gpu",
+                                       tuning=pallas_gpu.GpuTuning(**tune))[0])
+  Qb, Kb = Q.astype(jnp.bfloat16), K.astype(jnp.bfloat16)
+  dM = jnp.tril(rng)
+  kernel_pairs = lambda q, kt, k, g: pallas_gpu._channel_pairs_kernel(q, k, kt, g, False)
+  raw = lambda f, w: (lambda *a: f(*a, num_warps=w))
 
   def prep(q, k, v, g, *rest):
     qs = q.astype(jnp.float32) * d ** -0.5
@@ -61,12 +67,21 @@ def rows_for(mixer, b, t, h, d, iters):
       ("channel pair (one C×C matrix)", pair, (Q, K, G)),
       ("blocked inverse (I + L)^-1", triangular.unit_lower_inverse, (L,)),
       ("prepare_chunks (whole XLA intra part)", prep, (q, k, v, *gates)),
-      ("whole op, remat_intra=True", whole(True), (q, k, v, *gates)),
-      ("whole op, remat_intra=False", whole(False), (q, k, v, *gates)),
+      ("pairs kernel (P and L, bf16 inputs)", kernel_pairs, (Qb, Qb, Kb, G)),
+      *[(f"pairs kernel fwd alone, num_warps={w}", raw(cp.channel_pairs_fwd, w),
+         (Qb, Qb, Kb, G), "fwd") for w in (4, 8)],
+      *[(f"pairs kernel bwd alone, num_warps={w}", raw(cp.channel_pairs_bwd, w),
+         (Qb, Qb, Kb, G, dM, dM), "fwd") for w in (4, 8)],
+      ("whole op, remat_intra=True", whole(remat_intra=True), (q, k, v, *gates)),
+      ("whole op, remat_intra=False", whole(remat_intra=False), (q, k, v, *gates)),
+      ("whole op, channel_pair=kernel", whole(channel_pair="kernel"), (q, k, v, *gates)),
+      ("whole op, channel_pair=kernel, remat_intra=False",
+       whole(channel_pair="kernel", remat_intra=False), (q, k, v, *gates)),
   ]
   rows = []
-  for name, fn, args in cases:
-    for mode, f in (("fwd", fn), ("fwd+bwd", _grad_all(fn))):
+  for name, fn, args, *only in cases:
+    modes = (("fwd", fn), ("fwd+bwd", _grad_all(fn)))
+    for mode, f in modes[:1] if only else modes:
       ms = bench.time_fn(jax.jit(f), *args, repeats=iters)
       print(f"{name:42s} {mode:8s} {ms:8.3f} ms", flush=True)
       rows.append({"piece": name, "mode": mode, "ms": ms})

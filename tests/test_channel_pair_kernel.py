@@ -14,10 +14,11 @@ INTERPRET = jax.default_backend() != "gpu"
 
 def _inputs(n=2, c=64, d=64, lo=-0.5, seed=0):
   rng = np.random.default_rng(seed)
-  a, k = (jnp.asarray(rng.standard_normal((n, c, d)), jnp.float32) for _ in range(2))
+  q, kt, k = (jnp.asarray(rng.standard_normal((n, c, d)), jnp.float32) for _ in range(3))
   g = jnp.cumsum(jnp.asarray(rng.uniform(lo, 0.0, (n, c, d)), jnp.float32), axis=1)
-  dm = jnp.asarray(rng.standard_normal((n, c, c)), jnp.float32)
-  return a, k, g, dm
+  lower = jnp.tril(jnp.ones((c, c)))
+  dp, dl = (jnp.asarray(rng.standard_normal((n, c, c)), jnp.float32) * lower for _ in range(2))
+  return q, kt, k, g, dp, dl
 
 
 def _dense(a, k, g):
@@ -28,42 +29,58 @@ def _dense(a, k, g):
   return jnp.einsum("bic,bjc,bijc->bij", a, k, e, precision="highest")
 
 
-@pytest.mark.parametrize("c,d", [(64, 64), (32, 128)])
+def _fwd(*x):
+  return cp.channel_pairs_fwd(*x, interpret=INTERPRET)
+
+
+def _bwd(*x):
+  return cp.channel_pairs_bwd(*x, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("c,d", [(64, 64), (32, 128), (16, 16)])
 def test_forward_and_backward_match_the_dense_definition(c, d):
-  a, k, g, dm = _inputs(c=c, d=d)
-  m = jax.jit(lambda *x: cp.channel_pair_fwd(*x, interpret=INTERPRET))(a, k, g)
-  assert_close(m, _dense(a, k, g), 3e-3, "M")   # bf16 operands of the off-diagonal dots
-  assert bool(jnp.all(m == jnp.tril(m))), "M must be lower triangular"
-  da, dk = jax.jit(lambda *x: cp.channel_pair_bwd(*x, interpret=INTERPRET))(a, k, g, dm)
-  _, vjp = jax.vjp(lambda a, k: _dense(a, k, g), a, k)
-  ra, rk = vjp(dm)
-  assert_close(da, ra, 3e-3, "dA")
-  assert_close(dk, rk, 3e-3, "dK")
+  # c=16: one block (no off-diagonal part, the "rows after" anchor clamped); c=32, 64: both.
+  q, kt, k, g, dp, dl = _inputs(c=c, d=d)
+  p, l = jax.jit(_fwd)(q, kt, k, g)
+  assert_close(p, _dense(q, k, g), 3e-3, "P")   # bf16 operands of the off-diagonal dots
+  assert_close(l, _dense(kt, k, g), 3e-3, "L")
+  assert bool(jnp.all(p == jnp.tril(p)) and jnp.all(l == jnp.tril(l))), "lower triangular"
+  got = jax.jit(_bwd)(q, kt, k, g, dp, dl)
+  loss = lambda q, kt, k, g: jnp.sum(_dense(q, k, g) * dp) + jnp.sum(_dense(kt, k, g) * dl)
+  want = jax.grad(loss, argnums=(0, 1, 2, 3))(q, kt, k, g)
+  for name, a, b in zip(("dQ", "dK~", "dK", "dG"), got, want):
+    assert_close(a, b, 3e-3, name)
 
 
 def test_extreme_log_gates_stay_finite_and_exact_on_the_diagonal():
   # Log gates of -1e4 per step: every off-diagonal entry underflows to 0 (e^{-1e4}), the
   # diagonal is exactly Σ_c a_ic k_ic, and nothing is inf or NaN forward or backward.
-  a, k, _, dm = _inputs()
-  g = jnp.cumsum(jnp.full(a.shape, -1e4, jnp.float32), axis=1)
-  m = cp.channel_pair_fwd(a, k, g, interpret=INTERPRET)
-  want = jnp.zeros_like(m) + jnp.eye(64) * jnp.einsum("bic,bic->bi", a, k)[:, :, None]
-  assert_close(m, want, 1e-6, "M at -1e4")
-  da, dk = cp.channel_pair_bwd(a, k, g, dm, interpret=INTERPRET)
-  assert bool(jnp.all(jnp.isfinite(da)) and jnp.all(jnp.isfinite(dk)))
-  diag = jnp.diagonal(dm, axis1=1, axis2=2)[..., None]
-  assert_close(da, diag * k, 1e-6, "dA at -1e4")
-  assert_close(dk, diag * a, 1e-6, "dK at -1e4")
+  q, kt, k, _, dp, dl = _inputs()
+  g = jnp.cumsum(jnp.full(q.shape, -1e4, jnp.float32), axis=1)
+  p, l = _fwd(q, kt, k, g)
+  diag = lambda a: jnp.zeros_like(p) + jnp.eye(64) * jnp.einsum("bic,bic->bi", a, k)[:, :, None]
+  assert_close(p, diag(q), 1e-6, "P at -1e4")
+  assert_close(l, diag(kt), 1e-6, "L at -1e4")
+  dq, dkt, dk, dg = _bwd(q, kt, k, g, dp, dl)
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in (dq, dkt, dk, dg))
+  wp, wl = (jnp.diagonal(x, axis1=1, axis2=2)[..., None] for x in (dp, dl))
+  assert_close(dq, wp * k, 1e-6, "dQ at -1e4")
+  assert_close(dkt, wl * k, 1e-6, "dK~ at -1e4")
+  assert_close(dk, wp * q + wl * kt, 1e-6, "dK at -1e4")
+  # M depends on G only through Q e^G, K~ e^G, K e^-G: on the diagonal those cancel, dG = 0.
+  assert_close(dg + 1.0, jnp.ones_like(dg), 1e-6, "dG at -1e4")
 
 
 def test_rejects_shapes_it_does_not_handle():
-  a, k, g, dm = _inputs()
+  q, kt, k, g, dp, dl = _inputs()
   with pytest.raises(ValueError, match="share one"):
-    cp.channel_pair_fwd(a, k[:, :32], g)
+    cp.channel_pairs_fwd(q, kt, k[:, :32], g)
   with pytest.raises(ValueError, match="K=48"):
-    cp.channel_pair_fwd(a[..., :48], k[..., :48], g[..., :48])
-  with pytest.raises(ValueError, match="dM"):
-    cp.channel_pair_bwd(a, k, g, dm[:, :32])
+    cp.channel_pairs_fwd(q[..., :48], kt[..., :48], k[..., :48], g[..., :48])
+  with pytest.raises(ValueError, match="chunk_size=48"):
+    cp.channel_pairs_fwd(q[:, :48], kt[:, :48], k[:, :48], g[:, :48])
+  with pytest.raises(ValueError, match="dL"):
+    cp.channel_pairs_bwd(q, kt, k, g, dp, dl[:, :32])
 
 
 def test_op_with_the_kernel_matches_the_xla_pair():

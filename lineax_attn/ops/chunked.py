@@ -174,19 +174,22 @@ def _channel_pair_bwd(matmul, res, dM):
 _channel_pair.defvjp(_channel_pair_fwd, _channel_pair_bwd)
 
 
-def _pair_matrices_channel(Q, K, K_erase, G, matmul, pair=None):
+def _pair_matrices_channel(Q, K, K_erase, G, matmul, pairs=None):
   """G [..., C, K] per-channel cumulative gate: anchored sub-chunks, exact diagonal blocks.
 
-  pair: None (`_channel_pair` in XLA) or a differentiable (A, K, G) -> M computing the same
-  matrix (the pallas_gpu path can pass its kernel). P and L are two calls: one call on the
-  stacked [Q; K̃] (decay factors built once) measured slower on an H200 (KDA fwd+bwd 14.5 vs
-  11.2 ms, docs/BENCHMARKS.md run 6)."""
-  pair = pair or (lambda A, K, G: _channel_pair(A, K, G, matmul))
+  pairs: None (`_channel_pair` in XLA, one call per matrix) or a differentiable
+  (Q, K, K_erase, G) -> (P, L) computing both matrices at once (the pallas_gpu path passes
+  its kernel; used only when there is a K_erase). One XLA call on the stacked [Q; K̃] (decay
+  factors built once) measured slower on an H200 (KDA fwd+bwd 14.5 vs 11.2 ms,
+  docs/BENCHMARKS.md run 6)."""
+  if pairs is not None and K_erase is not None:
+    return pairs(Q, K, K_erase, G)
+  pair = lambda A, K, G: _channel_pair(A, K, G, matmul)
   return pair(Q, K, G), (None if K_erase is None else pair(K_erase, K, G))
 
 
 def _intra_chunk(Q, K, K_erase, V_write, G, gate_kind, same, cont, keep, *, matmul="highest",
-                 solve="trsm", channel_pair=None):
+                 solve="trsm", channel_pairs=None):
   """Everything that does not depend on the chunk-entry state, for all chunks at once.
 
   Args (leading dims [..., C], any batch layout): Q, K, K_erase (the erase keys k̃, or None: no
@@ -194,7 +197,7 @@ def _intra_chunk(Q, K, K_erase, V_write, G, gate_kind, same, cont, keep, *, matm
     [..., C, C] same-segment mask or None; cont [..., C] continuation flag c_i or None; keep
     [..., C] rows that reach the chunk's last row or None;
     matmul: "highest" or "bf16" (`MATMULS`); solve: "trsm" or "inverse" (`SOLVES`);
-    channel_pair: see `_pair_matrices_channel` (per-channel gates only).
+    channel_pairs: see `_pair_matrices_channel` (per-channel gates only).
   Returns: QG, P, Y, U, KG (exit-decayed keys), gC (decay of S_0 across the chunk, [..., K]).
   """
   if matmul not in MATMULS or solve not in SOLVES:
@@ -202,7 +205,7 @@ def _intra_chunk(Q, K, K_erase, V_write, G, gate_kind, same, cont, keep, *, matm
                      f"{SOLVES}, got {matmul!r}, {solve!r}.")
   c = Q.shape[-2]
   if gate_kind == "channel":
-    P, L = _pair_matrices_channel(Q, K, K_erase, G, matmul, channel_pair)
+    P, L = _pair_matrices_channel(Q, K, K_erase, G, matmul, channel_pairs)
     gam, gam_exit = jnp.exp(G), jnp.exp(G[..., -1:, :] - G)
     gC = jnp.exp(G[..., -1, :])
   elif gate_kind == "scalar":

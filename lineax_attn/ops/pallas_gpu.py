@@ -256,32 +256,31 @@ def _segment_masks(segidx, c):
   return same, cont, keep
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _channel_pair_kernel(a, k, g, interpret):
-  """`chunked._channel_pair` (bf16 products) by the Pallas kernels; a, k, g [..., C, K]."""
-  lead, (c, d) = a.shape[:-2], a.shape[-2:]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _channel_pairs_kernel(q, k, kt, g, interpret):
+  """(P, L) of `chunked._pair_matrices_channel` by the Pallas kernels; q, k, kt, g [..., C, K]."""
+  lead, (c, d) = q.shape[:-2], q.shape[-2:]
   flat = lambda x: x.reshape(-1, c, d)
-  m = cp.channel_pair_fwd(flat(a), flat(k), flat(g), interpret=interpret)
-  return m.reshape(*lead, c, c)
+  p, l = cp.channel_pairs_fwd(flat(q), flat(kt), flat(k), flat(g), interpret=interpret)
+  return p.reshape(*lead, c, c), l.reshape(*lead, c, c)
 
 
-def _channel_pair_kernel_fwd(a, k, g, interpret):
-  return _channel_pair_kernel(a, k, g, interpret), (a, k, g)
+def _channel_pairs_kernel_fwd(q, k, kt, g, interpret):
+  return _channel_pairs_kernel(q, k, kt, g, interpret), (q, k, kt, g)
 
 
-def _channel_pair_kernel_bwd(interpret, res, dm):
-  a, k, g = res
-  lead, (c, d) = a.shape[:-2], a.shape[-2:]
+def _channel_pairs_kernel_bwd(interpret, res, cts):
+  q, k, kt, g = res
+  lead, (c, d) = q.shape[:-2], q.shape[-2:]
   flat = lambda x: x.reshape(-1, c, d)
-  da, dk = cp.channel_pair_bwd(flat(a), flat(k), flat(g),
-                               dm.reshape(-1, c, c), interpret=interpret)
-  da, dk = da.reshape(a.shape), dk.reshape(k.shape)
-  # M depends on G only through A ⊙ e^G and K ⊙ e^{−G}.
-  dg = a.astype(_F32) * da - k.astype(_F32) * dk
-  return da.astype(a.dtype), dk.astype(k.dtype), dg.astype(g.dtype)
+  dp, dl = (x.reshape(-1, c, c) for x in cts)
+  dq, dkt, dk, dg = cp.channel_pairs_bwd(flat(q), flat(kt), flat(k), flat(g), dp, dl,
+                                         interpret=interpret)
+  back = lambda x, like: x.reshape(like.shape).astype(like.dtype)
+  return back(dq, q), back(dk, k), back(dkt, kt), back(dg, g)
 
 
-_channel_pair_kernel.defvjp(_channel_pair_kernel_fwd, _channel_pair_kernel_bwd)
+_channel_pairs_kernel.defvjp(_channel_pairs_kernel_fwd, _channel_pairs_kernel_bwd)
 
 
 def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TUNING):
@@ -298,12 +297,12 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TU
     same, cont, keep = _segment_masks(segidx, c)
   chunks = (_to_chunks(q, c), _to_chunks(k, c), _to_chunks(kt, c), _to_chunks(vt, c), G)
   # (Under shard_map the kernel's outputs would lack the varying-axes types: XLA there.)
-  pair = None
-  if (gate_kind == "channel" and tuning.channel_pair == "kernel" and not _vma(q, k, kt)
-      and cp.supported(c, q.shape[-1]) is None):
-    pair = functools.partial(_channel_pair_kernel, interpret=_interpret_params() is not None)
+  pairs = None
+  if (gate_kind == "channel" and tuning.channel_pair == "kernel" and kt is not None
+      and not _vma(q, k, kt) and cp.supported(c, q.shape[-1]) is None):
+    pairs = functools.partial(_channel_pairs_kernel, interpret=_interpret_params() is not None)
   intra = functools.partial(chunked._intra_chunk, gate_kind=gate_kind, matmul="bf16",
-                            solve=tuning.solve, channel_pair=pair)
+                            solve=tuning.solve, channel_pairs=pairs)
   if tuning.remat_intra:
     intra = jax.checkpoint(intra)
   QG, P, Y, U, KG, gC = intra(*chunks, same=same, cont=cont, keep=keep)

@@ -1,34 +1,35 @@
-"""Pallas (Triton backend) kernels for the per-channel pair matrix of KDA / GDN-2, fwd and bwd.
+"""Pallas (Triton backend) kernels for the two per-channel pair matrices of KDA / GDN-2, fwd, bwd.
 
-    M_ij = Σ_c A_ic K_jc e^{G_ic − G_jc}   for j <= i, else 0        (one chunk: i, j < C)
+    P_ij = Σ_c Q_ic  K_jc e^{G_ic − G_jc}    L_ij = Σ_c K̃_ic K_jc e^{G_ic − G_jc}    (j <= i)
 
-with G the within-chunk cumulative log decay per key channel (non-increasing down the chunk).
-P (A = Q) and L (A = K̃) of the chunk form are such matrices. In XLA this product builds and
-writes the anchored sub-chunk tensors of its exponentials ([.., 16, 16, K] per sub-chunk pair,
-~1.4 ms per matrix at B4 T4096 H16 K128 on an H200); here one program per chunk keeps them in
-registers and writes only M.
+for one chunk (i, j < C), zero above the diagonal; G is the within-chunk cumulative log decay
+per key channel (non-increasing down the chunk), K̃ the erase keys. P is the masked intra-chunk
+attention and L the strictly-lower system matrix of the chunk form (the caller applies the
+strict / segment masks). In XLA these products build and write the anchored sub-chunk tensors
+of their exponentials ([.., 16, 16, K] per sub-chunk pair, ~1.4 ms per matrix at B4 T4096 H16
+K128 on an H200); here nothing but the C×C results leaves the chip.
 
-Exactness and range (docs/MATH.md §3.4 rule 3), as the XLA form: rows are split in sub-chunks
-of 16; a pair of different sub-chunks (q < p) is anchored at n = the first row of p,
-e^{G_i − G_j} = e^{G_i − G_n} e^{G_n − G_j}, both exponents <= 0, and computed as one bf16 dot
-(float32 accumulation); the 16×16 diagonal blocks are exact elementwise float32 sums, with the
-exponent masked before exp (so log gates down to −1e4 per step stay finite). The channel axis is
-walked in slices of 32 to bound the live registers.
+Work split: one program per (chunk, 16-row block b), both matrices at once (they share K, G
+and every exponential).
 
-Backward (`channel_pair_bwd`), from dM: dA_i = Σ_{j<=i} dM_ij K_j ⊙ e^{G_i − G_j} and
-dK_j = Σ_{i>=j} dM_ij A_i ⊙ e^{G_i − G_j}, by the same anchoring (dG = A ⊙ dA − K ⊙ dK is left
-to the caller: M depends on G only through A ⊙ e^G and K ⊙ e^{−G}).
+Exactness and range (docs/MATH.md §3.4 rule 3), as the XLA form: the columns j before block b
+are anchored at n = the first row of b, e^{G_i − G_j} = e^{G_i − G_n} e^{G_n − G_j}, both
+exponents <= 0, and reduced by one bf16 dot per matrix ([16, K] × [K, C], float32
+accumulation, the columns at or after n zeroed); the 16×16 diagonal block is an exact
+float32 elementwise sum, one column j per step, with the exponent masked before exp (so log
+gates down to −1e4 per step stay finite).
 
-Status (H200, 2026-12-01, B4 T4096 H16 D128): opt-in (`GpuTuning(channel_pair="kernel")`)
-because, as written, it is slower than the XLA form it replaces: KDA through pallas_gpu
-fwd 6.96 ms vs 3.30, fwd+bwd 18.2 vs 11.2. Likely why (not yet profiled): one program per chunk
-walks 10 sub-chunk blocks × 4 channel slices serially with 16×16 dots (tensor cores mostly
-idle) and [16, 16, 32] elementwise blocks, 4096 programs in ~31 waves. Next: a program per
-(chunk, row sub-chunk), wider dots (a whole row block against all earlier columns at once).
+Backward (`channel_pairs_bwd`), from dP and dL, by program (chunk, block b):
+  dQ_i = Σ_{j<=i} dP_ij K_j ⊙ e^{G_i − G_j}, dK̃_i likewise from dL  (rows i in b; anchor n as
+         in the forward);
+  dK_j = Σ_{i>=j} (dP_ij Q_i + dL_ij K̃_i) ⊙ e^{G_i − G_j}  (rows j in b; the rows i after b
+         are anchored at m = the first row after b: e^{G_i − G_m} e^{G_m − G_j}, both <= 0);
+  dG = Q ⊙ dQ + K̃ ⊙ dK̃ − K ⊙ dK  (the matrices depend on G only through Q ⊙ e^G, K̃ ⊙ e^G and
+       K ⊙ e^{−G}).
 
-Layouts: A, K `[N, C, D]` (any float dtype; bf16 in the pallas_gpu path), G `[N, C, D]` float32,
-dM and M `[N, C, C]` float32; C a multiple of 16, D a multiple of 32. Imports nothing of
-lineax_attn.
+Layouts: Q, K, K̃ `[N, C, D]` (any float dtype; bf16 in the pallas_gpu path), G `[N, C, D]`
+float32, P, L, dP, dL `[N, C, C]` float32; C a multiple of 16 up to 128, D a multiple of 16 up
+to 256. Imports nothing of lineax_attn.
 """
 
 from __future__ import annotations
@@ -40,129 +41,138 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-SUB = 16     # rows per sub-chunk
-DBLK = 32    # channels per slice
+SUB = 16     # rows per block: one program per (chunk, block)
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
+NUM_WARPS = 4
 
 
 def supported(c: int, d: int) -> str | None:
   """None if the kernels handle chunk size c and key dim d, else why not."""
-  if c % SUB or c > 256:
-    return f"chunk_size={c} (the channel-pair kernel needs a multiple of {SUB}, <= 256)"
-  if d % DBLK:
-    return f"K={d} (the channel-pair kernel needs a multiple of {DBLK})"
+  if c % SUB or c > 128 or c & (c - 1):
+    return f"chunk_size={c} (the channel-pair kernels need a power of two in [{SUB}, 128])"
+  if d % 16 or d > 256 or d & (d - 1):
+    return f"K={d} (the channel-pair kernels need a power of two in [16, 256])"
   return None
-
-
-def _rows(p):
-  return pl.ds(p * SUB, SUB)
 
 
 def _masked_exp(x, mask):
   return jnp.where(mask, jnp.exp(jnp.where(mask, x, 0.0)), 0.0)
 
 
-def _lower_mask():
-  i = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB, 1), 0)
-  j = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB, 1), 1)
-  return i >= j
+def _dot(a, b, *, trans_a=False, trans_b=False):
+  return pltriton.dot(a.astype(_BF16), b.astype(_BF16), trans_a=trans_a, trans_b=trans_b)
 
 
-def _fwd_kernel(a_ref, k_ref, g_ref, m_ref, *, c, d):
-  ns, nd = c // SUB, d // DBLK
-  lower = _lower_mask()
-  for p in range(ns):
-    for q in range(ns):
-      if q > p:
-        m_ref[_rows(p), _rows(q)] = jnp.zeros((SUB, SUB), _F32)
-        continue
-      acc = jnp.zeros((SUB, SUB), _F32)
-      for s in range(nd):
-        ch = pl.ds(s * DBLK, DBLK)
-        a = a_ref[_rows(p), ch].astype(_F32)
-        gi = g_ref[_rows(p), ch]
-        if q < p:
-          anchor = g_ref[pl.ds(p * SUB, 1), ch]                        # [1, DBLK]
-          k = k_ref[_rows(q), ch].astype(_F32) * jnp.exp(anchor - g_ref[_rows(q), ch])
-          arow = a * jnp.exp(gi - anchor)
-          acc += pltriton.dot(arow.astype(_BF16), k.astype(_BF16), trans_b=True)
-        else:   # diagonal block, exact: Σ_c a_ic k_jc e^{g_ic − g_jc}, j <= i
-          k = k_ref[_rows(p), ch].astype(_F32)
-          e = _masked_exp(gi[:, None, :] - gi[None, :, :], lower)
-          acc += jnp.sum(a[:, None, :] * k[None, :, :] * e, axis=-1)
-      m_ref[_rows(p), _rows(q)] = acc
+def _fwd_kernel(q_ref, kt_ref, k_ref, g_ref, p_ref, l_ref, *, c):
+  r0 = pl.program_id(1) * SUB
+  rows = pl.ds(r0, SUB)
+  g_all = g_ref[...]                                                 # [C, D]
+  g_b = g_ref[rows, :]                                               # [SUB, D]
+  anchor = g_ref[pl.ds(r0, 1), :]                                    # [1, D]
+  col = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+  # Columns before the block, anchored at its first row (both exponents <= 0).
+  k_col = k_ref[...].astype(_F32) * _masked_exp(anchor - g_all, col < r0)
+  row = jnp.exp(g_b - anchor)
+  q_b, kt_b = q_ref[rows, :].astype(_F32), kt_ref[rows, :].astype(_F32)
+  p = _dot(q_b * row, k_col, trans_b=True)                          # [SUB, C]
+  l = _dot(kt_b * row, k_col, trans_b=True)
+  # The diagonal block, exact: column r0 + j is Σ_c (Q|K̃)_ic K_jc e^{G_ic − G_jc}, i >= j.
+  i = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+  out_col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
+  for j in range(SUB):
+    k_j = k_ref[pl.ds(r0 + j, 1), :].astype(_F32)
+    g_j = g_ref[pl.ds(r0 + j, 1), :]
+    w = k_j * _masked_exp(g_b - g_j, i >= j)                          # [SUB, D]
+    here = out_col == r0 + j
+    p = jnp.where(here, jnp.sum(q_b * w, axis=1)[:, None], p)
+    l = jnp.where(here, jnp.sum(kt_b * w, axis=1)[:, None], l)
+  p_ref[...] = p
+  l_ref[...] = l
 
 
-def _bwd_kernel(a_ref, k_ref, g_ref, dm_ref, da_ref, dk_ref, *, c, d):
-  ns, nd = c // SUB, d // DBLK
-  lower = _lower_mask()
-  for s in range(nd):
-    ch = pl.ds(s * DBLK, DBLK)
-    a = [a_ref[_rows(p), ch].astype(_F32) for p in range(ns)]
-    k = [k_ref[_rows(p), ch].astype(_F32) for p in range(ns)]
-    g = [g_ref[_rows(p), ch] for p in range(ns)]
-    da = [jnp.zeros((SUB, DBLK), _F32) for _ in range(ns)]
-    dk = [jnp.zeros((SUB, DBLK), _F32) for _ in range(ns)]
-    for p in range(ns):
-      anchor = g_ref[pl.ds(p * SUB, 1), ch]
-      row = jnp.exp(g[p] - anchor)                                      # [SUB, DBLK] <= 1
-      arow = (a[p] * row).astype(_BF16)
-      dm_diag = dm_ref[_rows(p), _rows(p)]
-      e = _masked_exp(g[p][:, None, :] - g[p][None, :, :], lower)     # [i, j, DBLK]
-      w = dm_diag[:, :, None] * e
-      da[p] += jnp.sum(w * k[p][None, :, :], axis=1)
-      dk[p] += jnp.sum(w * a[p][:, None, :], axis=0)
-      off = jnp.zeros((SUB, DBLK), _F32)
-      for q in range(p):
-        col = jnp.exp(anchor - g[q])                                    # [SUB, DBLK] <= 1
-        dm = dm_ref[_rows(p), _rows(q)].astype(_BF16)                   # [i, j]
-        off += pltriton.dot(dm, (k[q] * col).astype(_BF16))
-        dk[q] += col * pltriton.dot(dm, arow, trans_a=True)
-      da[p] += row * off
-    for p in range(ns):
-      da_ref[_rows(p), ch] = da[p]
-      dk_ref[_rows(p), ch] = dk[p]
+def _bwd_kernel(q_ref, kt_ref, k_ref, g_ref, dp_ref, dl_ref,
+                dq_ref, dkt_ref, dk_ref, dg_ref, *, c):
+  r0 = pl.program_id(1) * SUB
+  rows = pl.ds(r0, SUB)
+  g_all = g_ref[...]
+  g_b = g_ref[rows, :]
+  q_b, kt_b = q_ref[rows, :].astype(_F32), kt_ref[rows, :].astype(_F32)
+  k_b = k_ref[rows, :].astype(_F32)
+  pos = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+  # dQ, dK̃ of the rows in b from the columns before b (anchor n = r0).
+  anchor = g_ref[pl.ds(r0, 1), :]
+  row = jnp.exp(g_b - anchor)
+  k_col = k_ref[...].astype(_F32) * _masked_exp(anchor - g_all, pos < r0)
+  dp_rows, dl_rows = dp_ref[rows, :], dl_ref[rows, :]                # [SUB, C]
+  dq = row * _dot(dp_rows, k_col)
+  dkt = row * _dot(dl_rows, k_col)
+  # dK of the rows in b from the rows after b (anchor m = r0 + SUB; none after the last block).
+  m = jnp.minimum(r0 + SUB, c - 1)
+  g_m = g_ref[pl.ds(m, 1), :]
+  later = _masked_exp(g_all - g_m, pos >= r0 + SUB)                  # [C, D], <= 1
+  a_p = q_ref[...].astype(_F32) * later
+  a_l = kt_ref[...].astype(_F32) * later
+  cols = pl.ds(r0, SUB)
+  dk = jnp.exp(g_m - g_b) * (_dot(dp_ref[:, cols], a_p, trans_a=True)
+                             + _dot(dl_ref[:, cols], a_l, trans_a=True))
+  # The diagonal block, exact, one key row r0 + j per step.
+  i = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+  for j in range(SUB):
+    k_j = k_ref[pl.ds(r0 + j, 1), :].astype(_F32)
+    g_j = g_ref[pl.ds(r0 + j, 1), :]
+    e = _masked_exp(g_b - g_j, i >= j)                                # [SUB(i), D]
+    dp_j = dp_ref[rows, pl.ds(r0 + j, 1)]                             # [SUB(i), 1]
+    dl_j = dl_ref[rows, pl.ds(r0 + j, 1)]
+    dq = dq + dp_j * k_j * e
+    dkt = dkt + dl_j * k_j * e
+    dk_j = jnp.sum((dp_j * q_b + dl_j * kt_b) * e, axis=0)[None, :]   # [1, D]
+    dk = jnp.where(i == j, dk + dk_j, dk)
+  dq_ref[...] = dq
+  dkt_ref[...] = dkt
+  dk_ref[...] = dk
+  dg_ref[...] = q_b * dq + kt_b * dkt - k_b * dk
 
 
-def _call(kernel, ins, outs, interpret):
-  n, c, d = ins[0].shape
-  spec = lambda last: pl.BlockSpec((None, c, last), lambda i: (i, 0, 0))
+def _call(kernel, ins, outs, interpret, num_warps):
+  n, c, _ = ins[0].shape
+  whole = lambda x: pl.BlockSpec((None, c, x.shape[-1]), lambda i, b: (i, 0, 0))
   return pl.pallas_call(
-      functools.partial(kernel, c=c, d=d),
-      grid=(n,),
-      in_specs=[spec(x.shape[-1]) for x in ins],
-      out_specs=[spec(o.shape[-1]) for o in outs],
+      functools.partial(kernel, c=c),
+      grid=(n, c // SUB),
+      in_specs=[whole(x) for x in ins],
+      out_specs=[pl.BlockSpec((None, SUB, o.shape[-1]), lambda i, b: (i, b, 0)) for o in outs],
       out_shape=outs,
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
   )(*ins)
 
 
-def _check(a, k, g):
-  if a.ndim != 3 or a.shape != k.shape or a.shape != g.shape:
-    raise ValueError(f"channel_pair: A, K, G must share one [N, C, D] shape, got "
-                     f"{a.shape}, {k.shape}, {g.shape}.")
-  reason = supported(a.shape[1], a.shape[2])
+def _check(q, kt, k, g):
+  if q.ndim != 3 or not q.shape == kt.shape == k.shape == g.shape:
+    raise ValueError(f"channel_pairs: Q, K̃, K, G must share one [N, C, D] shape, got "
+                     f"{q.shape}, {kt.shape}, {k.shape}, {g.shape}.")
+  reason = supported(q.shape[1], q.shape[2])
   if reason:
-    raise ValueError(f"channel_pair: {reason}.")
+    raise ValueError(f"channel_pairs: {reason}.")
 
 
-def channel_pair_fwd(a, k, g, *, interpret=False):
-  """M `[N, C, C]` float32 from A, K `[N, C, D]` and G `[N, C, D]` float32 (module docstring)."""
-  _check(a, k, g)
-  n, c, _ = a.shape
-  (m,) = _call(_fwd_kernel, (a, k, g.astype(_F32)), [jax.ShapeDtypeStruct((n, c, c), _F32)],
-               interpret)
-  return m
+def channel_pairs_fwd(q, kt, k, g, *, interpret=False, num_warps=NUM_WARPS):
+  """(P, L) `[N, C, C]` float32 from Q, K̃, K, G `[N, C, D]` (module docstring)."""
+  _check(q, kt, k, g)
+  n, c, _ = q.shape
+  out = jax.ShapeDtypeStruct((n, c, c), _F32)
+  p, l = _call(_fwd_kernel, (q, kt, k, g.astype(_F32)), [out, out], interpret, num_warps)
+  return p, l
 
 
-def channel_pair_bwd(a, k, g, dm, *, interpret=False):
-  """(dA, dK) `[N, C, D]` float32 for the cotangent dM `[N, C, C]` (module docstring)."""
-  _check(a, k, g)
-  n, c, d = a.shape
-  if dm.shape != (n, c, c):
-    raise ValueError(f"channel_pair_bwd: dM must be {(n, c, c)}, got {dm.shape}.")
-  outs = [jax.ShapeDtypeStruct((n, c, d), _F32)] * 2
-  da, dk = _call(_bwd_kernel, (a, k, g.astype(_F32), dm.astype(_F32)), outs, interpret)
-  return da, dk
+def channel_pairs_bwd(q, kt, k, g, dp, dl, *, interpret=False, num_warps=NUM_WARPS):
+  """(dQ, dK̃, dK, dG) `[N, C, D]` float32 for the cotangents dP, dL `[N, C, C]`."""
+  _check(q, kt, k, g)
+  n, c, d = q.shape
+  for name, x in (("dP", dp), ("dL", dl)):
+    if x.shape != (n, c, c):
+      raise ValueError(f"channel_pairs_bwd: {name} must be {(n, c, c)}, got {x.shape}.")
+  outs = [jax.ShapeDtypeStruct((n, c, d), _F32)] * 4
+  ins = (q, kt, k, g.astype(_F32), dp.astype(_F32), dl.astype(_F32))
+  return tuple(_call(_bwd_kernel, ins, outs, interpret, num_warps))
