@@ -54,7 +54,8 @@ def rows_for(mixer, b, t, h, d, iters):
   Qb, Kb = Q.astype(jnp.bfloat16), K.astype(jnp.bfloat16)
   dM = jnp.tril(rng)
   kernel_pairs = lambda q, kt, k, g: pallas_gpu._channel_pairs_kernel(q, k, kt, g, False)
-  raw = lambda f, w: (lambda *a: f(*a, num_warps=w))
+  flat = lambda x: x.reshape(-1, *x.shape[-2:])
+  raw = lambda f, w: (lambda *a: f(*map(flat, a), num_warps=w))
 
   def prep(q, k, v, g, *rest):
     qs = q.astype(jnp.float32) * d ** -0.5

@@ -37,7 +37,7 @@ def _bwd(*x):
   return cp.channel_pairs_bwd(*x, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("c,d", [(64, 64), (32, 128), (16, 16)])
+@pytest.mark.parametrize("c,d", [(64, 64), (32, 128), (16, 32)])
 def test_forward_and_backward_match_the_dense_definition(c, d):
   # c=16: one block (no off-diagonal part, the "rows after" anchor clamped); c=32, 64: both.
   q, kt, k, g, dp, dl = _inputs(c=c, d=d)

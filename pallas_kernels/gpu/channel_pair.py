@@ -28,8 +28,8 @@ Backward (`channel_pairs_bwd`), from dP and dL, by program (chunk, block b):
        K ⊙ e^{−G}).
 
 Layouts: Q, K, K̃ `[N, C, D]` (any float dtype; bf16 in the pallas_gpu path), G `[N, C, D]`
-float32, P, L, dP, dL `[N, C, C]` float32; C a multiple of 16 up to 128, D a multiple of 16 up
-to 256. Imports nothing of lineax_attn.
+float32, P, L, dP, dL `[N, C, C]` float32; C a power of two in [16, 128], D one in [32, 256].
+Imports nothing of lineax_attn.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 SUB = 16     # rows per block: one program per (chunk, block)
+DS = 32      # channels per slice
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
 NUM_WARPS = 4
@@ -51,8 +52,8 @@ def supported(c: int, d: int) -> str | None:
   """None if the kernels handle chunk size c and key dim d, else why not."""
   if c % SUB or c > 128 or c & (c - 1):
     return f"chunk_size={c} (the channel-pair kernels need a power of two in [{SUB}, 128])"
-  if d % 16 or d > 256 or d & (d - 1):
-    return f"K={d} (the channel-pair kernels need a power of two in [16, 256])"
+  if d % DS or d > 256 or d & (d - 1):
+    return f"K={d} (the channel-pair kernels need a power of two in [{DS}, 256])"
   return None
 
 
@@ -64,81 +65,83 @@ def _dot(a, b, *, trans_a=False, trans_b=False):
   return pltriton.dot(a.astype(_BF16), b.astype(_BF16), trans_a=trans_a, trans_b=trans_b)
 
 
-def _fwd_kernel(q_ref, kt_ref, k_ref, g_ref, p_ref, l_ref, *, c):
+def _fwd_kernel(q_ref, kt_ref, k_ref, g_ref, p_ref, l_ref, *, c, d):
   r0 = pl.program_id(1) * SUB
   rows = pl.ds(r0, SUB)
-  g_all = g_ref[...]                                                 # [C, D]
-  g_b = g_ref[rows, :]                                               # [SUB, D]
-  anchor = g_ref[pl.ds(r0, 1), :]                                    # [1, D]
   col = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
-  # Columns before the block, anchored at its first row (both exponents <= 0).
-  k_col = k_ref[...].astype(_F32) * _masked_exp(anchor - g_all, col < r0)
-  row = jnp.exp(g_b - anchor)
-  q_b, kt_b = q_ref[rows, :].astype(_F32), kt_ref[rows, :].astype(_F32)
-  p = _dot(q_b * row, k_col, trans_b=True)                          # [SUB, C]
-  l = _dot(kt_b * row, k_col, trans_b=True)
-  # The diagonal block, exact: column r0 + j is Σ_c (Q|K̃)_ic K_jc e^{G_ic − G_jc}, i >= j.
   i = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
   out_col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
-  for j in range(SUB):
-    k_j = k_ref[pl.ds(r0 + j, 1), :].astype(_F32)
-    g_j = g_ref[pl.ds(r0 + j, 1), :]
-    w = k_j * _masked_exp(g_b - g_j, i >= j)                          # [SUB, D]
-    here = out_col == r0 + j
-    p = jnp.where(here, jnp.sum(q_b * w, axis=1)[:, None], p)
-    l = jnp.where(here, jnp.sum(kt_b * w, axis=1)[:, None], l)
+  p = jnp.zeros((SUB, c), _F32)
+  l = jnp.zeros((SUB, c), _F32)
+  for s in range(d // DS):      # channel slices bound the live registers
+    ch = pl.ds(s * DS, DS)
+    g_b = g_ref[rows, ch]                                            # [SUB, DS]
+    anchor = g_ref[pl.ds(r0, 1), ch]                                 # [1, DS]
+    # Columns before the block, anchored at its first row (both exponents <= 0).
+    k_col = k_ref[:, ch].astype(_F32) * _masked_exp(anchor - g_ref[:, ch], col < r0)
+    row = jnp.exp(g_b - anchor)
+    q_b, kt_b = q_ref[rows, ch].astype(_F32), kt_ref[rows, ch].astype(_F32)
+    p += _dot(q_b * row, k_col, trans_b=True)                       # [SUB, C]
+    l += _dot(kt_b * row, k_col, trans_b=True)
+    # The diagonal block, exact: column r0 + j is Σ_c (Q|K̃)_ic K_jc e^{G_ic − G_jc}, i >= j.
+    for j in range(SUB):
+      k_j = k_ref[pl.ds(r0 + j, 1), ch].astype(_F32)
+      g_j = g_ref[pl.ds(r0 + j, 1), ch]
+      w = k_j * _masked_exp(g_b - g_j, i >= j)                        # [SUB, DS]
+      here = out_col == r0 + j
+      p += jnp.where(here, jnp.sum(q_b * w, axis=1)[:, None], 0.0)
+      l += jnp.where(here, jnp.sum(kt_b * w, axis=1)[:, None], 0.0)
   p_ref[...] = p
   l_ref[...] = l
 
 
 def _bwd_kernel(q_ref, kt_ref, k_ref, g_ref, dp_ref, dl_ref,
-                dq_ref, dkt_ref, dk_ref, dg_ref, *, c):
+                dq_ref, dkt_ref, dk_ref, dg_ref, *, c, d):
   r0 = pl.program_id(1) * SUB
-  rows = pl.ds(r0, SUB)
-  g_all = g_ref[...]
-  g_b = g_ref[rows, :]
-  q_b, kt_b = q_ref[rows, :].astype(_F32), kt_ref[rows, :].astype(_F32)
-  k_b = k_ref[rows, :].astype(_F32)
+  rows, cols = pl.ds(r0, SUB), pl.ds(r0, SUB)
   pos = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
-  # dQ, dK̃ of the rows in b from the columns before b (anchor n = r0).
-  anchor = g_ref[pl.ds(r0, 1), :]
-  row = jnp.exp(g_b - anchor)
-  k_col = k_ref[...].astype(_F32) * _masked_exp(anchor - g_all, pos < r0)
-  dp_rows, dl_rows = dp_ref[rows, :], dl_ref[rows, :]                # [SUB, C]
-  dq = row * _dot(dp_rows, k_col)
-  dkt = row * _dot(dl_rows, k_col)
-  # dK of the rows in b from the rows after b (anchor m = r0 + SUB; none after the last block).
-  m = jnp.minimum(r0 + SUB, c - 1)
-  g_m = g_ref[pl.ds(m, 1), :]
-  later = _masked_exp(g_all - g_m, pos >= r0 + SUB)                  # [C, D], <= 1
-  a_p = q_ref[...].astype(_F32) * later
-  a_l = kt_ref[...].astype(_F32) * later
-  cols = pl.ds(r0, SUB)
-  dk = jnp.exp(g_m - g_b) * (_dot(dp_ref[:, cols], a_p, trans_a=True)
-                             + _dot(dl_ref[:, cols], a_l, trans_a=True))
-  # The diagonal block, exact, one key row r0 + j per step.
   i = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
-  for j in range(SUB):
-    k_j = k_ref[pl.ds(r0 + j, 1), :].astype(_F32)
-    g_j = g_ref[pl.ds(r0 + j, 1), :]
-    e = _masked_exp(g_b - g_j, i >= j)                                # [SUB(i), D]
-    dp_j = dp_ref[rows, pl.ds(r0 + j, 1)]                             # [SUB(i), 1]
-    dl_j = dl_ref[rows, pl.ds(r0 + j, 1)]
-    dq = dq + dp_j * k_j * e
-    dkt = dkt + dl_j * k_j * e
-    dk_j = jnp.sum((dp_j * q_b + dl_j * kt_b) * e, axis=0)[None, :]   # [1, D]
-    dk = jnp.where(i == j, dk + dk_j, dk)
-  dq_ref[...] = dq
-  dkt_ref[...] = dkt
-  dk_ref[...] = dk
-  dg_ref[...] = q_b * dq + kt_b * dkt - k_b * dk
+  dp_rows, dl_rows = dp_ref[rows, :], dl_ref[rows, :]                # [SUB, C]
+  dp_cols, dl_cols = dp_ref[:, cols], dl_ref[:, cols]                # [C, SUB]
+  m = jnp.minimum(r0 + SUB, c - 1)   # the first row after b (none after the last block)
+  for s in range(d // DS):           # channel slices: independent, and bound the registers
+    ch = pl.ds(s * DS, DS)
+    g_all, g_b = g_ref[:, ch], g_ref[rows, ch]
+    q_b, kt_b = q_ref[rows, ch].astype(_F32), kt_ref[rows, ch].astype(_F32)
+    # dQ, dK̃ of the rows in b from the columns before b (anchor n = r0).
+    anchor = g_ref[pl.ds(r0, 1), ch]
+    row = jnp.exp(g_b - anchor)
+    k_col = k_ref[:, ch].astype(_F32) * _masked_exp(anchor - g_all, pos < r0)
+    dq = row * _dot(dp_rows, k_col)
+    dkt = row * _dot(dl_rows, k_col)
+    # dK of the rows in b from the rows after b (anchor m).
+    g_m = g_ref[pl.ds(m, 1), ch]
+    later = _masked_exp(g_all - g_m, pos >= r0 + SUB)                # [C, DS], <= 1
+    dk = jnp.exp(g_m - g_b) * (_dot(dp_cols, q_ref[:, ch].astype(_F32) * later, trans_a=True)
+                               + _dot(dl_cols, kt_ref[:, ch].astype(_F32) * later,
+                                      trans_a=True))
+    # The diagonal block, exact, one key row r0 + j per step.
+    for j in range(SUB):
+      k_j = k_ref[pl.ds(r0 + j, 1), ch].astype(_F32)
+      g_j = g_ref[pl.ds(r0 + j, 1), ch]
+      e = _masked_exp(g_b - g_j, i >= j)                              # [SUB(i), DS]
+      dp_j = dp_ref[rows, pl.ds(r0 + j, 1)]                           # [SUB(i), 1]
+      dl_j = dl_ref[rows, pl.ds(r0 + j, 1)]
+      dq += dp_j * k_j * e
+      dkt += dl_j * k_j * e
+      dk_j = jnp.sum((dp_j * q_b + dl_j * kt_b) * e, axis=0)[None, :]  # [1, DS]
+      dk += jnp.where(i == j, dk_j, 0.0)
+    dq_ref[:, ch] = dq
+    dkt_ref[:, ch] = dkt
+    dk_ref[:, ch] = dk
+    dg_ref[:, ch] = q_b * dq + kt_b * dkt - k_ref[rows, ch].astype(_F32) * dk
 
 
 def _call(kernel, ins, outs, interpret, num_warps):
-  n, c, _ = ins[0].shape
+  n, c, d = ins[0].shape
   whole = lambda x: pl.BlockSpec((None, c, x.shape[-1]), lambda i, b: (i, 0, 0))
   return pl.pallas_call(
-      functools.partial(kernel, c=c),
+      functools.partial(kernel, c=c, d=d),
       grid=(n, c // SUB),
       in_specs=[whole(x) for x in ins],
       out_specs=[pl.BlockSpec((None, SUB, o.shape[-1]), lambda i, b: (i, b, 0)) for o in outs],
