@@ -55,7 +55,7 @@ def rows_for(mixer, b, t, h, d, iters):
   dM = jnp.tril(rng)
   kernel_pairs = lambda q, kt, k, g: pallas_gpu._channel_pairs_kernel(q, k, kt, g, False)
   flat = lambda x: x.reshape(-1, *x.shape[-2:])
-  raw = lambda f, w: (lambda *a: f(*map(flat, a), num_warps=w))
+  raw = lambda f, w, ds: (lambda *a: f(*map(flat, a), num_warps=w, slice_k=ds))
 
   def prep(q, k, v, g, *rest):
     qs = q.astype(jnp.float32) * d ** -0.5
@@ -69,10 +69,10 @@ def rows_for(mixer, b, t, h, d, iters):
       ("blocked inverse (I + L)^-1", triangular.unit_lower_inverse, (L,)),
       ("prepare_chunks (whole XLA intra part)", prep, (q, k, v, *gates)),
       ("pairs kernel (P and L, bf16 inputs)", kernel_pairs, (Qb, Qb, Kb, G)),
-      *[(f"pairs kernel fwd alone, num_warps={w}", raw(cp.channel_pairs_fwd, w),
-         (Qb, Qb, Kb, G), "fwd") for w in (4, 8)],
-      *[(f"pairs kernel bwd alone, num_warps={w}", raw(cp.channel_pairs_bwd, w),
-         (Qb, Qb, Kb, G, dM, dM), "fwd") for w in (4, 8)],
+      *[(f"pairs kernel fwd alone, num_warps={w}, slice_k={ds}", raw(cp.channel_pairs_fwd, w, ds),
+         (Qb, Qb, Kb, G), "fwd") for w in (4, 8) for ds in (32, 64)],
+      *[(f"pairs kernel bwd alone, num_warps={w}, slice_k={ds}", raw(cp.channel_pairs_bwd, w, ds),
+         (Qb, Qb, Kb, G, dM, dM), "fwd") for w in (4, 8) for ds in (32, 64)],
       ("whole op, remat_intra=True", whole(remat_intra=True), (q, k, v, *gates)),
       ("whole op, remat_intra=False", whole(remat_intra=False), (q, k, v, *gates)),
       ("whole op, channel_pair=kernel", whole(channel_pair="kernel"), (q, k, v, *gates)),
@@ -84,7 +84,7 @@ def rows_for(mixer, b, t, h, d, iters):
     modes = (("fwd", fn), ("fwd+bwd", _grad_all(fn)))
     for mode, f in modes[:1] if only else modes:
       ms = bench.time_fn(jax.jit(f), *args, repeats=iters)
-      print(f"{name:42s} {mode:8s} {ms:8.3f} ms", flush=True)
+      print(f"{name:52s} {mode:8s} {ms:8.3f} ms", flush=True)
       rows.append({"piece": name, "mode": mode, "ms": ms})
   return rows
 

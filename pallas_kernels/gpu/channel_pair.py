@@ -65,7 +65,7 @@ def _dot(a, b, *, trans_a=False, trans_b=False):
   return pltriton.dot(a.astype(_BF16), b.astype(_BF16), trans_a=trans_a, trans_b=trans_b)
 
 
-def _fwd_kernel(q_ref, kt_ref, k_ref, g_ref, p_ref, l_ref, *, c, d):
+def _fwd_kernel(q_ref, kt_ref, k_ref, g_ref, p_ref, l_ref, *, c, d, ds):
   r0 = pl.program_id(1) * SUB
   rows = pl.ds(r0, SUB)
   col = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
@@ -73,8 +73,8 @@ def _fwd_kernel(q_ref, kt_ref, k_ref, g_ref, p_ref, l_ref, *, c, d):
   out_col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
   p = jnp.zeros((SUB, c), _F32)
   l = jnp.zeros((SUB, c), _F32)
-  for s in range(d // DS):      # channel slices bound the live registers
-    ch = pl.ds(s * DS, DS)
+  for s in range(d // ds):      # channel slices bound the live registers
+    ch = pl.ds(s * ds, ds)
     g_b = g_ref[rows, ch]                                            # [SUB, DS]
     anchor = g_ref[pl.ds(r0, 1), ch]                                 # [1, DS]
     # Columns before the block, anchored at its first row (both exponents <= 0).
@@ -96,7 +96,7 @@ def _fwd_kernel(q_ref, kt_ref, k_ref, g_ref, p_ref, l_ref, *, c, d):
 
 
 def _bwd_kernel(q_ref, kt_ref, k_ref, g_ref, dp_ref, dl_ref,
-                dq_ref, dkt_ref, dk_ref, dg_ref, *, c, d):
+                dq_ref, dkt_ref, dk_ref, dg_ref, *, c, d, ds):
   r0 = pl.program_id(1) * SUB
   rows, cols = pl.ds(r0, SUB), pl.ds(r0, SUB)
   pos = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
@@ -104,8 +104,8 @@ def _bwd_kernel(q_ref, kt_ref, k_ref, g_ref, dp_ref, dl_ref,
   dp_rows, dl_rows = dp_ref[rows, :], dl_ref[rows, :]                # [SUB, C]
   dp_cols, dl_cols = dp_ref[:, cols], dl_ref[:, cols]                # [C, SUB]
   m = jnp.minimum(r0 + SUB, c - 1)   # the first row after b (none after the last block)
-  for s in range(d // DS):           # channel slices: independent, and bound the registers
-    ch = pl.ds(s * DS, DS)
+  for s in range(d // ds):           # channel slices: independent, and bound the registers
+    ch = pl.ds(s * ds, ds)
     g_all, g_b = g_ref[:, ch], g_ref[rows, ch]
     q_b, kt_b = q_ref[rows, ch].astype(_F32), kt_ref[rows, ch].astype(_F32)
     # dQ, dK̃ of the rows in b from the columns before b (anchor n = r0).
@@ -137,11 +137,11 @@ def _bwd_kernel(q_ref, kt_ref, k_ref, g_ref, dp_ref, dl_ref,
     dg_ref[:, ch] = q_b * dq + kt_b * dkt - k_ref[rows, ch].astype(_F32) * dk
 
 
-def _call(kernel, ins, outs, interpret, num_warps):
+def _call(kernel, ins, outs, interpret, num_warps, ds):
   n, c, d = ins[0].shape
   whole = lambda x: pl.BlockSpec((None, c, x.shape[-1]), lambda i, b: (i, 0, 0))
   return pl.pallas_call(
-      functools.partial(kernel, c=c, d=d),
+      functools.partial(kernel, c=c, d=d, ds=min(ds, d)),
       grid=(n, c // SUB),
       in_specs=[whole(x) for x in ins],
       out_specs=[pl.BlockSpec((None, SUB, o.shape[-1]), lambda i, b: (i, b, 0)) for o in outs],
@@ -160,16 +160,17 @@ def _check(q, kt, k, g):
     raise ValueError(f"channel_pairs: {reason}.")
 
 
-def channel_pairs_fwd(q, kt, k, g, *, interpret=False, num_warps=NUM_WARPS):
+def channel_pairs_fwd(q, kt, k, g, *, interpret=False, num_warps=NUM_WARPS, slice_k=DS):
   """(P, L) `[N, C, C]` float32 from Q, K̃, K, G `[N, C, D]` (module docstring)."""
   _check(q, kt, k, g)
   n, c, _ = q.shape
   out = jax.ShapeDtypeStruct((n, c, c), _F32)
-  p, l = _call(_fwd_kernel, (q, kt, k, g.astype(_F32)), [out, out], interpret, num_warps)
+  p, l = _call(_fwd_kernel, (q, kt, k, g.astype(_F32)), [out, out], interpret, num_warps, slice_k)
   return p, l
 
 
-def channel_pairs_bwd(q, kt, k, g, dp, dl, *, interpret=False, num_warps=NUM_WARPS):
+def channel_pairs_bwd(q, kt, k, g, dp, dl, *, interpret=False, num_warps=NUM_WARPS,
+                      slice_k=DS):
   """(dQ, dK̃, dK, dG) `[N, C, D]` float32 for the cotangents dP, dL `[N, C, C]`."""
   _check(q, kt, k, g)
   n, c, d = q.shape
@@ -178,4 +179,4 @@ def channel_pairs_bwd(q, kt, k, g, dp, dl, *, interpret=False, num_warps=NUM_WAR
       raise ValueError(f"channel_pairs_bwd: {name} must be {(n, c, c)}, got {x.shape}.")
   outs = [jax.ShapeDtypeStruct((n, c, d), _F32)] * 4
   ins = (q, kt, k, g.astype(_F32), dp.astype(_F32), dl.astype(_F32))
-  return tuple(_call(_bwd_kernel, ins, outs, interpret, num_warps))
+  return tuple(_call(_bwd_kernel, ins, outs, interpret, num_warps, slice_k))
