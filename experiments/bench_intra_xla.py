@@ -26,6 +26,7 @@ _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV =
 _MIXER = flags.DEFINE_enum("mixer", "kda", ["kda", "gdn2"], "Per-channel-gate mixer.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per row (median reported).")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Rows as JSON.")
+_ONLY = flags.DEFINE_list("only", "", "Time only the pieces whose name contains one of these.")
 
 
 def _grad_all(fn):
@@ -81,6 +82,8 @@ def rows_for(mixer, b, t, h, d, iters):
   ]
   rows = []
   for name, fn, args, *only in cases:
+    if _ONLY.value and not any(w in name for w in _ONLY.value):
+      continue
     modes = (("fwd", fn), ("fwd+bwd", _grad_all(fn)))
     for mode, f in modes[:1] if only else modes:
       ms = bench.time_fn(jax.jit(f), *args, repeats=iters)

@@ -70,44 +70,44 @@ def _fwd_kernel(q_ref, kt_ref, k_ref, g_ref, p_ref, l_ref, *, c, d, ds):
   rows = pl.ds(r0, SUB)
   col = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
   i = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
-  out_col = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
   p = jnp.zeros((SUB, c), _F32)
   l = jnp.zeros((SUB, c), _F32)
   for s in range(d // ds):      # channel slices bound the live registers
     ch = pl.ds(s * ds, ds)
-    g_b = g_ref[rows, ch]                                            # [SUB, DS]
-    anchor = g_ref[pl.ds(r0, 1), ch]                                 # [1, DS]
+    anchor = g_ref[pl.ds(r0, 1), ch]                                 # [1, ds]
     # Columns before the block, anchored at its first row (both exponents <= 0).
     k_col = k_ref[:, ch].astype(_F32) * _masked_exp(anchor - g_ref[:, ch], col < r0)
-    row = jnp.exp(g_b - anchor)
-    q_b, kt_b = q_ref[rows, ch].astype(_F32), kt_ref[rows, ch].astype(_F32)
-    p += _dot(q_b * row, k_col, trans_b=True)                       # [SUB, C]
-    l += _dot(kt_b * row, k_col, trans_b=True)
-    # The diagonal block, exact: column r0 + j is Σ_c (Q|K̃)_ic K_jc e^{G_ic − G_jc}, i >= j.
-    for j in range(SUB):
-      k_j = k_ref[pl.ds(r0 + j, 1), ch].astype(_F32)
-      g_j = g_ref[pl.ds(r0 + j, 1), ch]
-      w = k_j * _masked_exp(g_b - g_j, i >= j)                        # [SUB, DS]
-      here = out_col == r0 + j
-      p += jnp.where(here, jnp.sum(q_b * w, axis=1)[:, None], 0.0)
-      l += jnp.where(here, jnp.sum(kt_b * w, axis=1)[:, None], 0.0)
-  p_ref[...] = p
-  l_ref[...] = l
+    row = jnp.exp(g_ref[rows, ch] - anchor)
+    p += _dot(q_ref[rows, ch].astype(_F32) * row, k_col, trans_b=True)   # [SUB, C]
+    l += _dot(kt_ref[rows, ch].astype(_F32) * row, k_col, trans_b=True)
+  out_col = jax.lax.broadcasted_iota(jnp.int32, (SUB, c), 1)
+  off_block = (out_col < r0) | (out_col >= r0 + SUB)
+  pltriton.store(p_ref, p, mask=off_block)
+  pltriton.store(l_ref, l, mask=off_block)
+  # The diagonal block, exact: column r0 + j is Σ_c (Q|K̃)_ic K_jc e^{G_ic − G_jc}, i >= j,
+  # stored as it is made (the columns are independent: no serial chain through registers).
+  g_b = g_ref[rows, :]
+  q_b, kt_b = q_ref[rows, :].astype(_F32), kt_ref[rows, :].astype(_F32)
+  for j in range(SUB):
+    k_j = k_ref[pl.ds(r0 + j, 1), :].astype(_F32)
+    w = k_j * _masked_exp(g_b - g_ref[pl.ds(r0 + j, 1), :], i >= j)   # [SUB, D]
+    p_ref[:, pl.ds(r0 + j, 1)] = jnp.sum(q_b * w, axis=1)[:, None]
+    l_ref[:, pl.ds(r0 + j, 1)] = jnp.sum(kt_b * w, axis=1)[:, None]
 
 
-def _bwd_kernel(q_ref, kt_ref, k_ref, g_ref, dp_ref, dl_ref,
+def _bwd_kernel(q_ref, kt_ref, k_ref, g_ref, dp_ref, dl_ref, dpt_ref, dlt_ref,
                 dq_ref, dkt_ref, dk_ref, dg_ref, *, c, d, ds):
   r0 = pl.program_id(1) * SUB
-  rows, cols = pl.ds(r0, SUB), pl.ds(r0, SUB)
+  blk = pl.ds(r0, SUB)
   pos = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
   i = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
-  dp_rows, dl_rows = dp_ref[rows, :], dl_ref[rows, :]                # [SUB, C]
-  dp_cols, dl_cols = dp_ref[:, cols], dl_ref[:, cols]                # [C, SUB]
+  dp_rows, dl_rows = dp_ref[blk, :], dl_ref[blk, :]                  # [SUB, C]: dP_ij, i in b
+  dp_cols, dl_cols = dpt_ref[blk, :], dlt_ref[blk, :]                # [SUB, C]: dP_ij, j in b
   m = jnp.minimum(r0 + SUB, c - 1)   # the first row after b (none after the last block)
   for s in range(d // ds):           # channel slices: independent, and bound the registers
     ch = pl.ds(s * ds, ds)
-    g_all, g_b = g_ref[:, ch], g_ref[rows, ch]
-    q_b, kt_b = q_ref[rows, ch].astype(_F32), kt_ref[rows, ch].astype(_F32)
+    g_all, g_b = g_ref[:, ch], g_ref[blk, ch]
+    q_b, kt_b = q_ref[blk, ch].astype(_F32), kt_ref[blk, ch].astype(_F32)
     # dQ, dK̃ of the rows in b from the columns before b (anchor n = r0).
     anchor = g_ref[pl.ds(r0, 1), ch]
     row = jnp.exp(g_b - anchor)
@@ -116,25 +116,24 @@ def _bwd_kernel(q_ref, kt_ref, k_ref, g_ref, dp_ref, dl_ref,
     dkt = row * _dot(dl_rows, k_col)
     # dK of the rows in b from the rows after b (anchor m).
     g_m = g_ref[pl.ds(m, 1), ch]
-    later = _masked_exp(g_all - g_m, pos >= r0 + SUB)                # [C, DS], <= 1
-    dk = jnp.exp(g_m - g_b) * (_dot(dp_cols, q_ref[:, ch].astype(_F32) * later, trans_a=True)
-                               + _dot(dl_cols, kt_ref[:, ch].astype(_F32) * later,
-                                      trans_a=True))
-    # The diagonal block, exact, one key row r0 + j per step.
+    later = _masked_exp(g_all - g_m, pos >= r0 + SUB)                # [C, ds], <= 1
+    dk = jnp.exp(g_m - g_b) * (_dot(dp_cols, q_ref[:, ch].astype(_F32) * later)
+                               + _dot(dl_cols, kt_ref[:, ch].astype(_F32) * later))
+    # The diagonal block, exact and by elementwise accumulation only: dQ, dK̃ one key row
+    # r0 + j per step, dK one query row r0 + j per step.
     for j in range(SUB):
-      k_j = k_ref[pl.ds(r0 + j, 1), ch].astype(_F32)
-      g_j = g_ref[pl.ds(r0 + j, 1), ch]
-      e = _masked_exp(g_b - g_j, i >= j)                              # [SUB(i), DS]
-      dp_j = dp_ref[rows, pl.ds(r0 + j, 1)]                           # [SUB(i), 1]
-      dl_j = dl_ref[rows, pl.ds(r0 + j, 1)]
-      dq += dp_j * k_j * e
-      dkt += dl_j * k_j * e
-      dk_j = jnp.sum((dp_j * q_b + dl_j * kt_b) * e, axis=0)[None, :]  # [1, DS]
-      dk += jnp.where(i == j, dk_j, 0.0)
+      r = pl.ds(r0 + j, 1)
+      k_j, g_j = k_ref[r, ch].astype(_F32), g_ref[r, ch]
+      e = _masked_exp(g_b - g_j, i >= j)                              # [SUB(i), ds]
+      dq += dp_ref[blk, r] * k_j * e                                  # dP_{i, r0+j}
+      dkt += dl_ref[blk, r] * k_j * e
+      e = _masked_exp(g_j - g_b, i <= j)                              # [SUB(keys), ds]
+      dk += (dpt_ref[blk, r] * q_ref[r, ch].astype(_F32)               # dP_{r0+j, key}
+             + dlt_ref[blk, r] * kt_ref[r, ch].astype(_F32)) * e
     dq_ref[:, ch] = dq
     dkt_ref[:, ch] = dkt
     dk_ref[:, ch] = dk
-    dg_ref[:, ch] = q_b * dq + kt_b * dkt - k_ref[rows, ch].astype(_F32) * dk
+    dg_ref[:, ch] = q_b * dq + kt_b * dkt - k_ref[blk, ch].astype(_F32) * dk
 
 
 def _call(kernel, ins, outs, interpret, num_warps, ds):
@@ -178,5 +177,7 @@ def channel_pairs_bwd(q, kt, k, g, dp, dl, *, interpret=False, num_warps=NUM_WAR
     if x.shape != (n, c, c):
       raise ValueError(f"channel_pairs_bwd: {name} must be {(n, c, c)}, got {x.shape}.")
   outs = [jax.ShapeDtypeStruct((n, c, d), _F32)] * 4
-  ins = (q, kt, k, g.astype(_F32), dp.astype(_F32), dl.astype(_F32))
+  dp, dl = dp.astype(_F32), dl.astype(_F32)
+  # The transposes give the dK pass its cotangent columns as rows (loads of contiguous rows).
+  ins = (q, kt, k, g.astype(_F32), dp, dl, jnp.swapaxes(dp, 1, 2), jnp.swapaxes(dl, 1, 2))
   return tuple(_call(_bwd_kernel, ins, outs, interpret, num_warps, slice_k))
