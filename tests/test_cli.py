@@ -56,3 +56,17 @@ def test_bad_flag_exits_2_naming_it():
   for proc, line in zip(procs, expected):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and err.endswith(line), err[-2000:]
+
+
+def test_programs_import_no_kernels_or_grain():
+  # The programs' imports stay light (issue #15): the Mosaic GPU / TPU kernel modules load when
+  # their implementation is used, grain and orbax when a dataset or checkpoint is made.
+  heavy = ("lineax_attn.ops.pallas_gpu", "lineax_attn.ops.pallas_tpu", "pallas_kernels",
+           "jax.experimental.pallas", "grain", "orbax")
+  script = ("import sys\n"
+            "import experiments.train, experiments.bench_ops, lineax_attn.train.checkpoint\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))\n")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.strip() == "[]", proc.stdout

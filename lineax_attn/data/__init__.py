@@ -1,2 +1,3 @@
 """Input data: the embedded corpus (`corpus`), tokenizers (`tokenizers`) and the grain
-pipeline (`pipeline`). Import the submodules directly; nothing is imported here."""
+pipeline (`pipeline`; its grain stages in `transforms`). Import the submodules directly; nothing
+is imported here."""

@@ -52,23 +52,31 @@ Each batch is a dict of numpy arrays, all `[B, T]` with T = seq_len:
 The iterator (`make_iterator`) is a grain `DatasetIterator`: `get_state()` returns a JSON-able
 dict and `set_state(state)` resumes with exactly the batches that would have followed (packing
 and window shuffle included). Save it with the model (`lineax_attn.train.checkpoint`).
+
+grain is imported only when a dataset is built; the stages that subclass grain types are in
+`lineax_attn.data.transforms`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import grain
 import numpy as np
 
 from lineax_attn.data import corpus as corpus_lib
 from lineax_attn.data import synthetic as synthetic_lib
 from lineax_attn.data import tokenizers as tokenizers_lib
+
+# grain (and the orbax it imports) costs about a second per process: it is imported where a
+# dataset is built, so a program that only reads a DataConfig (a CLI's --help) never pays it.
+if TYPE_CHECKING:
+  import grain
 
 FORMATS = ("auto", "text", "jsonl", "array_record", "array_record_json")
 TEXT_SPLITS = ("file", "blank_lines")
@@ -231,24 +239,11 @@ class IndexedTextSource:
     return f"IndexedTextSource({len(self._paths)} files, mode={self._mode!r}, n={len(self)})"
 
 
-class DecodeRecord(grain.transforms.Map):
-  """ArrayRecord bytes -> document text (raw UTF-8, or JSON object's text_field)."""
-
-  def __init__(self, text_field: str | None):
-    self._text_field = text_field
-
-  def map(self, record: bytes) -> str:
-    text = record.decode("utf-8", errors="replace")
-    if self._text_field is None:
-      return text
-    obj = json.loads(text)
-    if self._text_field not in obj:
-      raise KeyError(f"ArrayRecord JSON record has no field {self._text_field!r}")
-    return str(obj[self._text_field])
-
-
 def document_dataset(config: DataConfig) -> grain.MapDataset:
   """The unshuffled, unsharded documents (strings) named by config.source."""
+  import grain  # pylint: disable=g-import-not-at-top
+  from lineax_attn.data import transforms  # pylint: disable=g-import-not-at-top
+
   if config.source == "embedded":
     return grain.MapDataset.source(corpus_lib.load_documents(config.split))
   paths = _expand_paths(config.source)
@@ -262,98 +257,12 @@ def document_dataset(config: DataConfig) -> grain.MapDataset:
   if fmt in ("array_record", "array_record_json"):
     source = grain.sources.ArrayRecordDataSource(paths)
     field = config.text_field if fmt == "array_record_json" else None
-    return grain.MapDataset.source(source).map(DecodeRecord(field))
+    return grain.MapDataset.source(source).map(transforms.DecodeRecord(field))
   if fmt == "jsonl":
     mode = "jsonl"
   else:
     mode = "file" if config.text_split == "file" else "paragraphs"
   return grain.MapDataset.source(IndexedTextSource(paths, mode, config.text_field))
-
-
-# ------------------------------------------------------------------------- transformations
-
-
-class Tokenize(grain.transforms.Map):
-  """Document text -> {"tokens": int32 [n]} = [BOS] + ids + [EOS]."""
-
-  def __init__(self, tokenizer, add_bos: bool):
-    self._tokenizer = tokenizer
-    self._add_bos = add_bos
-
-  def map(self, text: str) -> dict[str, np.ndarray]:
-    ids = self._tokenizer.encode(text)
-    parts = [ids, np.asarray([self._tokenizer.eos_id], np.int32)]
-    if self._add_bos:
-      parts.insert(0, np.asarray([self._tokenizer.bos_id], np.int32))
-    return {"tokens": np.concatenate(parts).astype(np.int32)}
-
-
-class NonEmpty(grain.transforms.Filter):
-  def filter(self, text: str) -> bool:
-    return bool(text.strip())
-
-
-class ShiftAndMask(grain.transforms.Map):
-  """A packed row of seq_len + 1 tokens -> inputs, targets, segment_ids, positions, loss_mask."""
-
-  def __init__(self, reset_at_document_boundaries: bool, pad_id: int):
-    self._reset = reset_at_document_boundaries
-    self._pad_id = pad_id
-
-  def map(self, row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    tokens = np.asarray(row["tokens"], np.int32)
-    seg = np.asarray(row["tokens_segment_ids"], np.int32)
-    pos = np.asarray(row["tokens_positions"], np.int32)
-    real = seg != 0
-    tokens = np.where(real, tokens, self._pad_id).astype(np.int32)
-    if self._reset:
-      segment_ids, positions = seg[:-1], pos[:-1]
-      keep = (seg[1:] == seg[:-1]) & real[1:]
-    else:
-      segment_ids = real[:-1].astype(np.int32)
-      positions = np.arange(len(tokens) - 1, dtype=np.int32)
-      keep = real[1:] & real[:-1]
-    return {
-        "inputs": tokens[:-1],
-        "targets": tokens[1:],
-        "segment_ids": segment_ids,
-        "positions": positions,
-        "loss_mask": keep.astype(np.float32),
-    }
-
-
-def _tuple_slices(state):
-  """Undoes JSON's tuple -> list on ConcatThenSplit's `remainder_slices`, at any depth."""
-  if isinstance(state, dict):
-    return {k: ({f: tuple(v) for f, v in val.items()} if k == "remainder_slices"
-                else _tuple_slices(val)) for k, val in state.items()}
-  if isinstance(state, list):
-    return [_tuple_slices(v) for v in state]
-  return state
-
-
-class _JsonSafeStateIterator(grain.DatasetIterator):
-  """Passes elements through; `set_state` accepts a state that went through JSON.
-
-  Works around grain 0.2.18: ConcatThenSplitIterDataset compares its remainder slices with the
-  tuple (-1, -1), so after a JSON round trip (grain's own orbax handler writes JSON) a list
-  [-1, -1] reads as "has a remainder", one element is consumed and the restored iterator runs
-  ahead of the saved one.
-  """
-
-  def __next__(self):
-    return next(self._parent)
-
-  def get_state(self):
-    return self._parent.get_state()
-
-  def set_state(self, state):
-    self._parent.set_state(_tuple_slices(state))
-
-
-class _JsonSafeState(grain.IterDataset):
-  def __iter__(self):
-    return _JsonSafeStateIterator(self._parent.__iter__())
 
 
 def _default_shard() -> tuple[int, int]:
@@ -376,6 +285,9 @@ def build_dataset(
     shard_index, shard_count: this process's shard; default jax.process_index()/count().
     tokenizer: overrides config.tokenizer (an object with encode, eos_id, bos_id, pad_id).
   """
+  import grain  # pylint: disable=g-import-not-at-top
+  from lineax_attn.data import transforms  # pylint: disable=g-import-not-at-top
+
   if not isinstance(config, DataConfig):
     config = DataConfig.from_mapping(config)
   if shard_index is None or shard_count is None:
@@ -400,7 +312,8 @@ def build_dataset(
   if config.shuffle:
     docs = docs.shuffle(seed=config.seed)
   docs = docs.repeat(config.num_epochs)
-  tokens = docs.filter(NonEmpty()).map(Tokenize(tokenizer, config.add_bos))
+  tokens = docs.filter(transforms.NonEmpty()).map(
+      transforms.Tokenize(tokenizer, config.add_bos))
   ds = tokens.to_iter_dataset(grain.ReadOptions(
       num_threads=config.read_threads, prefetch_buffer_size=config.prefetch_buffer_size))
   ds = grain.experimental.ConcatThenSplitIterDataset(
@@ -409,13 +322,23 @@ def build_dataset(
     # A seed distinct from the document shuffle's.
     ds = grain.experimental.WindowShuffleIterDataset(
         ds, window_size=config.shuffle_window, seed=(config.seed * 7919 + 1) % 2**32)
-  ds = ds.map(ShiftAndMask(config.reset_at_document_boundaries, tokenizer.pad_id))
+  ds = ds.map(transforms.ShiftAndMask(config.reset_at_document_boundaries, tokenizer.pad_id))
   ds = ds.batch(batch_size, drop_remainder=True)
   if config.worker_count > 0:
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.worker_count))
-  return _JsonSafeState(ds)
+  return transforms.JsonSafeState(ds)
 
 
 def make_iterator(config: DataConfig | Mapping[str, Any], **kwargs) -> grain.DatasetIterator:
   """A checkpointable iterator over build_dataset(config, **kwargs)."""
   return iter(build_dataset(config, **kwargs))
+
+
+# The grain stages, still reachable as attributes of this module (imported on first access).
+_TRANSFORMS = ("DecodeRecord", "Tokenize", "NonEmpty", "ShiftAndMask")
+
+
+def __getattr__(name):
+  if name not in _TRANSFORMS:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  return getattr(importlib.import_module("lineax_attn.data.transforms"), name)

@@ -17,10 +17,10 @@ checked mode, through `jax.experimental.checkify`: `checked(jax.jit(step))(...)`
 ValueError naming the bad argument (docs/OP_CONTRACT.md has the whole contract).
 """
 
+import importlib as _importlib
+
 from lineax_attn.ops import api as _api
 from lineax_attn.ops import chunked as _chunked
-from lineax_attn.ops import pallas_gpu as _pallas_gpu
-from lineax_attn.ops import pallas_tpu as _pallas_tpu
 from lineax_attn.ops import reference as _reference
 from lineax_attn.ops import specs
 from lineax_attn.ops.attention import softmax_attention
@@ -29,13 +29,15 @@ from lineax_attn.ops.gated_delta_rule import gated_delta_rule
 from lineax_attn.ops.gdn2 import gdn2
 from lineax_attn.ops.kda import kda
 from lineax_attn.ops.linear_attention import linear_attention
-from lineax_attn.ops.pallas_gpu import GpuTuning
 
 _api.register_implementation("scan", _reference.scan_reference)
 _api.register_implementation("chunk", _chunked.chunk_delta_family)
-_api.register_implementation("pallas_tpu", _pallas_tpu.pallas_tpu_impl)
-_api.register_implementation("pallas_gpu", _pallas_gpu.pallas_gpu_delta_family,
-                             tuning_type=_pallas_gpu.GpuTuning, supports=_pallas_gpu.supports)
+# The kernel implementations import Mosaic GPU / TPU and Pallas (seconds per process): their
+# modules load on first use (api.register_deferred_implementation), not here.
+_api.register_deferred_implementation("pallas_tpu", "lineax_attn.ops.pallas_tpu", "pallas_tpu_impl")
+_api.register_deferred_implementation("pallas_gpu", "lineax_attn.ops.pallas_gpu",
+                                      "pallas_gpu_delta_family", tuning_type="GpuTuning",
+                                      supports="supports")
 
 available_implementations = _api.available_implementations
 checked = _api.checked
@@ -53,3 +55,22 @@ __all__ = list(MIXERS) + [
     "softmax_attention", "available_implementations", "MIXERS", "checked", "debug_checks",
     "set_debug_checks", "debug_checks_enabled", "GpuTuning", "specs",
 ]
+
+# Names served lazily (PEP 562): `GpuTuning` lives in the pallas_gpu module, imported on access.
+_LAZY = {"GpuTuning": ("lineax_attn.ops.pallas_gpu", "GpuTuning"),
+         "pallas_gpu": ("lineax_attn.ops.pallas_gpu", None),
+         "pallas_tpu": ("lineax_attn.ops.pallas_tpu", None)}
+
+
+def __getattr__(name):
+  if name not in _LAZY:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  module_name, attr = _LAZY[name]
+  module = _importlib.import_module(module_name)
+  value = module if attr is None else getattr(module, attr)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY))

@@ -17,6 +17,9 @@ Every mixer is a `specs.MixerSpec` (lineax_attn/ops/specs.py): its gates, their 
 ranges are read from there. Implementations register themselves by name with
 `register_implementation`, optionally with `supports(call) -> None | reason`: for a `Call` it
 rejects, dispatch runs "chunk" instead and logs the reason once (`select_implementation`).
+`register_deferred_implementation` names the module instead, imported the first time the
+implementation runs or its `supports` / tuning type is needed (the kernel modules pull in
+Mosaic GPU / TPU and Pallas, seconds of import that a process not using them should not pay).
 Each receives already-validated arrays and the mixer name, and returns `(o, final_state, r)` in
 float32:
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import logging
 import math
@@ -77,6 +81,57 @@ def register_implementation(name: str, fn: Callable[..., Any], *,
   _TUNING_TYPES[name] = tuning_type
   _SUPPORTS[name] = supports
   _FALLBACK_LOGGED.setdefault(name, set())
+
+
+class _Deferred:
+  """Stands in `_IMPLEMENTATIONS` for an implementation whose module is not imported yet.
+
+  Calling it imports the module and registers the real function (`_load`), so code that calls
+  `_IMPLEMENTATIONS[name]` directly still works."""
+
+  def __init__(self, name: str, module: str, fn: str, tuning_type: str | None,
+               supports: str | None):
+    self.name, self.module, self.fn = name, module, fn
+    self.tuning_type, self.supports = tuning_type, supports
+
+  def __call__(self, *args, **kwargs):
+    return _load(self.name)(*args, **kwargs)
+
+  def __repr__(self):
+    return f"<deferred implementation {self.name!r}: {self.module}.{self.fn}>"
+
+
+def register_deferred_implementation(name: str, module: str, fn: str, *,
+                                     tuning_type: str | None = None,
+                                     supports: str | None = None) -> None:
+  """Registers `implementation=name` as the attribute `fn` of `module`, imported on first use.
+
+  tuning_type, supports: attribute names in `module` with the meaning they have in
+  `register_implementation` (None: none). The module is imported when the implementation runs,
+  when `select_implementation` asks its `supports`, or when `check_tuning` sees a tuning for it,
+  whichever comes first; it is then registered with `register_implementation`.
+  """
+  _IMPLEMENTATIONS[name] = _Deferred(name, module, fn, tuning_type, supports)
+  _TUNING_TYPES[name] = None
+  _SUPPORTS[name] = None
+  _FALLBACK_LOGGED.setdefault(name, set())
+
+
+def _load(name: str) -> Callable[..., Any]:
+  """The function registered as `name`, importing its module first if it was deferred."""
+  fn = _IMPLEMENTATIONS[name]
+  if isinstance(fn, _Deferred):
+    module = importlib.import_module(fn.module)
+    register_implementation(
+        name, getattr(module, fn.fn),
+        tuning_type=None if fn.tuning_type is None else getattr(module, fn.tuning_type),
+        supports=None if fn.supports is None else getattr(module, fn.supports))
+  return _IMPLEMENTATIONS[name]
+
+
+def _deferred(name: str) -> _Deferred | None:
+  fn = _IMPLEMENTATIONS.get(name)
+  return fn if isinstance(fn, _Deferred) else None
 
 
 def fallback_logged(name: str) -> set[str]:
@@ -421,6 +476,9 @@ def check_tuning(tuning, name: str):
   `tuning_type` (ValueError naming `tuning` otherwise)."""
   if tuning is None:
     return None
+  deferred = _deferred(name)
+  if deferred is not None and deferred.tuning_type is not None:
+    _load(name)
   tuning_type = _TUNING_TYPES.get(name)
   if tuning_type is None:
     raise ValueError(f"`tuning` must be None for implementation={name!r} (it takes no tuning), "
@@ -444,6 +502,9 @@ class Call:
 def select_implementation(name: str, call: Call) -> str:
   """`name`, or "chunk" where `name`'s `supports(call)` gives a reason (logged once per reason,
   on the implementation's logger `lineax_attn.ops.<name>`, like FLA's backend `verify()`)."""
+  deferred = _deferred(name)
+  if deferred is not None and deferred.supports is not None:
+    _load(name)
   supports = _SUPPORTS.get(name)
   reason = None if supports is None else supports(call)
   if not reason:
@@ -477,7 +538,7 @@ def run_mixer(mixer: str, q, k, v, gates: Mapping[str, Any], *, scale=None, init
                                               varlen=layout.is_varlen, tuning=tuning))
   if selected != name:  # the fallback runs with its own default tuning
     name, tuning = selected, None
-  impl = _IMPLEMENTATIONS[name]
+  impl = _load(name)
   f32 = lambda x: x.astype(jnp.float32)
   o, final_state, r = impl(mixer, f32(q), f32(k), f32(v), checked, scale=scale,
                            initial_state=initial_state, layout=layout, chunk_size=chunk_size,

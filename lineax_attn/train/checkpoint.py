@@ -26,10 +26,23 @@ import json
 import os
 from typing import Any
 
-import grain
-import orbax.checkpoint as ocp
 
 STATE, DATA, CONFIG = "state", "data", "config"
+
+
+def _ocp():
+  """orbax.checkpoint, with grain (whose orbax handler saves the data iterator) imported too.
+
+  Imported here on first use, not at module import: together they cost about a second per
+  process, which a program that imports this module but never checkpoints should not pay."""
+  import grain  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  return ocp
+
+
+def _grain_checkpoint():
+  import grain  # pylint: disable=g-import-not-at-top
+  return grain.checkpoint
 
 
 class _IteratorSnapshot:
@@ -67,6 +80,7 @@ class Checkpointer:
     if save_interval_steps < 1:
       raise ValueError(f"save_interval_steps={save_interval_steps} must be >= 1")
     self.save_interval_steps = save_interval_steps
+    ocp = _ocp()
     # The interval is applied here (orbax would also save the first step it is offered).
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, save_interval_steps=1, create=True,
@@ -82,9 +96,10 @@ class Checkpointer:
     """Saves at `step` if `should_save(step)` (or `force`); returns whether it saved."""
     if not (force or self.should_save(step)):
       return False
+    ocp = _ocp()
     args = {STATE: ocp.args.StandardSave(state)}
     if data_iterator is not None:
-      args[DATA] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator))
+      args[DATA] = _grain_checkpoint().CheckpointSave(_IteratorSnapshot(data_iterator))
     if config is not None:
       args[CONFIG] = ocp.args.JsonSave(config_to_dict(config))
     return self._manager.save(step, args=ocp.args.Composite(**args), force=True)
@@ -110,15 +125,17 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"No checkpoint in {self.directory}")
+    ocp = _ocp()
     args = {STATE: ocp.args.StandardRestore(abstract_state)}
     if data_iterator is not None:
-      args[DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
+      args[DATA] = _grain_checkpoint().CheckpointRestore(data_iterator)
     restored = self._manager.restore(step, args=ocp.args.Composite(**args))
     return restored[STATE]
 
   def restore_config(self, step: int | None = None) -> dict[str, Any]:
     """The config saved with `step` (None = the latest) as a dict."""
     step = self.latest_step() if step is None else step
+    ocp = _ocp()
     restored = self._manager.restore(step, args=ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()}))
     return restored[CONFIG]
 
