@@ -54,7 +54,7 @@ def rows_for(mixer, b, t, h, d, iters):
                                        tuning=pallas_gpu.GpuTuning(**tune))[0])
   Qb, Kb = Q.astype(jnp.bfloat16), K.astype(jnp.bfloat16)
   dM = jnp.tril(rng)
-  kernel_pairs = lambda q, kt, k, g: pallas_gpu._channel_pairs_kernel(q, k, kt, g, False)
+  kernel_pairs = lambda q, kt, k, g: pallas_gpu._channel_pairs_kernel(q, k, kt, g, False, True)
   flat = lambda x: x.reshape(-1, *x.shape[-2:])
   raw = lambda f, w, ds: (lambda *a: f(*map(flat, a), num_warps=w, slice_k=ds))
 
@@ -77,6 +77,9 @@ def rows_for(mixer, b, t, h, d, iters):
       ("whole op, remat_intra=True", whole(remat_intra=True), (q, k, v, *gates)),
       ("whole op, remat_intra=False", whole(remat_intra=False), (q, k, v, *gates)),
       ("whole op, channel_pair=kernel", whole(channel_pair="kernel"), (q, k, v, *gates)),
+      ("whole op, channel_pair=kernel_fwd", whole(channel_pair="kernel_fwd"), (q, k, v, *gates)),
+      ("whole op, channel_pair=kernel_fwd, remat_intra=False",
+       whole(channel_pair="kernel_fwd", remat_intra=False), (q, k, v, *gates)),
       ("whole op, channel_pair=kernel, remat_intra=False",
        whole(channel_pair="kernel", remat_intra=False), (q, k, v, *gates)),
   ]

@@ -82,7 +82,7 @@ _INTRA = flags.DEFINE_enum("intra", "kernel", ["xla", "kernel"], "pallas_gpu: wh
                            "DeltaNet/GDN intra-chunk part (lineax_attn.ops.pallas_gpu.GpuTuning."
                            "intra: the Mosaic GPU kernel, the library's default, or the XLA "
                            "path).")
-_CHANNEL_PAIR = flags.DEFINE_enum("channel_pair", None, ["xla", "kernel"], "pallas_gpu: who "
+_CHANNEL_PAIR = flags.DEFINE_enum("channel_pair", None, ["xla", "kernel_fwd", "kernel"], "pallas_gpu: who "
                                   "computes KDA/GDN-2's per-channel pair matrices (lineax_attn."
                                   "ops.pallas_gpu.GpuTuning.channel_pair; unset: the default).")
 _PROFILE_DIR = flags.DEFINE_string(

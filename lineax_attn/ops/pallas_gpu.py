@@ -54,7 +54,7 @@ _warned: set[str] = api.fallback_logged("pallas_gpu")
 _F32 = jnp.float32
 _MM = sp.MM_DTYPE
 INTRA_CHOICES = ("kernel", "xla")
-PAIR_CHOICES = ("kernel", "xla")
+PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 SOLVE_CHOICES = ("inverse", "trsm")
 
 
@@ -76,10 +76,10 @@ class GpuTuning:
       (blocked inverse by matmuls, `ops.triangular.unit_lower_inverse`, applied with bf16
       operands) or "trsm" (`lax.linalg.triangular_solve` in float32).
     channel_pair: who computes the per-channel pair matrices P and L of KDA / GDN-2 inside the
-      XLA intra-chunk path: "xla" (`chunked._channel_pair`, the default) or "kernel"
-      (`pallas_kernels.gpu.channel_pair`, Pallas on Triton, forward and backward: nothing but
-      the C×C result leaves the chip, but as written it is slower: KDA fwd+bwd 18.2 vs 11.2 ms
-      at B4 T4096 H16 D128 on an H200, docs/BENCHMARKS.md).
+      XLA intra-chunk path: "xla" (`chunked._channel_pair`, forward and backward), "kernel_fwd"
+      (the Pallas-on-Triton forward kernel of `pallas_kernels.gpu.channel_pair`, both matrices
+      in one launch, nothing but the C×C results leaving the chip; the XLA backward) or
+      "kernel" (its forward and backward kernels). H200 numbers: docs/BENCHMARKS.md run 7.
     remat_intra: whether the backward recomputes the XLA intra-chunk part (`jax.checkpoint`:
       less memory) or keeps its residuals (the C×C products and the inverse per chunk: a faster
       backward).
@@ -256,27 +256,33 @@ def _segment_masks(segidx, c):
   return same, cont, keep
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _channel_pairs_kernel(q, k, kt, g, interpret):
-  """(P, L) of `chunked._pair_matrices_channel` by the Pallas kernels; q, k, kt, g [..., C, K]."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _channel_pairs_kernel(q, k, kt, g, interpret, bwd_kernel):
+  """(P, L) of `chunked._pair_matrices_channel` by the Pallas forward kernel; q, k, kt, g
+  [..., C, K]. The backward is the Pallas backward kernel (bwd_kernel) or the XLA VJP of
+  `chunked._channel_pair`, once per matrix."""
   lead, (c, d) = q.shape[:-2], q.shape[-2:]
   flat = lambda x: x.reshape(-1, c, d)
   p, l = cp.channel_pairs_fwd(flat(q), flat(kt), flat(k), flat(g), interpret=interpret)
   return p.reshape(*lead, c, c), l.reshape(*lead, c, c)
 
 
-def _channel_pairs_kernel_fwd(q, k, kt, g, interpret):
-  return _channel_pairs_kernel(q, k, kt, g, interpret), (q, k, kt, g)
+def _channel_pairs_kernel_fwd(q, k, kt, g, interpret, bwd_kernel):
+  return _channel_pairs_kernel(q, k, kt, g, interpret, bwd_kernel), (q, k, kt, g)
 
 
-def _channel_pairs_kernel_bwd(interpret, res, cts):
+def _channel_pairs_kernel_bwd(interpret, bwd_kernel, res, cts):
   q, k, kt, g = res
+  back = lambda x, like: x.reshape(like.shape).astype(like.dtype)
+  if not bwd_kernel:
+    dq, dk_p, dg_p = chunked._channel_pair_bwd("bf16", (q, k, g), cts[0])
+    dkt, dk_l, dg_l = chunked._channel_pair_bwd("bf16", (kt, k, g), cts[1])
+    return back(dq, q), back(dk_p + dk_l, k), back(dkt, kt), back(dg_p + dg_l, g)
   lead, (c, d) = q.shape[:-2], q.shape[-2:]
   flat = lambda x: x.reshape(-1, c, d)
   dp, dl = (x.reshape(-1, c, c) for x in cts)
   dq, dkt, dk, dg = cp.channel_pairs_bwd(flat(q), flat(kt), flat(k), flat(g), dp, dl,
                                          interpret=interpret)
-  back = lambda x, like: x.reshape(like.shape).astype(like.dtype)
   return back(dq, q), back(dk, k), back(dkt, kt), back(dg, g)
 
 
@@ -298,9 +304,10 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TU
   chunks = (_to_chunks(q, c), _to_chunks(k, c), _to_chunks(kt, c), _to_chunks(vt, c), G)
   # (Under shard_map the kernel's outputs would lack the varying-axes types: XLA there.)
   pairs = None
-  if (gate_kind == "channel" and tuning.channel_pair == "kernel" and kt is not None
+  if (gate_kind == "channel" and tuning.channel_pair != "xla" and kt is not None
       and not _vma(q, k, kt) and cp.supported(c, q.shape[-1]) is None):
-    pairs = functools.partial(_channel_pairs_kernel, interpret=_interpret_params() is not None)
+    pairs = functools.partial(_channel_pairs_kernel, interpret=_interpret_params() is not None,
+                              bwd_kernel=tuning.channel_pair == "kernel")
   intra = functools.partial(chunked._intra_chunk, gate_kind=gate_kind, matmul="bf16",
                             solve=tuning.solve, channel_pairs=pairs)
   if tuning.remat_intra:
