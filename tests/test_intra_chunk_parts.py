@@ -57,7 +57,7 @@ def _chunk_inputs(gate_kind, extreme, c=64, dk=32, dv=16, n=3, seed=0):
 @pytest.mark.parametrize("extreme", [False, True])
 def test_bf16_matmuls_and_inverse_match_the_float32_solve(gate_kind, extreme):
   # The pallas_gpu XLA path (bf16 operands, float32 accumulation, blocked inverse) against the
-  # chunk form's float32 HIGHEST products and triangular solve: same QG, P, Y, U, KG, gC within
+  # chunk form's float32 HIGHEST products and triangular solve: same QG, P, Y, U, KG, decay_chunk within
   # bf16 rounding, finite for log gates down to -1e4 per step (forward and gradient).
   args = _chunk_inputs(gate_kind, extreme)
   run = lambda matmul, solve: jax.jit(lambda *a: chunked._intra_chunk(
@@ -65,7 +65,7 @@ def test_bf16_matmuls_and_inverse_match_the_float32_solve(gate_kind, extreme):
           *args)
   want = run("highest", "trsm")
   got = run("bf16", "inverse")
-  for name, g, w in zip(("QG", "P", "Y", "U", "KG", "gC"), got, want):
+  for name, g, w in zip(("QG", "P", "Y", "U", "KG", "decay_chunk"), got, want):
     if w is None:
       assert g is None, name
       continue

@@ -207,16 +207,6 @@ def test_linear_mixer_rejects(trigger, match):
     trigger()
 
 
-def test_planned_implementation_not_built_yet(monkeypatch):
-  """A planned implementation that is not registered (here "pallas_tpu", as before its kernels
-  landed) gives a clear "not built yet" error naming what is available, not a KeyError."""
-  monkeypatch.delitem(api._IMPLEMENTATIONS, "pallas_tpu", raising=False)
-  monkeypatch.setattr(api, "_PLANNED", tuple(set(api._PLANNED) | {"pallas_tpu"}))
-  with pytest.raises(ValueError, match=r"`implementation='pallas_tpu'` is not built yet; available: "
-                                       r"\[.*'scan'.*\]"):
-    _call("kda", implementation="pallas_tpu")
-
-
 @pytest.mark.parametrize("field,value", [("intra", "cuda"), ("intra", None), ("solve", "lu"),
                                          ("solve", 1), ("remat_intra", 1), ("remat_intra", "yes")])
 def test_gpu_tuning_rejects_bad_fields(field, value):

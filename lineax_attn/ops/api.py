@@ -64,8 +64,6 @@ _SUPPORTS: dict[str, Callable[["Call"], str | None] | None] = {}
 # The fallback reasons already logged, per implementation (one log line per reason).
 _FALLBACK_LOGGED: dict[str, set[str]] = {}
 FALLBACK = "chunk"
-# Implementations that may exist later but are not built yet: a clear error, not a KeyError.
-_PLANNED: tuple[str, ...] = ()
 
 
 def register_implementation(name: str, fn: Callable[..., Any], *,
@@ -465,9 +463,6 @@ def resolve_implementation(implementation: str | None) -> str:
   name = default_implementation() if implementation is None else implementation
   if name in _IMPLEMENTATIONS:
     return name
-  if name in _PLANNED:
-    raise ValueError(f"`implementation={name!r}` is not built yet; available: "
-                     f"{sorted(_IMPLEMENTATIONS)}.")
   raise ValueError(f"unknown `implementation={name!r}`; expected one of {sorted(_IMPLEMENTATIONS)} or None.")
 
 

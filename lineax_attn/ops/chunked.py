@@ -198,7 +198,10 @@ def _intra_chunk(Q, K, K_erase, V_write, G, gate_kind, same, cont, keep, *, matm
     [..., C] rows that reach the chunk's last row or None;
     matmul: "highest" or "bf16" (`MATMULS`); solve: "trsm" or "inverse" (`SOLVES`);
     channel_pairs: see `_pair_matrices_channel` (per-channel gates only).
-  Returns: QG, P, Y, U, KG (exit-decayed keys), gC (decay of S_0 across the chunk, [..., K]).
+  Returns: QG, P, Y, U, KG, decay_chunk. The decay names, here and in the TPU kernels:
+    decay_in = e^{G} (decay of S_0 up to row i), decay_out = e^{G_C − G} (decay of row j's
+    write up to the chunk end), decay_chunk = e^{G_C} (decay of S_0 across the chunk, [..., K]);
+    QG = Q ⊙ decay_in, KG = K ⊙ decay_out (docs/MATH.md §3.2: Γ, e^{G_C − G}, Γ_C).
   """
   if matmul not in MATMULS or solve not in SOLVES:
     raise ValueError(f"_intra_chunk: matmul must be one of {MATMULS} and solve one of "
@@ -206,15 +209,15 @@ def _intra_chunk(Q, K, K_erase, V_write, G, gate_kind, same, cont, keep, *, matm
   c = Q.shape[-2]
   if gate_kind == "channel":
     P, L = _pair_matrices_channel(Q, K, K_erase, G, matmul, channel_pairs)
-    gam, gam_exit = jnp.exp(G), jnp.exp(G[..., -1:, :] - G)
-    gC = jnp.exp(G[..., -1, :])
+    decay_in, decay_out = jnp.exp(G), jnp.exp(G[..., -1:, :] - G)
+    decay_chunk = jnp.exp(G[..., -1, :])
   elif gate_kind == "scalar":
     P, L = _pair_matrices_scalar(Q, K, K_erase, G, matmul)
-    gam, gam_exit = jnp.exp(G)[..., None], jnp.exp(G[..., -1:] - G)[..., None]
-    gC = jnp.exp(G[..., -1:])
+    decay_in, decay_out = jnp.exp(G)[..., None], jnp.exp(G[..., -1:] - G)[..., None]
+    decay_chunk = jnp.exp(G[..., -1:])
   else:
     P, L = _pair_matrices_no_gate(Q, K, K_erase, matmul)
-    gam = gam_exit = gC = None
+    decay_in = decay_out = decay_chunk = None
 
   P = P * jnp.tril(jnp.ones((c, c), bool))
   if L is not None:
@@ -224,12 +227,13 @@ def _intra_chunk(Q, K, K_erase, V_write, G, gate_kind, same, cont, keep, *, matm
     L = None if L is None else L * same
   scale_rows = lambda x, f: x if f is None else x * f
   # Rows of a segment that started inside this chunk do not see S_0 (c_i = 0).
-  entry = gam if cont is None else (cont[..., None] if gam is None else gam * cont[..., None])
+  entry = (decay_in if cont is None else
+           cont[..., None] if decay_in is None else decay_in * cont[..., None])
   QG = scale_rows(Q, entry)
-  KG = scale_rows(scale_rows(K, gam_exit), None if keep is None else keep[..., None])
+  KG = scale_rows(scale_rows(K, decay_out), None if keep is None else keep[..., None])
   if cont is not None:
     last_cont = cont[..., -1:]
-    gC = last_cont if gC is None else gC * last_cont
+    decay_chunk = last_cont if decay_chunk is None else decay_chunk * last_cont
 
   if L is None:  # linear attention: no delta edit, E = Ṽ
     Y, U = None, V_write
@@ -245,10 +249,10 @@ def _intra_chunk(Q, K, K_erase, V_write, G, gate_kind, same, cont, keep, *, matm
             eye + L, rhs, left_side=True, lower=True, unit_diagonal=True)
     dk = K_erase.shape[-1]
     Y, U = sol[..., :dk], sol[..., dk:]
-  return QG, P, Y, U, KG, gC
+  return QG, P, Y, U, KG, decay_chunk
 
 
-def _state_passing(QG, P, Y, U, KG, gC, S0, starts=None, keep_states=False):
+def _state_passing(QG, P, Y, U, KG, decay_chunk, S0, starts=None, keep_states=False):
   """The sequential part: a `lax.scan` over chunks carrying the float32 state.
 
   Inputs have layout [Nc, B, HV, ...]. `starts = (flags [Nc], states fn)` replaces the carry by
@@ -256,14 +260,14 @@ def _state_passing(QG, P, Y, U, KG, gC, S0, starts=None, keep_states=False):
   """
 
   def step(S, xs):
-    qg, p, y, u, kg, gc, idx = xs
+    qg, p, y, u, kg, decay, idx = xs
     if starts is not None:
       flags, start_state = starts
       S = jnp.where(flags[idx], start_state(idx), S)
     E = u if y is None else u - _einsum("...ck,...kv->...cv", y, S)
     O = _einsum("...ij,...jv->...iv", p, E)
     O = O + (_einsum("...ck,...kv->...cv", qg, S) if qg is not None else 0.0)
-    decayed = S if gc is None else gc[..., None] * S
+    decayed = S if decay is None else decay[..., None] * S
     S_next = decayed + _einsum("...ck,...cv->...kv", kg, E)
     return S_next, (O, E, S_next if keep_states else None)
 
@@ -272,7 +276,7 @@ def _state_passing(QG, P, Y, U, KG, gC, S0, starts=None, keep_states=False):
   # the dots of a one-iteration scan once a zero S0 is folded in as a broadcast constant; the
   # barrier keeps S0 opaque. Reproduction: tests/test_xla_cpu_workarounds.py.
   S0 = jax.lax.optimization_barrier(S0)
-  xs = (QG, P, Y, U, KG, gC, jnp.arange(n_chunks))
+  xs = (QG, P, Y, U, KG, decay_chunk, jnp.arange(n_chunks))
   S, (O, E, states) = jax.lax.scan(step, S0, xs)
   return O, E, S, states
 
@@ -327,9 +331,9 @@ def _chunk_core(q, k, k_erase, v_write, g, S0, *, chunk_size, segidx=None, start
     cont = (sc == entry).astype(jnp.float32)
     keep = (sc == sc[..., -1:]).astype(jnp.float32)
   intra = jax.checkpoint(functools.partial(_intra_chunk, gate_kind=gate_kind))
-  QG, P, Y, U, KG, gC = intra(_to_chunks(q, c), _to_chunks(k, c), _to_chunks(k_erase, c),
+  QG, P, Y, U, KG, decay_chunk = intra(_to_chunks(q, c), _to_chunks(k, c), _to_chunks(k_erase, c),
                               _to_chunks(v_write, c), G, same=same, cont=cont, keep=keep)
-  O, E, S, states = _state_passing(QG, P, Y, U, KG, gC, S0, starts=starts,
+  O, E, S, states = _state_passing(QG, P, Y, U, KG, decay_chunk, S0, starts=starts,
                                    keep_states=keep_states)
   return _from_chunks(O), _from_chunks(E), S, states
 

@@ -87,9 +87,10 @@ class Gates:
   """The decay of one chunk. kind: "none" | "scalar" | "channel".
 
   G: channel [C, K]; scalar: Gcol [C, 1] and Grow [1, C]. Derived:
-    entry [C, K] / [C, 1]: e^G (decay of S_0 up to row i);
-    exit  [C, K] / [C, 1]: e^{G_C − G} (decay of row j's write up to the chunk end);
-    last  [1, K] / [1, 1]: e^{G_C} (decay of S_0 across the chunk).
+    decay_in    [C, K] / [C, 1]: e^G (decay of S_0 up to row i);
+    decay_out   [C, K] / [C, 1]: e^{G_C − G} (decay of row j's write up to the chunk end);
+    decay_chunk [1, K] / [1, 1]: e^{G_C} (decay of S_0 across the chunk).
+  (The same names as lineax_attn's chunk form.)
   """
   kind: str
   G: jax.Array | None = None
@@ -97,7 +98,7 @@ class Gates:
   Grow: jax.Array | None = None
 
   @property
-  def entry(self):
+  def decay_in(self):
     if self.kind == "channel":
       return jnp.exp(self.G)
     if self.kind == "scalar":
@@ -113,14 +114,14 @@ class Gates:
     return None
 
   @property
-  def exit(self):
+  def decay_out(self):
     if self.kind == "none":
       return None
     g = self.G if self.kind == "channel" else self.Gcol
     return jnp.exp(self.G_last - g)
 
   @property
-  def last(self):
+  def decay_chunk(self):
     return None if self.kind == "none" else jnp.exp(self.G_last)
 
 
@@ -155,24 +156,24 @@ def make_segments(rel_row):
                   cont_last=(last == 0).astype(_F32))
 
 
-def _entry_exit(gates, seg):
+def _segment_decays(gates, seg):
   """Row factors of the S_0 terms (Γ ⊙ c) and of the state update (e^{G_C − G} ⊙ keep), and the
   S_0 decay across the chunk (c_C e^{G_C})."""
-  entry, exit_, last = gates.entry, gates.exit, gates.last
+  decay_in, decay_out, decay_chunk = gates.decay_in, gates.decay_out, gates.decay_chunk
   if seg is not None:
-    entry = seg.cont if entry is None else entry * seg.cont
-    exit_ = seg.keep if exit_ is None else exit_ * seg.keep
-    last = seg.cont_last if last is None else last * seg.cont_last
-  return entry, exit_, last
+    decay_in = seg.cont if decay_in is None else decay_in * seg.cont
+    decay_out = seg.keep if decay_out is None else decay_out * seg.keep
+    decay_chunk = seg.cont_last if decay_chunk is None else decay_chunk * seg.cont_last
+  return decay_in, decay_out, decay_chunk
 
 
-def _decay_state(S, last):
-  """Diag(last) S for last [1, K] (per key channel) or [1, 1]."""
-  if last is None:
+def _decay_state(S, decay_chunk):
+  """Diag(decay_chunk) S for decay_chunk [1, K] (per key channel) or [1, 1]."""
+  if decay_chunk is None:
     return S
-  if last.shape[1] == 1:
-    return S * last
-  return S * row_to_col(last)
+  if decay_chunk.shape[1] == 1:
+    return S * decay_chunk
+  return S * row_to_col(decay_chunk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,16 +365,16 @@ def unit_lower_inverse(L, sub, unroll):
 
 def chunk_forward(Q, K, Kt, Vt, gates, seg, S0, sub, unroll, need_output=True):
   """Returns (O [C, V] or None, E [C, V], S_C [K, V])."""
-  entry, exit_, last = _entry_exit(gates, seg)
+  decay_in, decay_out, decay_chunk = _segment_decays(gates, seg)
   P, L = pair_matrices(Q, K, Kt, gates, seg, sub, unroll, need_p=need_output)
   if Kt is None:
     E = Vt
   else:
     Z = unit_lower_inverse(L, sub, unroll)
-    Y = dot(Z, _scale(Kt, entry))
+    Y = dot(Z, _scale(Kt, decay_in))
     E = dot(Z, Vt) - dot(Y, S0)
-  O = dot(_scale(Q, entry), S0) + dot(P, E) if need_output else None
-  S_next = _decay_state(S0, last) + dot_tn(_scale(K, exit_), E)
+  O = dot(_scale(Q, decay_in), S0) + dot(P, E) if need_output else None
+  S_next = _decay_state(S0, decay_chunk) + dot_tn(_scale(K, decay_out), E)
   return O, E, S_next
 
 
@@ -390,20 +391,20 @@ def chunk_backward(Q, K, Kt, Vt, gates, seg, S0, dO, dE_ext, dS, sub, unroll):
   causal, strict = cj <= ri, cj < ri
   if seg is not None:
     causal, strict = causal & seg.same, strict & seg.same
-  entry, exit_, last = _entry_exit(gates, seg)
+  decay_in, decay_out, decay_chunk = _segment_decays(gates, seg)
   P, L = pair_matrices(Q, K, Kt, gates, seg, sub, unroll)
-  QG = _scale(Q, entry)
-  KG = _scale(K, exit_)
+  QG = _scale(Q, decay_in)
+  KG = _scale(K, decay_out)
   if Kt is None:
     E = Vt
   else:
     Z = unit_lower_inverse(L, sub, unroll)
-    KtG = _scale(Kt, entry)
+    KtG = _scale(Kt, decay_in)
     Y = dot(Z, KtG)
     E = dot(Z, Vt) - dot(Y, S0)
 
   dE = dot_tn(P, dO) + dot(KG, dS) + dE_ext                          # 1
-  dS0 = _decay_state(dS, last) + dot_tn(QG, dO)                      # 2
+  dS0 = _decay_state(dS, decay_chunk) + dot_tn(QG, dO)               # 2
   dL = dKt = None
   if Kt is None:
     dVt = dE
@@ -412,12 +413,12 @@ def chunk_backward(Q, K, Kt, Vt, gates, seg, S0, dO, dE_ext, dS, sub, unroll):
     dY = -dot_nt(dE, S0)                                             # 3
     dZ = dot_nt(dY, KtG) + dot_nt(dE, Vt)                            # 4
     dL = -jnp.where(strict, dot_nt(dot_tn(Z, dZ), Z), 0.0)
-    dKt = _scale(dot_tn(Z, dY), entry)                               # 5 (then ⊙ Γc, step 7)
+    dKt = _scale(dot_tn(Z, dY), decay_in)                            # 5 (then ⊙ Γc, step 7)
     dVt = dot_tn(Z, dE)
   dP = jnp.where(causal, dot_nt(dO, E), 0.0)                         # 6
-  dK_state = _scale(dot_nt(E, dS), exit_)                            # 7
+  dK_state = _scale(dot_nt(E, dS), decay_out)                        # 7
   dQ_pair, dK_pair, dKt_pair = pair_grads(dP, dL, Q, K, Kt, gates, sub, unroll)
-  dQ = _scale(dot_nt(dO, S0), entry) + dQ_pair
+  dQ = _scale(dot_nt(dO, S0), decay_in) + dQ_pair
   dK = dK_state + dK_pair
   if Kt is not None:
     dKt = dKt + dKt_pair
@@ -429,7 +430,7 @@ def chunk_backward(Q, K, Kt, Vt, gates, seg, S0, dO, dE_ext, dS, sub, unroll):
     if Kt is not None:
       dG = dG + Kt * dKt
     # Row C: Diag(c_C e^{G_C}) S_0 and e^{G_C} inside e^{G_C − G_j}.
-    last_row = (col_to_row(jnp.sum(S0 * dS, axis=1, keepdims=True)) * last
+    last_row = (col_to_row(jnp.sum(S0 * dS, axis=1, keepdims=True)) * decay_chunk
                 + jnp.sum(K * dK_state, axis=0, keepdims=True))      # [1, K]
     is_last = _iota((c, 1), 0) == c - 1
     if gates.kind == "scalar":
