@@ -27,6 +27,8 @@ they return `(o, final_state)` with final_state None unless asked for.
 |                                                       |   no decay is given               |
 | `chunk_kda`, `fused_recurrent_kda` (kda)              | `ops.kda`                         |
 | `chunk_gdn2`, `fused_recurrent_gdn2` (gdn2)           | `ops.gdn2`                        |
+| `chunk_simple_gla`, `fused_recurrent_simple_gla`      | `ops.simple_gla`; `g_gamma` [H]   |
+|   (simple_gla; read from fla-core 0.6.0)              |   broadcast over (B, T)           |
 
 FLA's `chunk_*` and `fused_recurrent_*` kernels compute the same recurrence; here both go to the
 same op with `implementation=None` (the best on the backend: Pallas on TPU / Hopper, the chunked
@@ -87,6 +89,7 @@ __all__ = [
     "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn",
     "chunk_kda", "fused_recurrent_kda",
     "chunk_gdn2", "fused_recurrent_gdn2",
+    "chunk_simple_gla", "fused_recurrent_simple_gla",
 ]
 
 
@@ -473,6 +476,60 @@ def fused_recurrent_gdn2(q, k, v, g, b, w, A_log=None, dt_bias=None, scale=None,
               output_final_state=output_final_state,
               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
               cu_seqlens=cu_seqlens, chunk_size=chunk_size, implementation=implementation)
+
+
+# ----------------------------------------------------------------------------------------------
+# Simple GLA (fla.ops.simple_gla): decay only, one scalar per head and step (Mamba-2's SSD core).
+
+def _simple_gla_gate(fn: str, q, v, g, g_gamma):
+  """g `[B, T, HV]` log decay, or FLA's data-independent g_gamma `[HV]` broadcast over (B, T);
+  neither: no decay (linear attention without normaliser, as FLA's kernel then computes)."""
+  if g is not None and g_gamma is not None:
+    raise ValueError(f"{fn}: pass `g` or `g_gamma`, not both (FLA: only one of them).")
+  b, t, hv = q.shape[0], q.shape[1], v.shape[2]
+  if g_gamma is not None:
+    return jnp.broadcast_to(_param(fn, "g_gamma", g_gamma, (hv,)), (b, t, hv))
+  if g is None:
+    return jnp.zeros((b, t, hv), jnp.float32)
+  _array(fn, "g", g, 3)
+  return g
+
+
+def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                     output_final_state=False, state_v_first=False, cu_seqlens=None,
+                     cu_seqlens_cpu=None, *, chunk_size=64, head_first=False,
+                     implementation=None, **kwargs):
+  """FLA's `chunk_simple_gla` on `lineax_attn.ops.simple_gla`: S_t = e^{g_t} S_{t−1} + k_t v_tᵀ.
+
+  q, k `[B, T, H, K]`, v `[B, T, HV, V]`, g `[B, T, HV]` log decay or g_gamma `[HV]` (one
+  constant log decay per head). Returns `(o [B, T, HV, V], final_state [N, HV, K, V] or None)`.
+  """
+  del cu_seqlens_cpu  # derived from cu_seqlens here
+  fn = "chunk_simple_gla"
+  _check_extras(fn, kwargs, head_first)
+  _heads(fn, q, v)
+  g = _simple_gla_gate(fn, q, v, g, g_gamma)
+  return _run(fn, ops.simple_gla, q, k, v, (g,), scale=scale, initial_state=initial_state,
+              output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
+              state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+              implementation=implementation)
+
+
+def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
+                               output_final_state=False, reverse=False, state_v_first=False,
+                               cu_seqlens=None, *, chunk_size=64, head_first=False,
+                               implementation=None, **kwargs):
+  """FLA's `fused_recurrent_simple_gla`: the same op as `chunk_simple_gla` (`reverse=True` is
+  not supported)."""
+  fn = "fused_recurrent_simple_gla"
+  _check_extras(fn, kwargs, head_first)
+  _not_supported(fn, "reverse", _flag(fn, "reverse", reverse), False)
+  _heads(fn, q, v)
+  g = _simple_gla_gate(fn, q, v, g, g_gamma)
+  return _run(fn, ops.simple_gla, q, k, v, (g,), scale=scale, initial_state=initial_state,
+              output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
+              state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+              implementation=implementation)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -84,6 +84,15 @@ FLA_SIGNATURES = {
     "fused_recurrent_linear_attn": _QKV + [
         ("scale", None), ("initial_state", None), ("output_final_state", False),
         ("reverse", False), ("normalize", False), ("cu_seqlens", None)],
+    # Read from the fla-core 0.6.0 wheel: fla/ops/simple_gla/chunk.py and fused_recurrent.py.
+    "chunk_simple_gla": _QKV + [
+        ("g", None), ("g_gamma", None), ("scale", None), ("initial_state", None),
+        ("output_final_state", False), ("state_v_first", False), ("cu_seqlens", None),
+        ("cu_seqlens_cpu", None)],
+    "fused_recurrent_simple_gla": _QKV + [
+        ("g", None), ("g_gamma", None), ("scale", None), ("initial_state", None),
+        ("output_final_state", False), ("reverse", False), ("state_v_first", False),
+        ("cu_seqlens", None)],
 }
 # Options FLA reads from **kwargs (keyword-only here), with FLA's defaults.
 FLA_KWARGS = {
@@ -106,8 +115,10 @@ CASES = {
     "fused_recurrent_kda": (ops.kda, ("g", "beta"), True),
     "chunk_gdn2": (ops.gdn2, ("g", "b", "w"), False),
     "fused_recurrent_gdn2": (ops.gdn2, ("g", "b", "w"), True),
+    "chunk_simple_gla": (ops.simple_gla, ("g",), False),
+    "fused_recurrent_simple_gla": (ops.simple_gla, ("g",), False),
 }
-L2NORM_NAMES = [n for n in CASES if "linear_attn" not in n]
+L2NORM_NAMES = [n for n in CASES if "linear_attn" not in n and "simple_gla" not in n]
 
 
 def inputs(name, *, b=2, t=13, h=2, hv=None, dk=8, dv=8, seed=0, unit_qk=True):
@@ -409,6 +420,24 @@ def linear_attn_loop(q, k, v, scale, h0, z0, cu, reverse, normalize):
   return o, np.stack(hs), np.stack(zs)
 
 
+def test_simple_gla_g_gamma_and_no_decay():
+  """FLA's g_gamma [H] is one constant log decay per head: the op with it broadcast over (B, T);
+  with neither g nor g_gamma the recurrence is unnormalised linear attention."""
+  x = inputs("chunk_simple_gla")
+  gamma = -jnp.array([0.1, 0.7])
+
+  def run(x):
+    return (fla.chunk_simple_gla(*qkv(x), g_gamma=gamma, output_final_state=True, **SCAN),
+            ops.simple_gla(*qkv(x), jnp.broadcast_to(gamma, x["v"].shape[:3]),
+                           output_final_state=True, **SCAN),
+            fla.fused_recurrent_simple_gla(*qkv(x), output_final_state=True, **SCAN),
+            ops.linear_attention(*qkv(x), output_final_state=True, **SCAN))
+
+  got, want, free, linear = jax.jit(run)(x)
+  assert_same(got, want, what="g_gamma")
+  assert_near(free, linear, what="no decay = linear attention")
+
+
 @pytest.mark.parametrize("varlen", [False, True])
 def test_linear_attn_normalize(varlen):
   """FLA's normaliser (chunk_linear_attn's default) against a numpy loop: a (kv_state, z_state)
@@ -457,6 +486,12 @@ def _error_inputs():
 # (FLA call on the inputs above, error, message); the op's own checks still speak too.
 ERRORS = [
     (lambda i: fla.chunk_kda(**i["kda"], head_first=True), ValueError, r"`head_first=True`"),
+    (lambda i: fla.chunk_simple_gla(**i["la"], g=i["gdn"]["g"], g_gamma=-jnp.ones(4)),
+     ValueError, r"`g` or `g_gamma`, not both"),
+    (lambda i: fla.chunk_simple_gla(**i["la"], g_gamma=-jnp.ones(3)), ValueError,
+     r"`g_gamma` must have shape \[4\]"),
+    (lambda i: fla.fused_recurrent_simple_gla(**i["la"], reverse=True), NotImplementedError,
+     r"`reverse=True`"),
     (lambda i: fla.chunk_linear_attn(**i["la"], head_first=True), ValueError,
      r"`head_first=True`"),
     (lambda i: fla.chunk_gated_delta_rule(**i["gdn"], use_cache=True), ValueError,
