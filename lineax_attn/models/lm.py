@@ -214,11 +214,11 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
   under `jax.jit` bit for bit, compiled one block kind at a time.
 
   One jitted program of the whole model inlines every parameter's RNG (threefry) and
-  initialiser, so its compile grows with the depth: on an H200 XLA spent 154 s compiling it for
-  the 24-layer Transformer++ of `configs/mixers.py:paper`. Here one small program makes the
-  embedding, final norm, head and the blocks' keys, and each block comes from the compiled
-  program of its kind called with its key: the identical blocks of a stack compile once (one
-  program per mixer kind). The returned function keeps its compiled programs (call it again
+  initialiser, so its compile grows with the depth (minutes on an H200 for the 24-layer
+  Transformer++ of `configs/mixers.py:paper`, docs/BENCHMARKS.md "Start-up"). Here one small
+  program makes the embedding, final norm, head and the blocks' keys, and each block comes
+  from the compiled program of its kind called with its key: the identical blocks of a stack
+  compile once (one program per mixer kind). The returned function keeps its compiled programs (call it again
   without compiling).
 
   Args:

@@ -180,8 +180,7 @@ def _pair_matrices_channel(Q, K, K_erase, G, matmul, pairs=None):
   pairs: None (`_channel_pair` in XLA, one call per matrix) or a differentiable
   (Q, K, K_erase, G) -> (P, L) computing both matrices at once (the pallas_gpu path passes
   its kernel; used only when there is a K_erase). One XLA call on the stacked [Q; K̃] (decay
-  factors built once) measured slower on an H200 (KDA fwd+bwd 14.5 vs 11.2 ms,
-  docs/BENCHMARKS.md run 6)."""
+  factors built once) was measured slower on an H200 (docs/BENCHMARKS.md run 6)."""
   if pairs is not None and K_erase is not None:
     return pairs(Q, K, K_erase, G)
   pair = lambda A, K, G: _channel_pair(A, K, G, matmul)

@@ -75,8 +75,8 @@ def context_parallel_attention(q, k, v, *, axis_name: str = context.SEQUENCE_AXI
       and memory split over the shards, but materialised scores, fine for short T);
       "padded_queries": the unsharded op on zero-padded queries (`_padded_queries`; cuDNN's
       fused kernel, whole-sequence attention compute per device). None: padded_queries when
-      the implementation resolves to cuDNN, else offset_mask. Measured on 2 H200s at T = 16K
-      (docs/BENCHMARKS.md), the offset mask made the hybrid's step 14x slower than one GPU.
+      the implementation resolves to cuDNN, else offset_mask. On 2 H200s at T = 16K the offset
+      mask made the hybrid's step far slower than one GPU (docs/BENCHMARKS.md, "Two GPUs").
 
   Returns:
     `[B, T_local, H, D]` in q's dtype; outputs at padding queries are 0.

@@ -6,8 +6,8 @@ for one chunk (i, j < C), zero above the diagonal; G is the within-chunk cumulat
 per key channel (non-increasing down the chunk), K̃ the erase keys. P is the masked intra-chunk
 attention and L the strictly-lower system matrix of the chunk form (the caller applies the
 strict / segment masks). In XLA these products build and write the anchored sub-chunk tensors
-of their exponentials ([.., 16, 16, K] per sub-chunk pair, ~1.4 ms per matrix at B4 T4096 H16
-K128 on an H200); here nothing but the C×C results leaves the chip.
+of their exponentials ([.., 16, 16, K] per sub-chunk pair) to HBM; here nothing but the C×C
+results leaves the chip (timings: docs/BENCHMARKS.md run 7).
 
 Work split: one program per (chunk, 16-row block b), both matrices at once (they share K, G
 and every exponential).
@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 SUB = 16     # rows per block: one program per (chunk, block)
-DS = 64      # channels per slice (H200: 8 warps, slices of 64 the fastest of {4, 8} x {32, 64})
+DS = 64      # channels per slice; with NUM_WARPS the fastest measured pair (BENCHMARKS run 7)
 _F32 = jnp.float32
 _BF16 = jnp.bfloat16
 NUM_WARPS = 8
