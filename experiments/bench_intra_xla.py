@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from experiments import cli
 from lineax_attn import bench, ops
-from lineax_attn.ops import chunked, pallas_gpu, triangular
+from lineax_attn.ops import chunked, gpu_chunks, gpu_vjps, pallas_gpu, triangular
 from pallas_kernels.gpu import channel_pair as cp
 
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
@@ -43,7 +43,7 @@ def rows_for(mixer, b, t, h, d, iters):
   q, k, v, *gates = bench.mixer_inputs(mixer, batch=b, seq_len=t, heads=h, v_heads=h,
                                        head_dim_k=d, head_dim_v=d, dtype=jnp.bfloat16)
   g = gates[0]
-  chunks = lambda x: pallas_gpu._to_chunks(x, c)
+  chunks = lambda x: gpu_chunks.to_chunks(x, c)
   Q, K = chunks(q.astype(jnp.float32)), chunks(k.astype(jnp.float32))
   G = jnp.cumsum(chunks(g), axis=-2)
   rng = jax.random.normal(jax.random.key(1), Q.shape[:-1] + (c,), jnp.float32)
@@ -54,7 +54,7 @@ def rows_for(mixer, b, t, h, d, iters):
                                        tuning=pallas_gpu.GpuTuning(**tune))[0])
   Qb, Kb = Q.astype(jnp.bfloat16), K.astype(jnp.bfloat16)
   dM = jnp.tril(rng)
-  kernel_pairs = lambda q, kt, k, g: pallas_gpu._channel_pairs_kernel(q, k, kt, g, False, True)
+  kernel_pairs = lambda q, kt, k, g: gpu_vjps.channel_pairs_kernel(q, k, kt, g, False, True)
   flat = lambda x: x.reshape(-1, *x.shape[-2:])
   raw = lambda f, w, ds: (lambda *a: f(*map(flat, a), num_warps=w, slice_k=ds))
 

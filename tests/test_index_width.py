@@ -288,9 +288,9 @@ def test_intra_kernel_segment_ids_stay_exact_past_2_24_segments():
   # float32 holds integers exactly only up to 2^24: ids 2^24 and 2^24 + 1 would compare equal.
   # The kernel gets ids relative to each chunk's first row; within a chunk, "same segment" must
   # be exactly what the integer ids say (every token its own segment here, the worst case).
-  from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
+  from lineax_attn.ops import gpu_chunks  # pylint: disable=g-import-not-at-top
   segidx = (2**24 + jnp.arange(256, dtype=jnp.int32))[None]
-  seg, cont, keep = pallas_gpu._kernel_segments(segidx, 64)
+  seg, cont, keep = gpu_chunks.kernel_segments(segidx, 64)
   got = np.asarray(seg).reshape(4, 64)
   want = np.asarray(segidx).reshape(4, 64)
   assert np.array_equal(got[:, :, None] == got[:, None, :], want[:, :, None] == want[:, None, :])

@@ -13,7 +13,7 @@ Oracles:
 * the forward's optional M output (the backward's input) is unit lower triangular and inverts
   I + L (L built in float64 from the inputs) to 1e-2 (bf16-rounded M), random and correlated
   keys, and asking for it changes no other output;
-* the backward kernel (with the XLA glue of `pallas_gpu._intra_kernel`: QG/KG terms, Gx's chain
+* the backward kernel (with the XLA glue of `gpu_vjps.intra_kernel`: QG/KG terms, Gx's chain
   rule, GVA's sum) vs autodiff of that exact reference, for random cotangents: every input's
   gradient to rel 5e-3 (bf16 matmul operands; measured dq 9e-4), random and packed inputs.
 * `implementation="pallas_gpu"` with `GpuTuning(intra="kernel")` vs the `scan` reference: GDN and
@@ -39,7 +39,7 @@ from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, output_and_st
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
-from lineax_attn.ops import pallas_gpu  # noqa: E402
+from lineax_attn.ops import gpu_chunks, gpu_vjps, pallas_gpu  # noqa: E402
 from pallas_kernels.gpu import intra_chunk as ic  # noqa: E402
 NAMES = ("ny", "qg", "p", "u", "kg")
 
@@ -126,12 +126,12 @@ def test_kernel_backward_matches_autodiff_of_exact_reference(case):
   scale = 64 ** -0.5
 
   def exact(q, k, v, beta_t, G):
-    segments = None if segidx is None else pallas_gpu._kernel_segments(segidx, 64)
+    segments = None if segidx is None else gpu_chunks.kernel_segments(segidx, 64)
     return ic.intra_chunk_reference(q, k, v, jnp.moveaxis(beta_t, 1, 2), G.reshape(b, hv, t),
                                     (G[..., -1:] - G).reshape(b, hv, t), segments, scale=scale)
 
   def kernel(q, k, v, beta_t, G):
-    return pallas_gpu._intra_kernel(q, k, v, beta_t, G, segidx, scale, 64, INTERPRET)
+    return gpu_vjps.intra_kernel(q, k, v, beta_t, G, segidx, scale, 64, INTERPRET)
 
   primals = (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), beta_t, G)
   outs, vjp_exact = jax.vjp(exact, *primals)

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gpu import mosaic_common as mc
 from pallas_kernels.gpu import state_passing as sp
 
 CHUNK = sp.CHUNK
@@ -108,7 +109,7 @@ def _split_products(*operands):
   for a, b in operands:
     b_hi = b[2] if a is b else b[0]
     groups.append((CHUNK, CHUNK, [(a[0], b_hi), (a[0], b[1]), (a[1], b_hi)]))
-  return sp._matmuls(*groups)
+  return mc.matmuls(*groups)
 
 
 def _unit_lower_inverse(lmat, ii, jj, tiles):
@@ -190,9 +191,9 @@ def _chunk_terms(q_s, k_s, vec_s, with_qk=True):
   beta_row, entry_row, exit_row = _row_factors(vec_s)
   kt = k_s.transpose((1, 0))
   if with_qk:
-    qk, kk = sp._matmuls((c, c, [(q_s, kt)]), (c, c, [(k_s, kt)]))
+    qk, kk = mc.matmuls((c, c, [(q_s, kt)]), (c, c, [(k_s, kt)]))
   else:
-    qk, (kk,) = None, sp._matmuls((c, c, [(k_s, kt)]))
+    qk, (kk,) = None, mc.matmuls((c, c, [(k_s, kt)]))
   ii, jj = _iota(0), _iota(1)
   lower = ii >= jj
   diff = _rows(g_row, (c, c)) - lax.broadcast_in_dim(g_col, (c, c), [1])
@@ -269,7 +270,7 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_i
   outs = _intra_chunk_fwd(q, k, v, beta, g, gx, segments, scale=float(scale),
                           with_inverse=bool(with_inverse), profile_dir=profile_dir,
                           interpret=interpret)
-  return sp._sync_if_interpreted(outs, interpret)
+  return mc.sync_if_interpreted(outs, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "with_inverse", "profile_dir", "interpret"))
@@ -308,7 +309,7 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the inverse reuses the tile
         return _unit_lower_inverse(tm["lmat"], tm["ii"], tm["jj"], tiles)
 
-      cc = sp._smem((c, c), _BF16)
+      cc = mc.smem((c, c), _BF16)
       with jax.named_scope("P out, inverse"):
         m = pl.run_scoped(inverse_phase, cc, cc, cc, cc, cc)
 
@@ -328,7 +329,7 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
         plgpu.copy_smem_to_gmem(k_s, kg_ref.at[bi, hi, ci])
         if with_inverse:
           plgpu.copy_smem_to_gmem(m_s, m_ref[0].at[bi, hi, ci])
-        y, u = sp._matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, v_s)]))
+        y, u = mc.matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, v_s)]))
         rk_s[...] = (-y).astype(_BF16)                   # the wgmmas are done reading rk_s
         u_s[...] = u
         plgpu.commit_smem()
@@ -337,11 +338,11 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       with jax.named_scope("Y, U, outputs"):
-        pl.run_scoped(output_phase, cc, sp._smem((c, dk), _BF16), sp._smem((c, dv), _F32))
+        pl.run_scoped(output_phase, cc, mc.smem((c, dk), _BF16), mc.smem((c, dv), _F32))
 
     pl.run_scoped(
         body,
-        sp._smem((c, dk), _BF16), sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
+        mc.smem((c, dk), _BF16), mc.smem((c, dk), _BF16), mc.smem((c, dv), _BF16),
         plgpu.Barrier(num_barriers=3 + len(vecs)), *_vec_specs(packed))
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
@@ -365,7 +366,7 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: fl
   """
   outs = _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, scale=float(scale),
                           profile_dir=profile_dir, interpret=interpret)
-  return sp._sync_if_interpreted(outs, interpret)
+  return mc.sync_if_interpreted(outs, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "profile_dir", "interpret"))
@@ -398,7 +399,7 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
         _copy_in(srcs, [q_s, k_s, v_s, *vec_s, m_s, dny_s, dp_s, du_s], bars)
       beta_row, entry_row, _ = _row_factors(vec_s)
       be_k = _rows(beta_row * entry_row, (c, dk))
-      cc = sp._smem((c, c), _BF16)
+      cc = mc.smem((c, c), _BF16)
 
       def grads_phase(rk_s, rv_s, ones, t_a, t_b, t_whi, t_wlo, vout, stage_k, *stage_v):
         stage_v = stage_v[0] if stage_v else stage_k
@@ -406,18 +407,18 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
           rk_s[...] = (k_s[...].astype(_F32) * be_k).astype(_BF16)
           rv_s[...] = (v_s[...].astype(_F32) * _rows(beta_row, (c, dv))).astype(_BF16)
           plgpu.commit_smem()
-          y, u = sp._matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, rv_s)]))
+          y, u = mc.matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, rv_s)]))
           rk_s[...] = y.astype(_BF16)                     # rk_s, rv_s now hold Y and U
           rv_s[...] = u.astype(_BF16)
         with jax.named_scope("dR_v, dv"):
-          (d_rv,) = sp._matmuls((c, dv, [(m_s.transpose((1, 0)), du_s)]))
+          (d_rv,) = mc.matmuls((c, dv, [(m_s.transpose((1, 0)), du_s)]))
           dbeta = jnp.sum(d_rv * v_s[...].astype(_F32), axis=1)
           stage_v[...] = d_rv * _rows(beta_row, (c, dv))
           du_s[...] = d_rv.astype(_BF16)                  # du_s now holds dR_v
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(stage_v, dv_ref.at[bi, hi, ci])
         with jax.named_scope("dR_k"):
-          (d_rk,) = sp._matmuls((c, dk, [(m_s.transpose((1, 0)), dny_s)]))
+          (d_rk,) = mc.matmuls((c, dk, [(m_s.transpose((1, 0)), dny_s)]))
           d_rk = -d_rk                                    # dY = −dNY
           rk_dot = jnp.sum(d_rk * k_s[...].astype(_F32), axis=1)   # Σ_k dR_k ⊙ K
           dny_s[...] = d_rk.astype(_BF16)                 # dny_s now holds dR_k
@@ -425,8 +426,8 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
           stage_k[...] = d_rk * be_k
           plgpu.commit_smem()
         with jax.named_scope("dL"):
-          (d_l,) = sp._matmuls((c, c, [(dny_s, rk_s.transpose((1, 0))),
-                                       (du_s, rv_s.transpose((1, 0)))]))
+          (d_l,) = mc.matmuls((c, c, [(dny_s, rk_s.transpose((1, 0))),
+                                      (du_s, rv_s.transpose((1, 0)))]))
         with jax.named_scope("QK, KK, decay; dA, dB, W"):
           tm2 = _chunk_terms(q_s, k_s, vec_s)
           ii, jj, decay = tm2["ii"], tm2["jj"], tm2["decay"]
@@ -442,7 +443,7 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
           ones[...] = jnp.where(ii >= 0, 1.0, 0.0).astype(_BF16)   # Wᵀ·1 gives column sums
           plgpu.commit_smem()
         with jax.named_scope("dk, column sums"):
-          dkk, colsum = sp._matmuls(
+          dkk, colsum = mc.matmuls(
               (c, dk, [(t_a.transpose((1, 0)), q_s), (t_b, k_s), (t_b.transpose((1, 0)), k_s)]),
               (c, c, [(t_whi.transpose((1, 0)), ones), (t_wlo.transpose((1, 0)), ones)]))
           stage_k[...] = dkk + stage_k[...]
@@ -450,7 +451,7 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
           plgpu.copy_smem_to_gmem(stage_k, dk_ref.at[bi, hi, ci])
           dg_col = jnp.sum(colsum, axis=1) * (1.0 / c)
         with jax.named_scope("dq, vectors out"):
-          (dq,) = sp._matmuls((c, dk, [(t_a, k_s)]))
+          (dq,) = mc.matmuls((c, dk, [(t_a, k_s)]))
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           stage_k[...] = dq
           for i, x in enumerate((dbeta, dg_row, dg_col)):
@@ -461,15 +462,15 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
             plgpu.copy_smem_to_gmem(vout.at[i], dst.at[bi, hi, rows])
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-      pl.run_scoped(grads_phase, sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16),
-                    cc, cc, cc, cc, cc, plgpu.SMEM((3, c), _F32), sp._smem((c, dk), _F32),
-                    *([] if dv == dk else [sp._smem((c, dv), _F32)]))
+      pl.run_scoped(grads_phase, mc.smem((c, dk), _BF16), mc.smem((c, dv), _BF16),
+                    cc, cc, cc, cc, cc, plgpu.SMEM((3, c), _F32), mc.smem((c, dk), _F32),
+                    *([] if dv == dk else [mc.smem((c, dv), _F32)]))
 
-    cc = sp._smem((c, c), _BF16)
+    cc = mc.smem((c, c), _BF16)
     pl.run_scoped(
         body,
-        sp._smem((c, dk), _BF16), sp._smem((c, dk), _BF16), sp._smem((c, dv), _BF16), cc,
-        sp._smem((c, dk), _BF16), cc, sp._smem((c, dv), _BF16),
+        mc.smem((c, dk), _BF16), mc.smem((c, dk), _BF16), mc.smem((c, dv), _BF16), cc,
+        mc.smem((c, dk), _BF16), cc, mc.smem((c, dv), _BF16),
         plgpu.Barrier(num_barriers=7 + len(vecs)), *_vec_specs(packed))
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gpu import mosaic_common as mc
+
 MM_DTYPE = jnp.bfloat16  # wgmma operand dtype; accumulation is always float32
 CHUNK = 64               # wgmma M tile: rows of a chunk
 BLOCK_V = 64             # value columns per CTA
@@ -83,32 +85,6 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
   return None
 
 
-def _tile(cols: int, dtype) -> tuple:
-  """Tiling + swizzle transforms that let TMA and wgmma read a [rows, cols] smem tile."""
-  itemsize = jnp.dtype(dtype).itemsize
-  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _smem(shape, dtype):
-  return plgpu.SMEM(shape, dtype, transforms=_tile(shape[-1], dtype))
-
-
-def _matmuls(*groups):
-  """Runs wgmmas into fresh float32 accumulators and returns their values.
-
-  groups: one `(rows, cols, [(a, b), ...])` per accumulator, summing a·b over its pairs. Scoped
-  accumulators (zero-initialised) rather than `run_state` with `ACC.init`, because JAX's Mosaic
-  GPU interpreter does not run `run_state`; the caller adds any initial term in registers.
-  """
-  def body(*accs):
-    for acc, (_, _, pairs) in zip(accs, groups):
-      for a, b in pairs:
-        plgpu.wgmma(acc, a, b)
-    return tuple(acc[...] for acc in accs)
-  return pl.run_scoped(body, *(plgpu.ACC((r, c), jnp.float32) for r, c, _ in groups))
-
-
 def _decay_rows(x, gc):
   """gc [R] (row vector layout) ⊙ rows of x [R, N]."""
   return x * lax.broadcast_in_dim(gc, x.shape, [0])
@@ -120,7 +96,7 @@ def _load_tile(src_gmem, shape, dtype):
     plgpu.copy_gmem_to_smem(src_gmem, buf, bar.at[0])
     plgpu.barrier_wait(bar.at[0])
     return buf[...]
-  return pl.run_scoped(body, _smem(shape, dtype), plgpu.Barrier(num_barriers=1))
+  return pl.run_scoped(body, mc.smem(shape, dtype), plgpu.Barrier(num_barriers=1))
 
 
 def _store_tile(x, dst_gmem):
@@ -130,7 +106,7 @@ def _store_tile(x, dst_gmem):
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(buf, dst_gmem)
     plgpu.wait_smem_to_gmem(0)
-  pl.run_scoped(body, _smem(x.shape, dst_gmem.dtype))
+  pl.run_scoped(body, mc.smem(x.shape, dst_gmem.dtype))
 
 
 def _mesh_kwargs(b, hv, nc, dv):
@@ -141,21 +117,6 @@ def _mesh_kwargs(b, hv, nc, dv):
 def _issue(srcs, dsts, bars, slot):
   for src, dst, bar in zip(srcs, dsts, bars):
     plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
-
-
-def _sync_if_interpreted(outs, interpret):
-  """Waits for an interpreted kernel's results before returning them.
-
-  The Mosaic GPU interpreter runs the kernel in io_callbacks that dispatch JAX ops from XLA's
-  thread; if the caller meanwhile dispatches eager ops from the main thread, the two can
-  deadlock (seen with jax 0.11.2 on CPU). Compiled kernels and traced values are left alone.
-  """
-  if interpret is None:
-    return outs
-  leaves = jax.tree.leaves(outs)
-  if any(isinstance(x, jax.core.Tracer) for x in leaves):
-    return outs
-  return jax.block_until_ready(outs)
 
 
 def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, interpret=None):
@@ -174,7 +135,7 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, interpret=
   """
   outs = _state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=save_states,
                             interpret=interpret)
-  return _sync_if_interpreted(outs, interpret)
+  return mc.sync_if_interpreted(outs, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("save_states", "interpret"))
@@ -219,7 +180,7 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret):
           plgpu.copy_smem_to_gmem(s_mm, h_ref.at[bi, hi, ci, :, vs])
         u = u_s.at[slot][...]
 
-        e, o = _matmuls((c, bv, [(ny_s.at[slot], s_mm)]), (c, bv, [(qg_s.at[slot], s_mm)]))
+        e, o = mc.matmuls((c, bv, [(ny_s.at[slot], s_mm)]), (c, bv, [(qg_s.at[slot], s_mm)]))
         e = e + u
 
         gcv = plgpu.load(gc_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -229,8 +190,8 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret):
         e_mm[...] = e.astype(MM_DTYPE)
         plgpu.commit_smem()
 
-        pe, ke = _matmuls((c, bv, [(p_s.at[slot], e_mm)]),
-                          (dk, bv, [(kg_s.at[slot].transpose((1, 0)), e_mm)]))
+        pe, ke = mc.matmuls((c, bv, [(p_s.at[slot], e_mm)]),
+                            (dk, bv, [(kg_s.at[slot].transpose((1, 0)), e_mm)]))
         o = o + pe
         s = _decay_rows(s, gcv) + ke
 
@@ -250,10 +211,10 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret):
     barriers = tuple(plgpu.Barrier(num_barriers=2) for _ in range(6))
     state = pl.run_scoped(
         loop,
-        _smem((2, c, dk), MM_DTYPE), _smem((2, c, dk), MM_DTYPE), _smem((2, c, c), MM_DTYPE),
-        _smem((2, c, bv), f32), _smem((2, c, dk), MM_DTYPE), plgpu.SMEM((2, dk), f32),
-        _smem((dk, bv), MM_DTYPE), _smem((c, bv), MM_DTYPE),
-        _smem((c, bv), f32), _smem((c, bv), f32), barriers)
+        mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, c), MM_DTYPE),
+        mc.smem((2, c, bv), f32), mc.smem((2, c, dk), MM_DTYPE), plgpu.SMEM((2, dk), f32),
+        mc.smem((dk, bv), MM_DTYPE), mc.smem((c, bv), MM_DTYPE),
+        mc.smem((c, bv), f32), mc.smem((c, bv), f32), barriers)
     _store_tile(state, sf_ref.at[bi, hi, :, vs])
 
   return plgpu.kernel(kernel, out_type=tuple(out_type), interpret=interpret,
@@ -273,7 +234,7 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret=None
     bf16 cotangent of the state leaving each chunk; ds0 `[B, HV, K, V]` float32.
   """
   outs = _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, interpret=interpret)
-  return _sync_if_interpreted(outs, interpret)
+  return mc.sync_if_interpreted(outs, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -317,7 +278,7 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
         dx = dx_s.at[slot][...]
         gcv = plgpu.load(gc_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
 
-        de, qdo = _matmuls(
+        de, qdo = mc.matmuls(
             (c, bv, [(p_s.at[slot].transpose((1, 0)), do_s.at[slot]), (kg_s.at[slot], ds_mm)]),
             (dk, bv, [(qg_s.at[slot].transpose((1, 0)), do_s.at[slot])]))
         de = de + dx
@@ -328,7 +289,7 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
         de_mm[...] = de.astype(MM_DTYPE)
         plgpu.commit_smem()
 
-        (yde,) = _matmuls((dk, bv, [(ny_s.at[slot].transpose((1, 0)), de_mm)]))
+        (yde,) = mc.matmuls((dk, bv, [(ny_s.at[slot].transpose((1, 0)), de_mm)]))
         ds = ds + yde
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dh copy done reading ds_mm
@@ -344,10 +305,10 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
     barriers = tuple(plgpu.Barrier(num_barriers=2) for _ in range(7))
     dstate = pl.run_scoped(
         loop,
-        _smem((2, c, dk), MM_DTYPE), _smem((2, c, dk), MM_DTYPE), _smem((2, c, c), MM_DTYPE),
-        _smem((2, c, dk), MM_DTYPE), plgpu.SMEM((2, dk), f32), _smem((2, c, bv), MM_DTYPE),
-        _smem((2, c, bv), f32), _smem((dk, bv), MM_DTYPE), _smem((c, bv), MM_DTYPE),
-        _smem((c, bv), f32), barriers)
+        mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, c), MM_DTYPE),
+        mc.smem((2, c, dk), MM_DTYPE), plgpu.SMEM((2, dk), f32), mc.smem((2, c, bv), MM_DTYPE),
+        mc.smem((2, c, bv), f32), mc.smem((dk, bv), MM_DTYPE), mc.smem((c, bv), MM_DTYPE),
+        mc.smem((c, bv), f32), barriers)
     _store_tile(dstate, ds0_ref.at[bi, hi, :, vs])
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,

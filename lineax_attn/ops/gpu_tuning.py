@@ -1,0 +1,68 @@
+"""Static tuning of the `pallas_gpu` implementation: `GpuTuning` and its checks.
+
+Its own module, importing neither jax nor the kernels; `pallas_gpu` re-exports every name
+here (`pallas_gpu.GpuTuning` stays the public spelling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+INTRA_CHOICES = ("kernel", "xla")
+PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
+SOLVE_CHOICES = ("inverse", "trsm")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTuning:
+  """Static tuning of the `pallas_gpu` implementation: pass as `tuning=` to the ops.
+
+  Frozen and hashable, read at trace time: under `jax.jit` each distinct value is part of the
+  traced program, so a function jitted with one tuning is retraced, never silently reused, when
+  called with another (make it a static argument, or close over it).
+
+  Attributes:
+    intra: who computes the intra-chunk part of DeltaNet / GDN: "kernel"
+      (`pallas_kernels.gpu.intra_chunk`, forward and backward Mosaic GPU kernels: GDN fwd+bwd
+      2.5 ms vs 4.6 ms at B4 T4096 H16 D128 on an H200, docs/BENCHMARKS.md run 5) or "xla" (the
+      XLA path; also what runs under shard_map). Linear attention, KDA and GDN-2 always take the
+      XLA path.
+    solve: how the XLA path solves the intra-chunk unit-lower-triangular systems: "inverse"
+      (blocked inverse by matmuls, `ops.triangular.unit_lower_inverse`, applied with bf16
+      operands) or "trsm" (`lax.linalg.triangular_solve` in float32).
+    channel_pair: who computes the per-channel pair matrices P and L of KDA / GDN-2 inside the
+      XLA intra-chunk path: "xla" (`chunked._channel_pair`, forward and backward), "kernel_fwd"
+      (the Pallas-on-Triton forward kernel of `pallas_kernels.gpu.channel_pair`, both matrices
+      in one launch, nothing but the C×C results leaving the chip; the XLA backward) or
+      "kernel" (its forward and backward kernels). H200 numbers: docs/BENCHMARKS.md run 7.
+    remat_intra: whether the backward recomputes the XLA intra-chunk part (`jax.checkpoint`:
+      less memory) or keeps its residuals (the C×C products and the inverse per chunk: a faster
+      backward).
+  """
+
+  intra: str = "kernel"
+  solve: str = "inverse"
+  channel_pair: str = "xla"
+  remat_intra: bool = True
+
+  def __post_init__(self):
+    for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
+                          ("channel_pair", PAIR_CHOICES)):
+      value = getattr(self, name)
+      if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")
+    if not isinstance(self.remat_intra, bool):
+      raise ValueError(f"GpuTuning.remat_intra must be a bool, got {self.remat_intra!r}.")
+
+
+DEFAULT_TUNING = GpuTuning()
+
+
+def check_tuning(tuning) -> GpuTuning:
+  """`tuning` as a GpuTuning: None gives `DEFAULT_TUNING`; anything else is a ValueError."""
+  if tuning is None:
+    return DEFAULT_TUNING
+  if not isinstance(tuning, GpuTuning):
+    raise ValueError(f"`tuning` for implementation='pallas_gpu' must be a "
+                     f"pallas_gpu.GpuTuning or None, got {tuning!r}.")
+  return tuning

@@ -1,0 +1,204 @@
+"""The custom VJPs that wrap the `pallas_gpu` kernels, and their XLA glue.
+
+* `state_pass`: the state-passing kernels (`pallas_kernels.gpu.state_passing`), forward and a
+  reverse kernel for the state cotangent; the other gradients are batched matmuls here.
+* `intra_kernel`: the intra-chunk kernels of DeltaNet / GDN (`pallas_kernels.gpu.intra_chunk`);
+  QG/KG cotangents, Gx's chain rule and GVA's head sum in XLA.
+* `channel_pairs_kernel`: KDA / GDN-2's pair matrices P, L (`pallas_kernels.gpu.channel_pair`),
+  backward by its kernel or by `chunked`'s XLA VJP.
+
+Kernel outputs carry no varying-axes types: `vma` / `vary` type them under `jax.shard_map`.
+`interpret_params` picks compiled kernels on a GPU backend, the interpreter elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from lineax_attn.ops import chunked
+from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, to_chunks
+from pallas_kernels.gpu import channel_pair as cp
+from pallas_kernels.gpu import intra_chunk as ic
+from pallas_kernels.gpu import state_passing as sp
+
+_F32 = jnp.float32
+_MM = sp.MM_DTYPE
+
+
+def interpret_params():
+  """None (compile for the GPU) on a GPU backend, else the CPU interpreter."""
+  if jax.default_backend() == "gpu":
+    return None
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.InterpretGPUParams()
+
+
+def vma(*xs) -> frozenset:
+  """The manual mesh axes these values vary over (inside `jax.shard_map`; empty outside)."""
+  out = frozenset()
+  for x in xs:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)     # jax 0.11: ManualAxisType(varying=...)
+    out |= mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+  return out
+
+
+def vary(x, axes: frozenset):
+  """x typed as varying over `axes` (Pallas kernel outputs carry no varying-axes type)."""
+  missing = tuple(sorted(axes - vma(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+# ----------------------------------------------------------------------------- state pass
+
+
+def state_pass(ny, qg, p, u, kg, gc, s0, interpret):
+  # Under shard_map(check_vma=True) (context parallelism, lineax_attn.parallel) every input,
+  # output and cotangent must carry the varying axes its values have; the kernels' outputs carry
+  # none. So the inputs are all cast to the union here, and inside the custom VJP (where no
+  # transpose of the cast is ever taken: a cast outside it would transpose to a psum and sum
+  # per-device cotangents) the kernels' outputs and the cotangents are typed with that union.
+  axes = vma(ny, qg, p, u, kg, gc, s0)
+  args = [vary(x, axes) for x in (ny, qg, p, u, kg, gc, s0)]
+  return _state_pass_vjp(*args, interpret, tuple(sorted(axes)))
+
+
+# `axes` is static: the backward is traced without the primal's varying-axes types.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes):
+  axes = frozenset(axes)
+  outs = sp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, interpret=interpret)
+  return tuple(vary(x, axes) for x in outs)
+
+
+def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes):
+  axes = frozenset(axes)
+  outs = sp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True, interpret=interpret)
+  o, e, s_final, h = (vary(x, axes) for x in outs)
+  return (o, e, s_final), (ny, qg, p, kg, gc, h, e)
+
+
+def _mm(spec, a, b):
+  """Batched matmul with bf16 operands and float32 accumulation (docs/MATH.md §3.7)."""
+  return jnp.einsum(spec, a.astype(_MM), b.astype(_MM), preferred_element_type=_F32)
+
+
+def _state_pass_bwd(interpret, axes, res, cts):
+  ny, qg, p, kg, gc, h, e = res
+  do, de_ext, ds_final = cts
+  de, dh, ds0 = sp.state_passing_bwd(ny, qg, p, kg, gc, do.astype(_MM), de_ext.astype(_F32),
+                                     ds_final.astype(_F32), interpret=interpret)
+  # h = state entering each chunk, dh = cotangent of the state leaving it.
+  d_ny = _mm("...cv,...kv->...ck", de, h)           # E = U + NY·S
+  d_qg = _mm("...cv,...kv->...ck", do, h)           # O = QG·S + P·E
+  d_p = _mm("...iv,...jv->...ij", do, e)
+  d_kg = _mm("...cv,...kv->...ck", e, dh)           # S' = gc⊙S + KGᵀ·E
+  d_gc = jnp.sum(dh.astype(_F32) * h.astype(_F32), axis=-1)
+  axes = frozenset(axes)
+  cts = (d_ny.astype(ny.dtype), d_qg.astype(qg.dtype), d_p.astype(p.dtype), de,
+         d_kg.astype(kg.dtype), d_gc, ds0)
+  return tuple(vary(ct, axes) for ct in cts)
+
+
+_state_pass_vjp.defvjp(_state_pass_fwd, _state_pass_bwd)
+
+
+# ----------------------------------------------------------------------------- intra-chunk kernel
+
+
+def _kernel_inputs(q, k, v, beta, G, segidx, c):
+  """The intra-chunk kernels' shared inputs: bf16 q, k, v, the [B, HV, T] rows β, G and
+  Gx = G_C − G, and the segment rows (or None)."""
+  b, t, hv = v.shape[:3]
+  flat = lambda x: x.reshape(b, hv, t)
+  segments = None if segidx is None else kernel_segments(segidx, c)
+  return (q.astype(_MM), k.astype(_MM), v.astype(_MM), jnp.moveaxis(beta.astype(_F32), 1, 2),
+          flat(G), flat(G[..., -1:] - G), segments)
+
+
+def _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse):
+  return ic.intra_chunk_fwd(*_kernel_inputs(q, k, v, beta, G, segidx, c), scale=scale,
+                            with_inverse=with_inverse, interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def intra_kernel(q, k, v, beta, G, segidx, scale, c, interpret):
+  return _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse=False)
+
+
+def _intra_kernel_fwd(q, k, v, beta, G, segidx, scale, c, interpret):
+  # The backward takes the forward's bf16 inverse (8 KiB per chunk) instead of inverting again.
+  *out, m = _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse=True)
+  return tuple(out), (q, k, v, beta, G, segidx, m)
+
+
+def _intra_kernel_bwd(scale, c, interpret, res, cts):
+  """The kernel's backward (`intra_chunk_bwd`) plus the elementwise QG / KG terms and the
+  chain rule of Gx = G_C − G, the entry factor and GVA's sum over value heads, in XLA."""
+  q, k, v, beta, G, segidx, m = res
+  d_ny, d_qg, d_p, d_u, d_kg = cts
+  b, t, hv = v.shape[:3]
+  h, n_rep = q.shape[2], hv // q.shape[2]
+  inputs = _kernel_inputs(q, k, v, beta, G, segidx, c)
+  segments = inputs[-1]
+  dq, dk, dv, dbeta, dg_row, dg_col = ic.intra_chunk_bwd(
+      *inputs, m, d_ny.astype(_MM), d_p.astype(_MM), d_u.astype(_MM), scale=scale,
+      interpret=interpret)
+  entry, exit_ = jnp.exp(G), jnp.exp(G[..., -1:] - G)       # [B, HV, Nc, C]
+  if segments is not None:
+    cont, keep = (x.reshape(b, 1, t // c, c) for x in segments[1:])
+    entry, exit_ = entry * cont, exit_ * keep
+  chunks = lambda x: to_chunks(jnp.repeat(x.astype(_F32), n_rep, axis=2), c)
+  qc, kc = chunks(q), chunks(k)
+  d_qg, d_kg = d_qg.astype(_F32), d_kg.astype(_F32)
+  dq = dq + scale * entry[..., None] * d_qg
+  dk = dk + exit_[..., None] * d_kg
+  d_exit = exit_ * jnp.sum(d_kg * kc, axis=-1)              # dL/dGx
+  dG = (dg_row - dg_col).reshape(G.shape) + scale * entry * jnp.sum(d_qg * qc, axis=-1) - d_exit
+  dG = dG.at[..., -1].add(jnp.sum(d_exit, axis=-1))         # Gx = G_C − G
+  heads = lambda x: from_chunks(x).reshape(b, t, h, n_rep, -1).sum(axis=3)
+  return (heads(dq).astype(q.dtype), heads(dk).astype(k.dtype),
+          from_chunks(dv).astype(v.dtype), jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype),
+          dG.astype(G.dtype), None)
+
+
+intra_kernel.defvjp(_intra_kernel_fwd, _intra_kernel_bwd)
+
+
+# ----------------------------------------------------------------------------- channel pairs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def channel_pairs_kernel(q, k, kt, g, interpret, bwd_kernel):
+  """(P, L) of `chunked._pair_matrices_channel` by the Pallas forward kernel; q, k, kt, g
+  [..., C, K]. The backward is the Pallas backward kernel (bwd_kernel) or the XLA VJP of
+  `chunked._channel_pair`, once per matrix."""
+  lead, (c, d) = q.shape[:-2], q.shape[-2:]
+  flat = lambda x: x.reshape(-1, c, d)
+  p, l = cp.channel_pairs_fwd(flat(q), flat(kt), flat(k), flat(g), interpret=interpret)
+  return p.reshape(*lead, c, c), l.reshape(*lead, c, c)
+
+
+def _channel_pairs_kernel_fwd(q, k, kt, g, interpret, bwd_kernel):
+  return channel_pairs_kernel(q, k, kt, g, interpret, bwd_kernel), (q, k, kt, g)
+
+
+def _channel_pairs_kernel_bwd(interpret, bwd_kernel, res, cts):
+  q, k, kt, g = res
+  back = lambda x, like: x.reshape(like.shape).astype(like.dtype)
+  if not bwd_kernel:
+    dq, dk_p, dg_p = chunked._channel_pair_bwd("bf16", (q, k, g), cts[0])
+    dkt, dk_l, dg_l = chunked._channel_pair_bwd("bf16", (kt, k, g), cts[1])
+    return back(dq, q), back(dk_p + dk_l, k), back(dkt, kt), back(dg_p + dg_l, g)
+  lead, (c, d) = q.shape[:-2], q.shape[-2:]
+  flat = lambda x: x.reshape(-1, c, d)
+  dp, dl = (x.reshape(-1, c, c) for x in cts)
+  dq, dkt, dk, dg = cp.channel_pairs_bwd(flat(q), flat(kt), flat(k), flat(g), dp, dl,
+                                         interpret=interpret)
+  return back(dq, q), back(dk, k), back(dkt, kt), back(dg, g)
+
+
+channel_pairs_kernel.defvjp(_channel_pairs_kernel_fwd, _channel_pairs_kernel_bwd)

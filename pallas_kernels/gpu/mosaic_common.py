@@ -1,0 +1,54 @@
+"""Mosaic GPU building blocks shared by `state_passing.py` and `intra_chunk.py`.
+
+Shared-memory tiles that TMA and wgmma can both read, wgmma into scoped float32 accumulators,
+and the wait for an interpreted kernel's results. Kernel-specific helpers stay in their kernel
+module. Imports nothing of lineax_attn.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def tile_transforms(cols: int, dtype) -> tuple:
+  """Tiling + swizzle transforms that let TMA and wgmma read a [rows, cols] smem tile."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(cols * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def smem(shape, dtype):
+  return plgpu.SMEM(shape, dtype, transforms=tile_transforms(shape[-1], dtype))
+
+
+def matmuls(*groups):
+  """Runs wgmmas into fresh float32 accumulators and returns their values.
+
+  groups: one `(rows, cols, [(a, b), ...])` per accumulator, summing a·b over its pairs. Scoped
+  accumulators (zero-initialised) rather than `run_state` with `ACC.init`, because JAX's Mosaic
+  GPU interpreter does not run `run_state`; the caller adds any initial term in registers.
+  """
+  def body(*accs):
+    for acc, (_, _, pairs) in zip(accs, groups):
+      for a, b in pairs:
+        plgpu.wgmma(acc, a, b)
+    return tuple(acc[...] for acc in accs)
+  return pl.run_scoped(body, *(plgpu.ACC((r, c), jnp.float32) for r, c, _ in groups))
+
+
+def sync_if_interpreted(outs, interpret):
+  """Waits for an interpreted kernel's results before returning them.
+
+  The Mosaic GPU interpreter runs the kernel in io_callbacks that dispatch JAX ops from XLA's
+  thread; if the caller meanwhile dispatches eager ops from the main thread, the two can
+  deadlock (seen with jax 0.11.2 on CPU). Compiled kernels and traced values are left alone.
+  """
+  if interpret is None:
+    return outs
+  leaves = jax.tree.leaves(outs)
+  if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return outs
+  return jax.block_until_ready(outs)
