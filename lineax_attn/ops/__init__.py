@@ -56,8 +56,9 @@ __all__ = list(MIXERS) + [
     "set_debug_checks", "debug_checks_enabled", "GpuTuning", "specs",
 ]
 
-# Names served lazily (PEP 562): `GpuTuning` lives in the pallas_gpu module, imported on access.
-_LAZY = {"GpuTuning": ("lineax_attn.ops.pallas_gpu", "GpuTuning"),
+# Names served lazily (PEP 562), imported on access: `GpuTuning` (the pallas_gpu module
+# re-exports the same class) comes without the kernels.
+_LAZY = {"GpuTuning": ("lineax_attn.ops.gpu_tuning", "GpuTuning"),
          "pallas_gpu": ("lineax_attn.ops.pallas_gpu", None),
          "pallas_tpu": ("lineax_attn.ops.pallas_tpu", None)}
 

@@ -47,10 +47,11 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TU
                             solve=tuning.solve, channel_pairs=pairs)
   if tuning.remat_intra:
     intra = jax.checkpoint(intra)
-  QG, P, Y, U, KG, gC = intra(*chunks, same=same, cont=cont, keep=keep)
+  QG, P, Y, U, KG, decay_chunk = intra(*chunks, same=same, cont=cont, keep=keep)
   dk = q.shape[-1]
   lead = QG.shape[:3]
   ny = jnp.zeros_like(QG) if Y is None else -Y
-  gc = jnp.ones(lead + (dk,), _F32) if gC is None else jnp.broadcast_to(gC, lead + (dk,))
+  gc = (jnp.ones(lead + (dk,), _F32) if decay_chunk is None
+        else jnp.broadcast_to(decay_chunk, lead + (dk,)))
   return (ny.astype(_MM), QG.astype(_MM), P.astype(_MM), U.astype(_F32), KG.astype(_MM),
           gc.astype(_F32))

@@ -23,8 +23,8 @@ class GpuTuning:
 
   Attributes:
     intra: who computes the intra-chunk part of DeltaNet / GDN: "kernel"
-      (`pallas_kernels.gpu.intra_chunk`, forward and backward Mosaic GPU kernels: GDN fwd+bwd
-      2.5 ms vs 4.6 ms at B4 T4096 H16 D128 on an H200, docs/BENCHMARKS.md run 5) or "xla" (the
+      (`pallas_kernels.gpu.intra_chunk`, forward and backward Mosaic GPU kernels, the faster:
+      docs/BENCHMARKS.md run 5) or "xla" (the
       XLA path; also what runs under shard_map). Linear attention, KDA and GDN-2 always take the
       XLA path.
     solve: how the XLA path solves the intra-chunk unit-lower-triangular systems: "inverse"

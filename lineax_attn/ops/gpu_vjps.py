@@ -193,7 +193,7 @@ def _channel_pairs_kernel_bwd(interpret, bwd_kernel, res, cts):
     dq, dk_p, dg_p = chunked._channel_pair_bwd("bf16", (q, k, g), cts[0])
     dkt, dk_l, dg_l = chunked._channel_pair_bwd("bf16", (kt, k, g), cts[1])
     return back(dq, q), back(dk_p + dk_l, k), back(dkt, kt), back(dg_p + dg_l, g)
-  lead, (c, d) = q.shape[:-2], q.shape[-2:]
+  c, d = q.shape[-2:]
   flat = lambda x: x.reshape(-1, c, d)
   dp, dl = (x.reshape(-1, c, c) for x in cts)
   dq, dkt, dk, dg = cp.channel_pairs_bwd(flat(q), flat(kt), flat(k), flat(g), dp, dl,
