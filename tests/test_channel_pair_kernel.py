@@ -37,9 +37,10 @@ def _bwd(*x):
   return cp.channel_pairs_bwd(*x, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("c,d", [(64, 64), (32, 128), (16, 32)])
+@pytest.mark.parametrize("c,d", [(32, 128), (16, 32)])
 def test_forward_and_backward_match_the_dense_definition(c, d):
-  # c=16: one block (no off-diagonal part, the "rows after" anchor clamped); c=32, 64: both.
+  # c=16: one block (no off-diagonal part, the "rows after" anchor clamped); c=32, d=128: two
+  # blocks and two channel slices (the op test below has four blocks over its two chunks).
   q, kt, k, g, dp, dl = _inputs(c=c, d=d)
   p, l = jax.jit(_fwd)(q, kt, k, g)
   assert_close(p, _dense(q, k, g), 3e-3, "P")   # bf16 operands of the off-diagonal dots
@@ -91,11 +92,13 @@ def test_op_with_the_kernel_matches_the_xla_pair():
   args = bench.mixer_inputs("gdn2", batch=1, seq_len=72, heads=1, v_heads=1, head_dim_k=64,
                             head_dim_v=64)
 
-  def run(pair):
+  def run(pair):   # one compile per mode: the output rides along as the loss's aux
     tuning = pallas_gpu.GpuTuning(channel_pair=pair)
     f = lambda *a: ops.gdn2(*a, implementation="pallas_gpu", tuning=tuning)[0]
-    loss = lambda *a: jnp.sum(jnp.sin(f(*a)))
-    return jax.jit(f)(*args), jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*args)
+    loss = lambda *a: (jnp.sum(jnp.sin(f(*a))), f(*a))
+    grad = jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True)
+    grads, out = jax.jit(grad)(*args)
+    return out, grads
 
   o_x, g_x = run("xla")
   for pair in ("kernel", "kernel_fwd"):
