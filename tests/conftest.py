@@ -24,21 +24,6 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# Subprocesses (the absl programs, multiprocess, resume, notebooks' kernels) share one
-# persistent compilation cache per suite run: ~60 fresh processes compile many of the same tiny
-# programs (a tiny train run: 24.6 s cold, 8.6 s with the cache). The test processes themselves
-# (this one, the xdist workers, which inherit the variables) switch it off, so tests that
-# compile on purpose (tests/test_xla_cpu_workarounds.py) still compile afresh; a child that
-# times its compiles (test_bench_startup) drops the variables from its environment.
-_OWN_CACHE = None   # the cache directory this process made (and removes at the end)
-if not _LARGE and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  import tempfile  # noqa: E402
-  _OWN_CACHE = os.path.join(tempfile.gettempdir(), f"lineax_attn_jax_cache_{os.getpid()}")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
-  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
-  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-jax.config.update("jax_enable_compilation_cache", False)
-
 
 # Under pytest-xdist the suite's wall time is that of the busier worker: a slow test that starts
 # last leaves the other worker idle until it ends. So the modules that hold the slow tests run
@@ -63,10 +48,3 @@ def pytest_collection_modifyitems(session, config, items):
   del session, config
   weight = lambda item: _HEAVY_MODULES_S.get(item.path.name, 0)
   items[:] = sorted(items, key=weight, reverse=True)  # stable: in-module order is kept
-
-
-def pytest_sessionfinish(session, exitstatus):
-  del session, exitstatus
-  if _OWN_CACHE:
-    import shutil  # pylint: disable=g-import-not-at-top
-    shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -28,9 +28,6 @@ def test_two_arms_in_fresh_processes(tmp_path):
   out = tmp_path / "startup.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
       "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"))
-  for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
-    env.pop(name, None)   # compile times are measured: no persistent cache (tests/conftest.py)
   cmd = [sys.executable, "-m", "experiments.bench_startup", "--config=configs/mixers.py:tiny",
          "--arms", "softmax,gdn2", "--config.train.global_batch_size=2",
          "--config.train.seq_len=32", "--config.model.chunk_size=16",
