@@ -24,11 +24,6 @@ from lineax_attn.ops import chunked as _chunked
 from lineax_attn.ops import reference as _reference
 from lineax_attn.ops import specs
 from lineax_attn.ops.attention import softmax_attention
-from lineax_attn.ops.delta_rule import delta_rule
-from lineax_attn.ops.gated_delta_rule import gated_delta_rule
-from lineax_attn.ops.gdn2 import gdn2
-from lineax_attn.ops.kda import kda
-from lineax_attn.ops.linear_attention import linear_attention
 
 _api.register_implementation("scan", _reference.scan_reference)
 _api.register_implementation("chunk", _chunked.chunk_delta_family)
@@ -46,10 +41,10 @@ set_debug_checks = _api.set_debug_checks
 debug_checks_enabled = _api.debug_checks_enabled
 MIXERS = specs.names()  # the canonical names of every `specs.MixerSpec`
 
-# A mixer without a hand-written op module gets its op generated from its spec.
+# Every mixer's public op (linear_attention, delta_rule, gated_delta_rule, kda, gdn2,
+# simple_gla, ...) is generated from its spec: signature, gate order and docstring.
 for _name in MIXERS:
-  if _name not in globals():
-    globals()[_name] = _api.make_op(specs.SPECS[_name])
+  globals()[_name] = _api.make_op(specs.SPECS[_name])
 
 __all__ = list(MIXERS) + [
     "softmax_attention", "available_implementations", "MIXERS", "checked", "debug_checks",

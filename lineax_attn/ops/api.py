@@ -578,12 +578,6 @@ _COMMON_DOC = """scale: query scale, default K ** -0.5.
       raises checkify's error (a ValueError subclass) with the same text. See docs/OP_CONTRACT.md."""
 
 
-def with_common_doc(fn):
-  """Fills the keyword arguments every linear mixer shares into `fn`'s docstring."""
-  fn.__doc__ = fn.__doc__.replace("{common}", _COMMON_DOC)
-  return fn
-
-
 def make_op(spec: specs.MixerSpec) -> Callable[..., Any]:
   """The public op of `spec`: `op(q, k, v, *gates, scale=None, ...)` with the gates as
   positional (or keyword) arguments in the spec's order, over `run_mixer`."""
@@ -613,8 +607,10 @@ def make_op(spec: specs.MixerSpec) -> Callable[..., Any]:
   op.__name__ = op.__qualname__ = spec.name
   op.__module__ = "lineax_attn.ops"
   gate_doc = "".join(f"\n    {g.name}: `{_GATE_SHAPE_DOC[g.axis]}` {g.doc}." for g in spec.gates)
-  op.__doc__ = (f"{spec.name}: {spec.summary}.\n\n  Args:\n    q, k: `[B, T, H, K]` queries and keys."
-                f"\n    v: `[B, T, HV, V]` values; HV must be a multiple of H.{gate_doc}"
+  op.__doc__ = (f"{spec.name}: {spec.summary}.\n\n  Args:\n    q, k: `[B, T, H, K]` queries and keys "
+                f"(L2-normalised by the layer; scaled here by `scale`)."
+                f"\n    v: `[B, T, HV, V]` values; HV must be a multiple of H (value head j reads "
+                f"key head j // (HV/H)).{gate_doc}"
                 f"\n    {_COMMON_DOC}\n  ")
   return op
 
