@@ -495,6 +495,13 @@ def _simple_gla_gate(fn: str, q, v, g, g_gamma):
   return g
 
 
+def _simple_gla(fn: str, q, k, v, g, g_gamma, **run_kwargs):
+  """The shared body of both simple-GLA names: heads, the gate, then the op."""
+  _heads(fn, q, v)
+  g = _simple_gla_gate(fn, q, v, g, g_gamma)
+  return _run(fn, ops.simple_gla, q, k, v, (g,), use_qk_l2norm_in_kernel=False, **run_kwargs)
+
+
 def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
                      output_final_state=False, state_v_first=False, cu_seqlens=None,
                      cu_seqlens_cpu=None, *, chunk_size=64, head_first=False,
@@ -507,12 +514,9 @@ def chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=No
   del cu_seqlens_cpu  # derived from cu_seqlens here
   fn = "chunk_simple_gla"
   _check_extras(fn, kwargs, head_first)
-  _heads(fn, q, v)
-  g = _simple_gla_gate(fn, q, v, g, g_gamma)
-  return _run(fn, ops.simple_gla, q, k, v, (g,), scale=scale, initial_state=initial_state,
-              output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
-              state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-              implementation=implementation)
+  return _simple_gla(fn, q, k, v, g, g_gamma, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, state_v_first=state_v_first,
+                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, implementation=implementation)
 
 
 def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None,
@@ -524,12 +528,9 @@ def fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initia
   fn = "fused_recurrent_simple_gla"
   _check_extras(fn, kwargs, head_first)
   _not_supported(fn, "reverse", _flag(fn, "reverse", reverse), False)
-  _heads(fn, q, v)
-  g = _simple_gla_gate(fn, q, v, g, g_gamma)
-  return _run(fn, ops.simple_gla, q, k, v, (g,), scale=scale, initial_state=initial_state,
-              output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
-              state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-              implementation=implementation)
+  return _simple_gla(fn, q, k, v, g, g_gamma, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, state_v_first=state_v_first,
+                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, implementation=implementation)
 
 
 # ----------------------------------------------------------------------------------------------
