@@ -46,7 +46,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lineax_attn import ops
+from lineax_attn.ops import api as ops_api
 from lineax_attn.ops import segments as seg_lib
+from lineax_attn.ops.gpu_tuning import GpuTuning
 from lineax_attn.ops import specs
 from lineax_attn.layers import conv as conv_lib
 from lineax_attn.layers import gates as gates_lib
@@ -115,7 +117,9 @@ class LinearMixer(nnx.Module):
     norm_eps: output RMSNorm epsilon.
     chunk_size: chunk size passed to the op.
     implementation: op implementation for sequences ("scan", "chunk", a kernel, None = best).
-      The layer runs it with its default tuning (the ops' `tuning=` is not passed through).
+    gpu_tuning: `ops.GpuTuning` passed as the op's `tuning=` when the implementation resolves to
+      "pallas_gpu" (None: its default); other implementations take no tuning. Not applied under
+      context parallelism (the sharded op runs with its defaults).
     decode_implementation: op implementation for one-token steps ("scan").
     context_axis: mesh axis of context parallelism: when the current mesh (`jax.set_mesh`) has
       it with size P > 1 and P divides T, the op runs under `jax.shard_map` over it with the
@@ -130,7 +134,8 @@ class LinearMixer(nnx.Module):
                output_gate: str | None = None, gate_rank: int | None = None,
                gate_init: str = "repo", gate_lower_bound: float | None = None,
                allow_neg_eigval: bool = False, norm_eps: float = 1e-5, chunk_size: int = 64,
-               implementation: str | None = None, decode_implementation: str = "scan",
+               implementation: str | None = None, gpu_tuning: GpuTuning | None = None,
+               decode_implementation: str = "scan",
                context_axis: str | None = context_parallel.SEQUENCE_AXIS,
                init_std: float = 0.02, out_init_std: float | None = None, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -174,7 +179,10 @@ class LinearMixer(nnx.Module):
     self.gate_lower_bound = gate_lower_bound
     self.allow_neg_eigval = allow_neg_eigval
     self.chunk_size = chunk_size
+    if gpu_tuning is not None and not isinstance(gpu_tuning, GpuTuning):
+      raise ValueError(f"gpu_tuning must be an ops.GpuTuning or None, got {gpu_tuning!r}.")
     self.implementation = implementation
+    self.gpu_tuning = gpu_tuning
     self.decode_implementation = decode_implementation
     self.context_axis = context_axis
     self.dtype = dtype
@@ -336,7 +344,9 @@ class LinearMixer(nnx.Module):
       results = context_parallel.sharded_mixer(self.kind, q, k, v, *gate_args,
                                                axis=self.context_axis, **op_kwargs)
     else:
-      results = getattr(ops, self.spec.name)(q, k, v, *gate_args, **op_kwargs)
+      tuning = (self.gpu_tuning if self.gpu_tuning is not None
+                and ops_api.resolve_implementation(impl) == "pallas_gpu" else None)
+      results = getattr(ops, self.spec.name)(q, k, v, *gate_args, tuning=tuning, **op_kwargs)
     o, state = results[0], results[1]
     r = results[2] if with_residual else None
     if z is not None:

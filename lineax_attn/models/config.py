@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from lineax_attn.layers.linear_mixer import LINEAR_MIXERS
 from lineax_attn.layers.norm import OUTPUT_GATES
 from lineax_attn.ops import specs
+from lineax_attn.ops.gpu_tuning import GpuTuning
 
 SOFTMAX = "softmax"
 MIXERS = LINEAR_MIXERS + (SOFTMAX,)
@@ -61,6 +62,9 @@ class ModelConfig:
     conv_width, output_gate (None = per-mixer default), gate_rank (KDA low rank, default d_v),
       gate_init ("repo" | "fla" | "long"), gate_lower_bound, allow_neg_eigval: linear-mixer options.
     implementation, chunk_size: how the linear ops run ("scan", "chunk", a kernel, None = best).
+    gpu_tuning: the linear layers' `pallas_gpu` tuning: an `ops.GpuTuning`, its command-line
+      spelling "field=value,..." (`GpuTuning.parse`, e.g. "remat_intra=false"), or None (the
+      defaults); stored as a GpuTuning.
     attn_heads, attn_kv_heads, attn_head_dim, attn_output_gate (None = on when the linear mixer
       is GDN, KDA or GDN-2, as in the repo's runs), attn_implementation, rope_base, window.
     mlp_hidden (default round(mlp_ratio · d_model)), tie_embeddings.
@@ -90,6 +94,7 @@ class ModelConfig:
   gate_lower_bound: float | None = None
   allow_neg_eigval: bool = False
   implementation: str | None = None
+  gpu_tuning: Any = None
   chunk_size: int = 64
   # Softmax attention.
   attn_heads: int = 2
@@ -122,6 +127,14 @@ class ModelConfig:
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}.")
     layer_types = self._resolve_layers()  # raises on unknown names / bad pattern
+    if isinstance(self.gpu_tuning, str):
+      try:
+        object.__setattr__(self, "gpu_tuning", GpuTuning.parse(self.gpu_tuning))
+      except ValueError as e:
+        raise ValueError(f"gpu_tuning: {e}") from e
+    elif self.gpu_tuning is not None and not isinstance(self.gpu_tuning, GpuTuning):
+      raise ValueError(f"gpu_tuning must be an ops.GpuTuning, a \"field=value,...\" string or "
+                       f"None, got {self.gpu_tuning!r}.")
     object.__setattr__(self, "pattern", self.pattern if not isinstance(self.pattern, list)
                        else tuple(self.pattern))
     object.__setattr__(self, "mixer", canonical_mixer(self.mixer))

@@ -55,7 +55,7 @@ def make_mixer(config: ModelConfig, kind: str, *, rngs: nnx.Rngs):
       output_gate=config.output_gate, gate_rank=config.gate_rank, gate_init=config.gate_init,
       gate_lower_bound=config.gate_lower_bound, allow_neg_eigval=config.allow_neg_eigval,
       norm_eps=config.norm_eps, chunk_size=config.chunk_size,
-      implementation=config.implementation, **common)
+      implementation=config.implementation, gpu_tuning=config.gpu_tuning, **common)
 
 
 class Block(nnx.Module):

@@ -54,6 +54,27 @@ class GpuTuning:
     if not isinstance(self.remat_intra, bool):
       raise ValueError(f"GpuTuning.remat_intra must be a bool, got {self.remat_intra!r}.")
 
+  @classmethod
+  def parse(cls, text: str) -> "GpuTuning":
+    """A GpuTuning from "field=value,..." (the command line's spelling, e.g.
+    "remat_intra=false,channel_pair=kernel"); unnamed fields keep their defaults."""
+    if not isinstance(text, str):
+      raise ValueError(f"GpuTuning.parse takes a string, got {text!r}.")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+      name, sep, value = (x.strip() for x in item.partition("="))
+      if not sep or name not in fields:
+        raise ValueError(f"GpuTuning: {item!r} is not field=value with a field of "
+                         f"{sorted(fields)} (in {text!r}).")
+      if fields[name].type in (bool, "bool"):
+        if value.lower() not in ("true", "false"):
+          raise ValueError(f"GpuTuning.{name} must be true or false, got {value!r}.")
+        values[name] = value.lower() == "true"
+      else:
+        values[name] = value
+    return cls(**values)
+
 
 DEFAULT_TUNING = GpuTuning()
 

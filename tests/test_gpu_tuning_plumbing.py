@@ -1,0 +1,76 @@
+"""`GpuTuning` from the command line to the op: parsing, ModelConfig, the layer and the model.
+
+Which pair-matrix path a trace takes is visible in its jaxpr (the Pallas kernel's custom-VJP
+name `channel_pairs_kernel` versus XLA's `_channel_pair`), so these tests check that a tuning
+really reaches the op, on CPU, through the Mosaic GPU / Triton interpreters.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from lineax_attn import ops
+from lineax_attn.layers import LinearMixer
+from lineax_attn.models import LanguageModel, ModelConfig
+
+
+def test_parse_reads_fields_and_keeps_the_rest_default():
+  assert ops.GpuTuning.parse("") == ops.GpuTuning()
+  assert ops.GpuTuning.parse("remat_intra=false, channel_pair=kernel") == ops.GpuTuning(
+      remat_intra=False, channel_pair="kernel")
+  assert ops.GpuTuning.parse("remat_intra=True").remat_intra is True
+
+
+@pytest.mark.parametrize("text, match", [
+    ("remat=false", "remat=false"),            # unknown field
+    ("remat_intra", "field=value"),            # no value
+    ("remat_intra=0", "true or false"),        # not a bool word
+    ("channel_pair=fast", "channel_pair"),     # checked by GpuTuning itself
+])
+def test_parse_rejects_bad_text(text, match):
+  with pytest.raises(ValueError, match=match):
+    ops.GpuTuning.parse(text)
+
+
+def test_model_config_stores_a_tuning_and_names_the_field_on_error():
+  assert ModelConfig(gpu_tuning="remat_intra=false").gpu_tuning == ops.GpuTuning(remat_intra=False)
+  assert ModelConfig(gpu_tuning=ops.GpuTuning(solve="trsm")).gpu_tuning.solve == "trsm"
+  assert ModelConfig().gpu_tuning is None
+  with pytest.raises(ValueError, match="gpu_tuning"):
+    ModelConfig(gpu_tuning="intra=fast")
+  with pytest.raises(ValueError, match="gpu_tuning"):
+    ModelConfig(gpu_tuning={"remat_intra": False})
+  with pytest.raises(ValueError, match="gpu_tuning"):
+    LinearMixer("kda", 64, num_heads=1, gpu_tuning="remat_intra=false", rngs=nnx.Rngs(0))
+
+
+def _pair_paths(module, x):
+  graph, state = nnx.split(module)
+  text = str(jax.make_jaxpr(lambda s, x: nnx.merge(graph, s)(x))(state, x))
+  names = set(re.findall(r"name=(\w+)", text))
+  return {"kernel": "channel_pairs_kernel" in names, "xla": "_channel_pair" in names}
+
+
+def test_the_layer_passes_its_tuning_to_pallas_gpu_only():
+  x = jax.random.normal(jax.random.key(0), (1, 64, 64))
+  make = lambda impl, t: LinearMixer("kda", 64, num_heads=1, implementation=impl, gpu_tuning=t,
+                                     rngs=nnx.Rngs(0))
+  assert _pair_paths(make("pallas_gpu", None), x) == {"kernel": False, "xla": True}
+  kernel = ops.GpuTuning(channel_pair="kernel")
+  assert _pair_paths(make("pallas_gpu", kernel), x) == {"kernel": True, "xla": False}
+  # Another implementation takes no tuning: the layer drops it, and the output is unchanged.
+  y_tuned, y_plain = make("chunk", kernel)(x), make("chunk", None)(x)
+  assert _pair_paths(make("chunk", kernel), x)["kernel"] is False
+  assert jnp.array_equal(y_tuned, y_plain)
+
+
+def test_the_model_builds_its_linear_layers_with_the_config_tuning():
+  config = ModelConfig(mixer="kda", pattern="LS", n_layers=2, d_model=64, num_heads=1,
+                       attn_heads=1, gpu_tuning="channel_pair=kernel,remat_intra=false")
+  model = LanguageModel(config, rngs=nnx.Rngs(0))
+  mixers = [b.mixer for b in model.blocks if isinstance(b.mixer, LinearMixer)]
+  assert mixers and all(m.gpu_tuning == ops.GpuTuning(channel_pair="kernel", remat_intra=False)
+                        for m in mixers)
