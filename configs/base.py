@@ -132,6 +132,7 @@ def _paper(config: ml_collections.ConfigDict) -> None:
   m.attn_heads, m.attn_kv_heads, m.attn_head_dim = 16, 4, 64
   m.mlp_hidden, m.rope_base, m.tie_embeddings = 2816, 500000.0, False
   m.dtype, m.param_dtype = "bfloat16", "float32"
+  m.gpu_tuning = "remat_intra=false"  # faster KDA/GDN-2 backward, more memory (BENCHMARKS.md)
 
   d = config.data
   d.reset_at_document_boundaries = False   # docs/MATH.md §6.4: concatenated, no state reset

@@ -5,6 +5,7 @@ name `channel_pairs_kernel` versus XLA's `_channel_pair`), so these tests check 
 really reaches the op, on CPU, through the Mosaic GPU / Triton interpreters.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -41,8 +42,12 @@ def test_model_config_stores_a_tuning_and_names_the_field_on_error():
   assert ModelConfig().gpu_tuning is None
   with pytest.raises(ValueError, match="gpu_tuning"):
     ModelConfig(gpu_tuning="intra=fast")
+  config = ModelConfig(gpu_tuning="channel_pair=kernel")
+  assert ModelConfig(**dataclasses.asdict(config)) == config      # asdict round trip
   with pytest.raises(ValueError, match="gpu_tuning"):
-    ModelConfig(gpu_tuning={"remat_intra": False})
+    ModelConfig(gpu_tuning={"remat": False})
+  with pytest.raises(ValueError, match="gpu_tuning"):
+    ModelConfig(gpu_tuning=3)
   with pytest.raises(ValueError, match="gpu_tuning"):
     LinearMixer("kda", 64, num_heads=1, gpu_tuning="remat_intra=false", rngs=nnx.Rngs(0))
 

@@ -19,6 +19,7 @@ Mixer names: the layer names of `lineax_attn.ops.specs` ("linear_attention", "de
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -63,8 +64,9 @@ class ModelConfig:
       gate_init ("repo" | "fla" | "long"), gate_lower_bound, allow_neg_eigval: linear-mixer options.
     implementation, chunk_size: how the linear ops run ("scan", "chunk", a kernel, None = best).
     gpu_tuning: the linear layers' `pallas_gpu` tuning: an `ops.GpuTuning`, its command-line
-      spelling "field=value,..." (`GpuTuning.parse`, e.g. "remat_intra=false"), or None (the
-      defaults); stored as a GpuTuning.
+      spelling "field=value,..." (`GpuTuning.parse`, e.g. "remat_intra=false"), its fields as a
+      mapping (what `dataclasses.asdict` gives back), or None (the defaults); stored as a
+      GpuTuning.
     attn_heads, attn_kv_heads, attn_head_dim, attn_output_gate (None = on when the linear mixer
       is GDN, KDA or GDN-2, as in the repo's runs), attn_implementation, rope_base, window.
     mlp_hidden (default round(mlp_ratio · d_model)), tie_embeddings.
@@ -132,9 +134,14 @@ class ModelConfig:
         object.__setattr__(self, "gpu_tuning", GpuTuning.parse(self.gpu_tuning))
       except ValueError as e:
         raise ValueError(f"gpu_tuning: {e}") from e
+    elif isinstance(self.gpu_tuning, Mapping):  # e.g. back from dataclasses.asdict / JSON
+      try:
+        object.__setattr__(self, "gpu_tuning", GpuTuning(**self.gpu_tuning))
+      except TypeError as e:
+        raise ValueError(f"gpu_tuning: {e}") from e
     elif self.gpu_tuning is not None and not isinstance(self.gpu_tuning, GpuTuning):
-      raise ValueError(f"gpu_tuning must be an ops.GpuTuning, a \"field=value,...\" string or "
-                       f"None, got {self.gpu_tuning!r}.")
+      raise ValueError(f"gpu_tuning must be an ops.GpuTuning, its fields as a mapping, a "
+                       f"\"field=value,...\" string or None, got {self.gpu_tuning!r}.")
     object.__setattr__(self, "pattern", self.pattern if not isinstance(self.pattern, list)
                        else tuple(self.pattern))
     object.__setattr__(self, "mixer", canonical_mixer(self.mixer))
@@ -260,8 +267,11 @@ class ModelConfig:
 # ------------------------------------------------------------------------------------------
 # Presets. The 350M rows of docs/MATH.md §6.3 (Llama-2 vocabulary 32,000, untied, d = 1024).
 
+# gpu_tuning: the backward keeps the XLA intra-chunk residuals of KDA / GDN-2 instead of
+# recomputing them: +4 % (KDA) / +9.5 % (GDN-2) tokens/s for +11 / +21 GiB at 16 x 4096 on an
+# H200 (docs/BENCHMARKS.md, "350M hybrids and remat_intra"); no effect on the other mixers.
 _350M = dict(vocab_size=32000, d_model=1024, attn_heads=16, attn_kv_heads=4, attn_head_dim=64,
-             rope_base=500000.0, tie_embeddings=False)
+             rope_base=500000.0, tie_embeddings=False, gpu_tuning=GpuTuning(remat_intra=False))
 
 
 def gdn_350m(**overrides) -> ModelConfig:
