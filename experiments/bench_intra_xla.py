@@ -56,7 +56,7 @@ def rows_for(mixer, b, t, h, d, iters):
   dM = jnp.tril(rng)
   kernel_pairs = lambda q, kt, k, g: gpu_vjps.channel_pairs_kernel(q, k, kt, g, False, True)
   flat = lambda x: x.reshape(-1, *x.shape[-2:])
-  raw = lambda f, w, ds: (lambda *a: f(*map(flat, a), num_warps=w, slice_k=ds))
+  raw = lambda f, w, ds, dg: (lambda *a: f(*map(flat, a), num_warps=w, slice_k=ds, diag=dg))
 
   def prep(q, k, v, g, *rest):
     qs = q.astype(jnp.float32) * d ** -0.5
@@ -70,10 +70,12 @@ def rows_for(mixer, b, t, h, d, iters):
       ("blocked inverse (I + L)^-1", triangular.unit_lower_inverse, (L,)),
       ("prepare_chunks (whole XLA intra part)", prep, (q, k, v, *gates)),
       ("pairs kernel (P and L, bf16 inputs)", kernel_pairs, (Qb, Qb, Kb, G)),
-      *[(f"pairs kernel fwd alone, num_warps={w}, slice_k={ds}", raw(cp.channel_pairs_fwd, w, ds),
-         (Qb, Qb, Kb, G), "fwd") for w in (4, 8) for ds in (32, 64)],
-      *[(f"pairs kernel bwd alone, num_warps={w}, slice_k={ds}", raw(cp.channel_pairs_bwd, w, ds),
-         (Qb, Qb, Kb, G, dM, dM), "fwd") for w in (4, 8) for ds in (32, 64)],
+      *[(f"pairs kernel fwd alone, diag={dg}, num_warps={w}, slice_k={ds}",
+         raw(cp.channel_pairs_fwd, w, ds, dg), (Qb, Qb, Kb, G), "fwd")
+        for dg in cp.DIAG_CHOICES for w in (4, 8) for ds in (32, 64)],
+      *[(f"pairs kernel bwd alone, diag={dg}, num_warps={w}, slice_k={ds}",
+         raw(cp.channel_pairs_bwd, w, ds, dg), (Qb, Qb, Kb, G, dM, dM), "fwd")
+        for dg in cp.DIAG_CHOICES for w in (4, 8) for ds in (32, 64)],
       ("whole op, remat_intra=True", whole(remat_intra=True), (q, k, v, *gates)),
       ("whole op, remat_intra=False", whole(remat_intra=False), (q, k, v, *gates)),
       ("whole op, channel_pair=kernel", whole(channel_pair="kernel"), (q, k, v, *gates)),
@@ -82,6 +84,13 @@ def rows_for(mixer, b, t, h, d, iters):
        whole(channel_pair="kernel_fwd", remat_intra=False), (q, k, v, *gates)),
       ("whole op, channel_pair=kernel, remat_intra=False",
        whole(channel_pair="kernel", remat_intra=False), (q, k, v, *gates)),
+      ("whole op, channel_pair=kernel, pair_diag=levels, remat_intra=False",
+       whole(channel_pair="kernel", pair_diag="levels", remat_intra=False), (q, k, v, *gates)),
+      ("whole op, channel_pair=kernel, pair_diag=levels",
+       whole(channel_pair="kernel", pair_diag="levels"), (q, k, v, *gates)),
+      ("whole op, channel_pair=kernel_fwd, pair_diag=levels, remat_intra=False",
+       whole(channel_pair="kernel_fwd", pair_diag="levels", remat_intra=False),
+       (q, k, v, *gates)),
   ]
   rows = []
   for name, fn, args, *only in cases:

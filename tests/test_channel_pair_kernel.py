@@ -1,6 +1,8 @@
 """`pallas_kernels.gpu.channel_pair` (Pallas on Triton; CPU: Pallas interpret mode, GPU:
 compiled) against the dense definition of the per-channel pair matrix and its autodiff VJP."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,40 +31,44 @@ def _dense(a, k, g):
   return jnp.einsum("bic,bjc,bijc->bij", a, k, e, precision="highest")
 
 
-def _fwd(*x):
-  return cp.channel_pairs_fwd(*x, interpret=INTERPRET)
+def _fwd(*x, diag=cp.DIAG):
+  return cp.channel_pairs_fwd(*x, interpret=INTERPRET, diag=diag)
 
 
-def _bwd(*x):
-  return cp.channel_pairs_bwd(*x, interpret=INTERPRET)
+def _bwd(*x, diag=cp.DIAG):
+  return cp.channel_pairs_bwd(*x, interpret=INTERPRET, diag=diag)
 
 
-@pytest.mark.parametrize("c,d", [(32, 128), (16, 32)])
-def test_forward_and_backward_match_the_dense_definition(c, d):
+@pytest.mark.parametrize("diag", cp.DIAG_CHOICES)
+@pytest.mark.parametrize("c,d,lo", [(32, 128, -0.5), (16, 32, -0.5), (32, 32, -6.0)])
+def test_forward_and_backward_match_the_dense_definition(c, d, lo, diag):
   # c=16: one block (no off-diagonal part, the "rows after" anchor clamped); c=32, d=128: two
   # blocks and two channel slices (the op test below has four blocks over its two chunks).
-  q, kt, k, g, dp, dl = _inputs(c=c, d=d)
-  p, l = jax.jit(_fwd)(q, kt, k, g)
+  # lo = -6: per-step decays down to e^-6, so pairs 16 rows apart span up to e^-96 (underflow
+  # of the factors) and every level's anchoring is exercised away from e^0.
+  q, kt, k, g, dp, dl = _inputs(c=c, d=d, lo=lo)
+  p, l = jax.jit(functools.partial(_fwd, diag=diag))(q, kt, k, g)
   assert_close(p, _dense(q, k, g), 3e-3, "P")   # bf16 operands of the off-diagonal dots
   assert_close(l, _dense(kt, k, g), 3e-3, "L")
   assert bool(jnp.all(p == jnp.tril(p)) and jnp.all(l == jnp.tril(l))), "lower triangular"
-  got = jax.jit(_bwd)(q, kt, k, g, dp, dl)
+  got = jax.jit(functools.partial(_bwd, diag=diag))(q, kt, k, g, dp, dl)
   loss = lambda q, kt, k, g: jnp.sum(_dense(q, k, g) * dp) + jnp.sum(_dense(kt, k, g) * dl)
   want = jax.grad(loss, argnums=(0, 1, 2, 3))(q, kt, k, g)
   for name, a, b in zip(("dQ", "dK~", "dK", "dG"), got, want):
     assert_close(a, b, 3e-3, name)
 
 
-def test_extreme_log_gates_stay_finite_and_exact_on_the_diagonal():
+@pytest.mark.parametrize("diag", cp.DIAG_CHOICES)
+def test_extreme_log_gates_stay_finite_and_exact_on_the_diagonal(diag):
   # Log gates of -1e4 per step: every off-diagonal entry underflows to 0 (e^{-1e4}), the
   # diagonal is exactly Σ_c a_ic k_ic, and nothing is inf or NaN forward or backward.
   q, kt, k, _, dp, dl = _inputs()
   g = jnp.cumsum(jnp.full(q.shape, -1e4, jnp.float32), axis=1)
-  p, l = _fwd(q, kt, k, g)
-  diag = lambda a: jnp.zeros_like(p) + jnp.eye(64) * jnp.einsum("bic,bic->bi", a, k)[:, :, None]
-  assert_close(p, diag(q), 1e-6, "P at -1e4")
-  assert_close(l, diag(kt), 1e-6, "L at -1e4")
-  dq, dkt, dk, dg = _bwd(q, kt, k, g, dp, dl)
+  p, l = _fwd(q, kt, k, g, diag=diag)
+  on_diag = lambda a: jnp.zeros_like(p) + jnp.eye(64) * jnp.einsum("bic,bic->bi", a, k)[:, :, None]
+  assert_close(p, on_diag(q), 1e-6, "P at -1e4")
+  assert_close(l, on_diag(kt), 1e-6, "L at -1e4")
+  dq, dkt, dk, dg = _bwd(q, kt, k, g, dp, dl, diag=diag)
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in (dq, dkt, dk, dg))
   wp, wl = (jnp.diagonal(x, axis1=1, axis2=2)[..., None] for x in (dp, dl))
   assert_close(dq, wp * k, 1e-6, "dQ at -1e4")
@@ -92,8 +98,8 @@ def test_op_with_the_kernel_matches_the_xla_pair():
   args = bench.mixer_inputs("gdn2", batch=1, seq_len=72, heads=1, v_heads=1, head_dim_k=64,
                             head_dim_v=64)
 
-  def run(pair):   # one compile per mode: the output rides along as the loss's aux
-    tuning = pallas_gpu.GpuTuning(channel_pair=pair)
+  def run(pair, diag="columns"):   # one compile per mode: the output rides along as the aux
+    tuning = pallas_gpu.GpuTuning(channel_pair=pair, pair_diag=diag)
     f = lambda *a: ops.gdn2(*a, implementation="pallas_gpu", tuning=tuning)[0]
     loss = lambda *a: (jnp.sum(jnp.sin(f(*a))), f(*a))
     grad = jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True)
@@ -101,8 +107,20 @@ def test_op_with_the_kernel_matches_the_xla_pair():
     return out, grads
 
   o_x, g_x = run("xla")
-  for pair in ("kernel", "kernel_fwd"):
-    o_k, g_k = run(pair)
-    assert_close(o_k, o_x, 1e-3, f"o ({pair})")
+  # Each diagonal method once through the op (both kernels for "levels"; the dense test above
+  # covers each kernel of each method alone).
+  for pair, diag in (("kernel", "levels"), ("kernel_fwd", "columns")):
+    o_k, g_k = run(pair, diag)
+    assert_close(o_k, o_x, 1e-3, f"o ({pair}, {diag})")
     for name, a, b in zip(("q", "k", "v", "g", "b", "w"), g_k, g_x):
-      assert_close(a, b, 1e-2, f"d{name} ({pair})")
+      assert_close(a, b, 1e-2, f"d{name} ({pair}, {diag})")
+
+
+def test_the_tuning_offers_the_kernels_diagonal_methods():
+  from lineax_attn.ops import gpu_tuning
+  assert gpu_tuning.PAIR_DIAG_CHOICES == cp.DIAG_CHOICES
+  assert gpu_tuning.GpuTuning().pair_diag == cp.DIAG
+  with pytest.raises(ValueError, match="pair_diag"):
+    gpu_tuning.GpuTuning(pair_diag="rows")
+  with pytest.raises(ValueError, match="diag"):
+    cp.channel_pairs_fwd(*_inputs()[:4], interpret=INTERPRET, diag="rows")

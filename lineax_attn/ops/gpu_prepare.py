@@ -42,7 +42,8 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TU
   if (gate_kind == "channel" and tuning.channel_pair != "xla" and kt is not None
       and not vma(q, k, kt) and cp.supported(c, q.shape[-1]) is None):
     pairs = functools.partial(channel_pairs_kernel, interpret=interpret_params() is not None,
-                              bwd_kernel=tuning.channel_pair == "kernel")
+                              bwd_kernel=tuning.channel_pair == "kernel",
+                              diag=tuning.pair_diag)
   intra = functools.partial(chunked._intra_chunk, gate_kind=gate_kind, matmul="bf16",
                             solve=tuning.solve, channel_pairs=pairs)
   if tuning.remat_intra:

@@ -10,6 +10,7 @@ import dataclasses
 
 INTRA_CHOICES = ("kernel", "xla")
 PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
+PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
 
 
@@ -35,6 +36,9 @@ class GpuTuning:
       (the Pallas-on-Triton forward kernel of `pallas_kernels.gpu.channel_pair`, both matrices
       in one launch, nothing but the C×C results leaving the chip; the XLA backward) or
       "kernel" (its forward and backward kernels). H200 numbers: docs/BENCHMARKS.md run 7.
+    pair_diag: how those kernels make the exact 16×16 diagonal block: "columns" (one column
+      per step, elementwise float32) or "levels" (binary-anchored tf32 products; the module
+      docstring of `pallas_kernels.gpu.channel_pair`).
     remat_intra: whether the backward recomputes the XLA intra-chunk part (`jax.checkpoint`:
       less memory) or keeps its residuals (the C×C products and the inverse per chunk: a faster
       backward).
@@ -43,11 +47,12 @@ class GpuTuning:
   intra: str = "kernel"
   solve: str = "inverse"
   channel_pair: str = "xla"
+  pair_diag: str = "columns"
   remat_intra: bool = True
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
-                          ("channel_pair", PAIR_CHOICES)):
+                          ("channel_pair", PAIR_CHOICES), ("pair_diag", PAIR_DIAG_CHOICES)):
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")

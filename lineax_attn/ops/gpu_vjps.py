@@ -171,22 +171,23 @@ intra_kernel.defvjp(_intra_kernel_fwd, _intra_kernel_bwd)
 # ----------------------------------------------------------------------------- channel pairs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def channel_pairs_kernel(q, k, kt, g, interpret, bwd_kernel):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def channel_pairs_kernel(q, k, kt, g, interpret, bwd_kernel, diag=cp.DIAG):
   """(P, L) of `chunked._pair_matrices_channel` by the Pallas forward kernel; q, k, kt, g
   [..., C, K]. The backward is the Pallas backward kernel (bwd_kernel) or the XLA VJP of
-  `chunked._channel_pair`, once per matrix."""
+  `chunked._channel_pair`, once per matrix; diag: the kernels' diagonal-block method."""
   lead, (c, d) = q.shape[:-2], q.shape[-2:]
   flat = lambda x: x.reshape(-1, c, d)
-  p, l = cp.channel_pairs_fwd(flat(q), flat(kt), flat(k), flat(g), interpret=interpret)
+  p, l = cp.channel_pairs_fwd(flat(q), flat(kt), flat(k), flat(g), interpret=interpret,
+                              diag=diag)
   return p.reshape(*lead, c, c), l.reshape(*lead, c, c)
 
 
-def _channel_pairs_kernel_fwd(q, k, kt, g, interpret, bwd_kernel):
-  return channel_pairs_kernel(q, k, kt, g, interpret, bwd_kernel), (q, k, kt, g)
+def _channel_pairs_kernel_fwd(q, k, kt, g, interpret, bwd_kernel, diag):
+  return channel_pairs_kernel(q, k, kt, g, interpret, bwd_kernel, diag), (q, k, kt, g)
 
 
-def _channel_pairs_kernel_bwd(interpret, bwd_kernel, res, cts):
+def _channel_pairs_kernel_bwd(interpret, bwd_kernel, diag, res, cts):
   q, k, kt, g = res
   back = lambda x, like: x.reshape(like.shape).astype(like.dtype)
   if not bwd_kernel:
@@ -197,7 +198,7 @@ def _channel_pairs_kernel_bwd(interpret, bwd_kernel, res, cts):
   flat = lambda x: x.reshape(-1, c, d)
   dp, dl = (x.reshape(-1, c, c) for x in cts)
   dq, dkt, dk, dg = cp.channel_pairs_bwd(flat(q), flat(kt), flat(k), flat(g), dp, dl,
-                                         interpret=interpret)
+                                         interpret=interpret, diag=diag)
   return back(dq, q), back(dk, k), back(dkt, kt), back(dg, g)
 
 
