@@ -19,6 +19,13 @@ accumulation, the columns at or after n zeroed); the 16×16 diagonal block is an
 float32 elementwise sum, one column j per step, with the exponent masked before exp (so log
 gates down to −1e4 per step stay finite).
 
+The diagonal block has a second method, `diag="levels"`: a pair i > j of the block is split
+at the highest bit where i and j differ (half size h = 8, 4, 2, 1) and anchored at m = the first
+row of i's half, e^{G_i − G_j} = e^{G_i − G_m} e^{G_m − G_j}, both exponents <= 0 again; each
+level is one masked [16, ds] × [ds, 16] tf32 product, and i = j (e^0) is an exact elementwise
+sum. It trades the 16 cross-lane reductions and strided column stores per matrix of "columns"
+for four small tensor-core products (and half the exponentials); the backward mirrors it.
+
 Backward (`channel_pairs_bwd`), from dP and dL, by program (chunk, block b):
   dQ_i = Σ_{j<=i} dP_ij K_j ⊙ e^{G_i − G_j}, dK̃_i likewise from dL  (rows i in b; anchor n as
          in the forward);
