@@ -412,12 +412,15 @@ def to_markdown(results, meta):
            f"Times in ms (median of {_ITERS.value} after {_WARMUP.value} warm-up calls, "
            "wall clock with block_until_ready / synchronize); bf16 inputs; peak memory in GiB "
            "(JAX: args + outputs + temporaries of the compiled executable; torch: "
-           "max_memory_allocated). `err` = rms(o_pallas_gpu − o_chunk)/rms(o_chunk), forward.",
+           "max_memory_allocated). `err` = rms(o_pallas_gpu − o_chunk)/rms(o_chunk), forward. "
+           "`floor` = the HBM-traffic floor (`lineax_attn.bench.traffic_floor_ms`: bf16 q, k, "
+           "v, o, do and their cotangents, float32 gates, each moved once, at "
+           f"{bench.H200_HBM_TB_S} TB/s).",
            "",
            "| B,T,H,D | mixer | mode | pallas_gpu | chunk | scan | jla | FLA | cuDNN attn | "
            "SDPA | ours/jla | ours/FLA | ours/chunk | ours/cuDNN | peak ours | peak chunk | "
-           "peak jla | err |",
-           "|" + "---|" * 18]
+           "peak jla | err | floor | ours/floor |",
+           "|" + "---|" * 20]
   for shape in shapes:
     for mixer in mixers:
       for mode in _MODES.value:
@@ -429,13 +432,16 @@ def to_markdown(results, meta):
           continue
         err = getattr(by.get((shape, mixer, "pallas_gpu", "fwd")), "err_vs_chunk", None)
         peak = lambda impl: getattr(get(impl), "peak_gib", None)
+        b, t, h, d = shape
+        floor = bench.traffic_floor_ms(mixer, mode, batch=b, seq_len=t, heads=h, v_heads=h,
+                                       head_dim_k=d, head_dim_v=d)
         lines.append(
             f"| {','.join(map(str, shape))} | {mixer} | {mode} | {_fmt(ours)} | "
             f"{_fmt(ms('chunk'))} | {_fmt(ms('scan'))} | {_fmt(ms('jla'))} | {_fmt(ms('fla'))} | "
             f"{_fmt(cud)} | {_fmt(ms('sdpa', 'attention'))} | {_ratio(ours, ms('jla'))} | "
             f"{_ratio(ours, ms('fla'))} | {_ratio(ours, ms('chunk'))} | {_ratio(ours, cud)} | "
             f"{_fmt(peak('pallas_gpu'))} | {_fmt(peak('chunk'))} | {_fmt(peak('jla'))} | "
-            f"{_err_cell(err)} |")
+            f"{_err_cell(err)} | {floor:.3f} | {_ratio(ours, floor)} |")
   if meta.get("breakdown"):
     bd = meta["breakdown"]
     lines += ["", f"pallas_gpu GDN parts at B,T,H,D = {','.join(map(str, bd['shape']))} "

@@ -150,6 +150,32 @@ def max_rel_err(x, ref) -> float:
   return num / den
 
 
+H200_HBM_TB_S = 4.8   # HBM3e peak of an H200 (the floor's bandwidth; copies reach ~4.3)
+
+
+def traffic_floor_ms(mixer: str, mode: str, *, batch: int, seq_len: int, heads: int,
+                     v_heads: int, head_dim_k: int, head_dim_v: int, io_bytes: int = 2,
+                     gate_bytes: int = 4, tb_s: float = H200_HBM_TB_S) -> float:
+  """The time an op cannot beat at `tb_s` TB/s: its inputs read and outputs written once.
+
+  fwd reads q, k, v (`io_bytes` each element) and the gates (`gate_bytes`, shapes from the
+  spec) and writes o; "fwdbwd" adds the backward's minimum, reading q, k, v, the gates and do
+  and writing dq, dk, dv and the gates' cotangents (states and chunk intermediates kept on
+  chip or recomputed: a floor, not a design). Compute is not the bound at these shapes (the
+  chunked form's FLOPs take a few µs at the tensor peak).
+  """
+  if mode not in ("fwd", "fwdbwd"):
+    raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}.")
+  spec = specs.resolve(mixer)
+  b, t, h, hv, dk, dv = batch, seq_len, heads, v_heads, head_dim_k, head_dim_v
+  qk, vo = 2 * b * t * h * dk * io_bytes, b * t * hv * dv * io_bytes
+  gates = sum(int(np.prod(specs.gate_shape(g, b=b, t=t, hv=hv, dk=dk, dv=dv)))
+              for g in spec.gates) * gate_bytes
+  fwd = qk + vo + gates + vo                       # q, k, v, gates in; o out
+  total = fwd if mode == "fwd" else fwd + (qk + vo + gates + vo) + (qk + vo + gates)
+  return total / (tb_s * 1e12) * 1e3
+
+
 def _l2norm(x):
   return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 

@@ -202,3 +202,24 @@ def test_bench_kernels_exits_nonzero_on_a_row_over_its_error_tolerance(tmp_path)
   assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
   assert "2.0e-02 WRONG" in md.read_text()
   assert "over --err_tol=0.006" in proc.stdout
+
+
+def test_traffic_floor_counts_each_tensor_once():
+  # Hand count at B1 T2 H1 HV1 K=V=2, bf16 io and float32 gates; tb_s=1e-9 makes ms = bytes.
+  # GDN: q, k 16 B, v 8, gates g and beta 2 x 8, o 8 -> fwd 48; the backward reads q, k, v,
+  # gates, do (48) and writes dq, dk, dv, dgates (40): 136.
+  floor = lambda mixer, mode: bench.traffic_floor_ms(
+      mixer, mode, batch=1, seq_len=2, heads=1, v_heads=1, head_dim_k=2, head_dim_v=2,
+      tb_s=1e-9)
+  assert floor("gated_delta_rule", "fwd") == pytest.approx(48)
+  assert floor("gated_delta_rule", "fwdbwd") == pytest.approx(136)
+  assert floor("kda", "fwd") == pytest.approx(56)          # g per key channel: 16 B, beta 8
+  assert floor("linear_attention", "fwd") == pytest.approx(32)
+  with pytest.raises(ValueError, match="mode"):
+    floor("kda", "bwd")
+  # At the shape (B4 T4096 H16 D128): one [B, T, H, D] bf16 tensor is 67.1 MB, the two
+  # scalar gates 2.1 MB, so GDN moves 4 x 67.1 + 2.1 forward (q, k, v, o; gates) and
+  # 7 x 67.1 + 2 x 2.1 backward (q, k, v, do in, dq, dk, dv out; gates in, their cotangents
+  # out) = 744.5 MB: 0.155 ms at 4.8 TB/s.
+  assert bench.traffic_floor_ms("gdn", "fwdbwd", batch=4, seq_len=4096, heads=16, v_heads=16,
+                                head_dim_k=128, head_dim_v=128) == pytest.approx(0.1551, rel=1e-3)
