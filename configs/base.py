@@ -64,7 +64,7 @@ def defaults() -> ml_collections.ConfigDict:
       routing=_opt(str), routing_rank=_opt(int), routing_norm=False, cler_gamma="scalar",
       cler_gamma_init=0.0,
       norm_eps=1e-5, init_std=0.02, scaled_out_init=True, dtype="float32",
-      param_dtype="float32"))
+      param_dtype="float32", scan_layers=False))
   config.data = ml_collections.ConfigDict(dict(
       source="embedded", format="auto", split="train", text_field="text", text_split="file",
       tokenizer="byte", add_bos=False, seed=42, shuffle=True, shuffle_window=256,

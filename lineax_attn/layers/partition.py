@@ -16,6 +16,8 @@ Vocabulary (axes not listed in a rule table stay replicated):
   attention's fused q/k/v projection, the input of every output projection, the conv channels |
 | `conv` | the short-convolution taps |
 | `rank` | the bottleneck of a low-rank projection (KDA gate branch, low-rank routing) |
+| `layers` | the leading axis of a scanned model's stacked blocks (`ModelConfig.scan_layers`):
+  replicated in the default rules, so each stacked parameter keeps its per-layer sharding |
 | `None` | tiny per-head parameters (A_log, dt_bias, norm weights, γ): replicated |
 """
 
@@ -32,6 +34,7 @@ MLP = "mlp"
 HEADS = "heads"
 CONV = "conv"
 RANK = "rank"
+LAYERS = "layers"
 
 
 def _eager_sharding() -> bool:

@@ -76,6 +76,11 @@ class ModelConfig:
       cler_gamma: "scalar" | "head" | "channel"; cler_gamma_init (0.0).
     norm_eps, init_std, scaled_out_init (W_out and MLP down at init_std / sqrt(2 · n_layers)).
     dtype (compute), param_dtype (master weights).
+    scan_layers: build the stack as a `jax.lax.scan` over its repeating period of blocks
+      (`scan_period`: 1 for a pure stack, 3 for "LLS"), the period's parameters stacked on a
+      leading "layers" axis, plus the layers that do not fill a period unrolled (`scan_tail`).
+      The same function and the same initial parameters (stacked) as the unrolled model; the
+      train step traces and compiles one period instead of every layer (docs/BENCHMARKS.md).
   """
 
   vocab_size: int = 256
@@ -122,6 +127,8 @@ class ModelConfig:
   scaled_out_init: bool = True
   dtype: Any = "float32"
   param_dtype: Any = "float32"
+  # Compile: a scan over the repeating period of blocks instead of every layer traced.
+  scan_layers: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "num_heads", "attn_heads", "conv_width"):
@@ -180,6 +187,8 @@ class ModelConfig:
       raise ValueError(f"routing_rank must be a positive int or None (full rank), got {self.routing_rank}.")
     if self.mlp_dim <= 0:
       raise ValueError(f"the MLP hidden width must be positive, got {self.mlp_dim}.")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}.")
     for name in ("dtype", "param_dtype"):
       try:
         jnp.dtype(getattr(self, name))
@@ -231,6 +240,24 @@ class ModelConfig:
   @property
   def linear_layers(self) -> tuple[int, ...]:
     return tuple(i for i, k in enumerate(self.layer_types) if k != SOFTMAX)
+
+  @property
+  def scan_period(self) -> int:
+    """The shortest period P of the layer kinds (kind i == kind i mod P for every layer): the
+    blocks one iteration of the layer scan runs (`scan_layers`)."""
+    kinds = self.layer_types
+    return next(p for p in range(1, len(kinds) + 1)
+                if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+
+  @property
+  def scan_repeats(self) -> int:
+    """How many whole periods the layer scan runs (n_layers // scan_period)."""
+    return self.n_layers // self.scan_period
+
+  @property
+  def scan_tail(self) -> tuple[str, ...]:
+    """The kinds of the last layers that do not fill a period (unrolled after the scan)."""
+    return self.layer_types[self.scan_repeats * self.scan_period:]
 
   @property
   def mlp_dim(self) -> int:

@@ -13,6 +13,14 @@ Parameters without one compile of the whole model: `init_params(config, seed)` (
 `make_param_init`, which keeps its programs) returns `LanguageModel(config, rngs=nnx.Rngs(seed))`'s
 parameters as a pure dict, compiled one block kind at a time, optionally created sharded.
 
+Scanned stack (`ModelConfig.scan_layers`): the blocks of each position j of the repeating period
+P (`config.scan_period`) live in `model.layer_stack[j]` with parameters stacked on a leading
+"layers" axis of `config.scan_repeats` rows (row r is layer r·P + j), run by one `jax.lax.scan`;
+the layers after the last whole period are `model.tail[k]`, unrolled. The parameters and the
+function are those of the unrolled model of the same seed (`stack_params` / `unstack_params`
+convert pure dicts; `unrolled(model)` gives the unrolled twin). `layer_blocks()` lists one Block
+per layer for either layout. Decoding (a cache) runs the layers unrolled on slices of the stack.
+
 Decoding: `init_cache(batch, max_len)`, `forward(tokens, cache=... | max_len=...)` (prefill or
 continue) and `decode_step(tokens, cache)`; `lineax_attn.models.decode.generate` wraps them in
 `jax.jit`.
@@ -138,15 +146,37 @@ class LanguageModel(nnx.Module):
     self.dtype = jnp.dtype(config.dtype)
     embed, block_rngs, final_norm, lm_head = _outer_parts(config, rngs)
     self.embed = embed
-    self.blocks = nnx.List([Block(config, kind, rngs=block_rng)
-                            for kind, block_rng in zip(config.layer_types, block_rngs)])
+    blocks = [Block(config, kind, rngs=block_rng)
+              for kind, block_rng in zip(config.layer_types, block_rngs)]
+    if config.scan_layers:
+      period, repeats = config.scan_period, config.scan_repeats
+      self.layer_stack = nnx.List([
+          _stack_blocks([blocks[r * period + j] for r in range(repeats)])
+          for j in range(period)])
+      if config.scan_tail:
+        self.tail = nnx.List(blocks[repeats * period:])
+    else:
+      self.blocks = nnx.List(blocks)
     self.final_norm = final_norm
     if lm_head is not None:
       self.lm_head = lm_head
 
+  def layer_blocks(self) -> list[Block]:
+    """One Block per layer, in order. For a scanned model these are views built from slices of
+    the stacked parameters (reading them is fine; a change to a view does not reach the model)."""
+    if not self.config.scan_layers:
+      return list(self.blocks)
+    period = self.config.scan_period
+    views = [None] * (self.config.scan_repeats * period)
+    for j, stacked in enumerate(self.layer_stack):
+      graphdef, state = nnx.split(stacked)
+      for r in range(self.config.scan_repeats):
+        views[r * period + j] = nnx.merge(graphdef, _unstack_state(state, r))
+    return views + list(getattr(self, "tail", ()))
+
   def init_cache(self, batch: int, max_len: int) -> list[dict[str, jax.Array]]:
     """Per-layer decoding caches for `batch` rows of up to `max_len` tokens."""
-    return [block.mixer.init_cache(batch, max_len) for block in self.blocks]
+    return [block.mixer.init_cache(batch, max_len) for block in self.layer_blocks()]
 
   def logits(self, h: jax.Array) -> jax.Array:
     """Final norm and LM head: h `[..., d]` -> logits `[..., vocab]` float32."""
@@ -173,18 +203,47 @@ class LanguageModel(nnx.Module):
     e.g. to compute logits at a few positions only (a long prefill needs just the last)."""
     if tokens.ndim != 2:
       raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}.")
-    if cache is not None and len(cache) != len(self.blocks):
-      raise ValueError(f"cache has {len(cache)} layers, the model {len(self.blocks)}.")
+    n_layers = self.config.n_layers
+    if cache is not None and len(cache) != n_layers:
+      raise ValueError(f"cache has {len(cache)} layers, the model {n_layers}.")
     h = self.embed(tokens).astype(self.dtype)
     residual = None
     want_cache = cache is not None or max_len is not None
+    if self.config.scan_layers and not want_cache:
+      return self._scanned_hidden_states(h, segment_ids), None
     new_cache = [] if want_cache else None
-    for i, block in enumerate(self.blocks):
+    for i, block in enumerate(self.layer_blocks()):
       h, residual, layer_cache = block(h, segment_ids=segment_ids, residual=residual,
                                        cache=None if cache is None else cache[i], max_len=max_len)
       if want_cache:
         new_cache.append(layer_cache)
     return h, new_cache
+
+  def _scanned_hidden_states(self, h: jax.Array, segment_ids) -> jax.Array:
+    """The blocks of a scanned model: one `lax.scan` over the periods, then the tail."""
+    residual = None
+    if self.config.routing == "cler":
+      # The CLER residual rides in the carry, so it needs a value before the first linear
+      # layer: zeros, whose injection γ·0 is the unrolled model's (§5.1). float32 holds any
+      # residual dtype exactly (the injection normalises in float32 anyway).
+      b, t = h.shape[:2]
+      residual = jnp.zeros((b, t, self.config.v_heads, self.config.dv), jnp.float32)
+
+    def run(blocks, h, residual):
+      for block in blocks:
+        h, residual, _ = block(h, segment_ids=segment_ids, residual=residual)
+        if residual is not None:
+          residual = residual.astype(jnp.float32)
+      return h, residual
+
+    graphdef, state = nnx.split(self.layer_stack)
+
+    def body(carry, layer_state):
+      return run(nnx.merge(graphdef, layer_state), *carry), None
+
+    (h, residual), _ = jax.lax.scan(body, (h, residual), state)
+    h, _ = run(getattr(self, "tail", ()), h, residual)
+    return h
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
     """tokens `[B, T]` int -> logits `[B, T, vocab]` float32."""
@@ -194,6 +253,118 @@ class LanguageModel(nnx.Module):
     """One token per row: tokens `[B]` -> (logits `[B, vocab]`, new cache)."""
     logits, cache = self.forward(tokens[:, None], cache=cache)
     return logits[:, 0], cache
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _set_layer_axis(state, add: bool):
+  """Prepends (add) or drops the "layers" logical name of every variable's sharding names."""
+  for var in jax.tree.leaves(state, is_leaf=_is_variable):
+    names = var.get_metadata().get("out_sharding") if _is_variable(var) else None
+    if names:
+      var.set_metadata(out_sharding=(partition.LAYERS, *names) if add else tuple(names[1:]))
+  return state
+
+
+def _stack_blocks(blocks: list[Block]) -> Block:
+  """Equal-structure blocks -> one Block whose parameters are stacked on a leading axis."""
+  graphdef, _ = nnx.split(blocks[0])
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
+  return nnx.merge(graphdef, _set_layer_axis(stacked, add=True))
+
+
+def _index(x, r: int):
+  if isinstance(x, jax.ShapeDtypeStruct):  # an abstract model (nnx.eval_shape)
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+  return x[r]
+
+
+def _unstack_state(state, r: int):
+  """Row r of a stacked block's state, with the per-layer sharding names."""
+  return _set_layer_axis(jax.tree.map(lambda x: _index(x, r), state), add=False)
+
+
+def stack_params(config: ModelConfig, params: dict) -> dict:
+  """The pure-dict parameters of the unrolled model -> those of `config`'s scanned model
+  (`scan_layers=True`): `blocks[r·P + j]` becomes row r of `layer_stack[j]`, the blocks after
+  the last whole period `tail[k]`. The values are unchanged (`unstack_params` inverts it).
+
+  Raises:
+    ValueError: config is not a ModelConfig, or params has not one entry per layer in "blocks".
+  """
+  if not isinstance(config, ModelConfig):
+    raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}.")
+  blocks = params.get("blocks") if isinstance(params, dict) else None
+  if blocks is None or set(blocks) != set(range(config.n_layers)):
+    got = None if blocks is None else sorted(blocks)
+    raise ValueError(f"params must be an unrolled model's, with 'blocks' 0..{config.n_layers - 1}; "
+                     f"got blocks {got}.")
+  period, repeats = config.scan_period, config.scan_repeats
+  out = {k: v for k, v in params.items() if k != "blocks"}
+  out["layer_stack"] = {
+      j: jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks[r * period + j] for r in range(repeats)])
+      for j in range(period)}
+  if config.scan_tail:
+    out["tail"] = {k: blocks[repeats * period + k] for k in range(len(config.scan_tail))}
+  return out
+
+
+def unstack_params(config: ModelConfig, params: dict) -> dict:
+  """The pure-dict parameters of `config`'s scanned model -> the unrolled model's
+  (the inverse of `stack_params`).
+
+  Raises:
+    ValueError: config is not a ModelConfig, or params has no `layer_stack` of P entries.
+  """
+  if not isinstance(config, ModelConfig):
+    raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}.")
+  period, repeats = config.scan_period, config.scan_repeats
+  stack = params.get("layer_stack") if isinstance(params, dict) else None
+  if stack is None or set(stack) != set(range(period)):
+    got = None if stack is None else sorted(stack)
+    raise ValueError(f"params must be a scanned model's, with 'layer_stack' 0..{period - 1} "
+                     f"(the period of {config.layer_types}); got layer_stack {got}.")
+  out = {k: v for k, v in params.items() if k not in ("layer_stack", "tail")}
+  blocks = {}
+  for j in range(period):
+    for r in range(repeats):
+      blocks[r * period + j] = jax.tree.map(lambda x: x[r], stack[j])
+  tail = params.get("tail", {})
+  for k in range(len(config.scan_tail)):
+    blocks[repeats * period + k] = tail[k]
+  out["blocks"] = blocks
+  return out
+
+
+def _with_params(config: ModelConfig, params: dict) -> LanguageModel:
+  abstract = nnx.eval_shape(lambda: LanguageModel(config, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  nnx.replace_by_pure_dict(state, params)
+  return nnx.merge(graphdef, state)
+
+
+def unrolled(model: LanguageModel) -> LanguageModel:
+  """The unrolled twin of a scanned model (the same parameters, unstacked); an unrolled model
+  is returned as is. For tools that walk `model.blocks` (lineax_attn.inspect)."""
+  if not isinstance(model, LanguageModel):
+    raise ValueError(f"model must be a LanguageModel, got {type(model).__name__}.")
+  if not model.config.scan_layers:
+    return model
+  config = model.config.replace(scan_layers=False)
+  return _with_params(config, unstack_params(model.config, nnx.to_pure_dict(nnx.state(model))))
+
+
+def scanned(model: LanguageModel) -> LanguageModel:
+  """The scanned twin of an unrolled model (the same parameters, stacked); a scanned model is
+  returned as is."""
+  if not isinstance(model, LanguageModel):
+    raise ValueError(f"model must be a LanguageModel, got {type(model).__name__}.")
+  if model.config.scan_layers:
+    return model
+  config = model.config.replace(scan_layers=True)
+  return _with_params(config, stack_params(config, nnx.to_pure_dict(nnx.state(model))))
 
 
 def _param_dict(module: nnx.Module) -> dict:
@@ -230,9 +401,13 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
       new variable by its logical names).
     compiler_options: XLA options of the jitted pieces.
 
+  A scanned model (`config.scan_layers`) gets its stacked layout ("layer_stack", "tail"): each
+  position of the period is one program, the block's init vmapped over its rows' keys, so the
+  values equal the unrolled model's stacked (`stack_params`).
+
   Raises:
     ValueError: config is not a ModelConfig, seed not an int, or out_shardings without one
-      entry per block.
+      entry per block (per stacked position and tail block when scanned).
   """
   if not isinstance(config, ModelConfig):
     raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}.")
@@ -245,23 +420,44 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
     kwargs = {} if shardings is None else {"out_shardings": shardings}
     return jax.jit(fn, compiler_options=options, **kwargs)
 
+  scan = config.scan_layers
+  period, repeats = config.scan_period, config.scan_repeats
+  # The blocks' groups: unrolled, one per layer ("blocks"); scanned, one per period position
+  # ("layer_stack", its layers r·P + j stacked) and one per tail layer ("tail").
+  if scan:
+    groups = [("layer_stack", j, kind, [r * period + j for r in range(repeats)])
+              for j, kind in enumerate(config.layer_types[:period])]
+    groups += [("tail", k, kind, [repeats * period + k]) for k, kind in enumerate(config.scan_tail)]
+  else:
+    groups = [("blocks", i, kind, [i]) for i, kind in enumerate(config.layer_types)]
+
   def outer():
     embed, block_rngs, final_norm, lm_head = _outer_parts(config, nnx.Rngs(seed))
     params = {"embed": _param_dict(embed), "final_norm": _param_dict(final_norm)}
     if lm_head is not None:
       params["lm_head"] = _param_dict(lm_head)
-    return params, [nnx.state(r) for r in block_rngs]
+    states = [nnx.state(r) for r in block_rngs]
+    rngs = []
+    for part, _, _, layers in groups:
+      if part == "layer_stack":  # one stacked key state per position: vmapped below
+        rngs.append(jax.tree.map(lambda *xs: jnp.stack(xs), *[states[i] for i in layers]))
+      else:
+        rngs.append(states[layers[0]])
+    return params, rngs
 
-  block_shardings = [None] * config.n_layers
+  group_shardings = [None] * len(groups)
   outer_shardings = None
   if out_shardings is not None:
     rest = dict(out_shardings)
-    blocks = rest.pop("blocks", None)
-    if blocks is None or set(blocks) != set(range(config.n_layers)):
-      got = None if blocks is None else sorted(blocks)
-      raise ValueError(f"out_shardings must have 'blocks' with an entry for each of the "
-                       f"{config.n_layers} blocks, got {got}.")
-    block_shardings = [blocks[i] for i in range(config.n_layers)]
+    parts = {part: rest.pop(part, None) for part in ("blocks", "layer_stack", "tail")}
+    for part in sorted({g[0] for g in groups}):
+      want = {g[1] for g in groups if g[0] == part}
+      if parts[part] is None or set(parts[part]) != want:
+        got = None if parts[part] is None else sorted(parts[part])
+        raise ValueError(f"out_shardings must have {part!r} with an entry for each of "
+                         f"{sorted(want)} (the model's {'scanned' if scan else ''} blocks), "
+                         f"got {got}.")
+    group_shardings = [parts[part][index] for part, index, _, _ in groups]
     first = jax.tree.leaves(rest)[0]
     # The blocks' keys: replicated over the parameters' devices (global on every process).
     replicated = (jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
@@ -274,17 +470,24 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
   def block(kind, rngs_state):
     return _param_dict(Block(config, kind, rngs=nnx.merge(rngs_graphdef, rngs_state)))
 
-  programs: dict = {}  # (kind, shardings) -> the jitted block: equal blocks share a compile
-  block_programs = []
-  for kind, shardings in zip(config.layer_types, block_shardings):
-    key = (kind, _sharding_key(shardings))
+  def stacked_block(kind, rngs_states):
+    # One program for all rows of a position: the block's init vmapped over the rows' keys
+    # (jax's random functions give each key under vmap what they give it alone).
+    return jax.vmap(functools.partial(block, kind))(rngs_states)
+
+  programs: dict = {}  # (part, kind, shardings) -> the jitted group: equal ones share a compile
+  group_programs = []
+  for (part, _, kind, _), shardings in zip(groups, group_shardings):
+    key = (part == "layer_stack", kind, _sharding_key(shardings))
     if key not in programs:
-      programs[key] = jit(functools.partial(block, kind), shardings)
-    block_programs.append(programs[key])
+      fn = stacked_block if part == "layer_stack" else block
+      programs[key] = jit(functools.partial(fn, kind), shardings)
+    group_programs.append(programs[key])
 
   def init() -> dict:
     params, rngs_states = outer_program()
-    params["blocks"] = {i: program(rngs_states[i]) for i, program in enumerate(block_programs)}
+    for (part, index, _, _), program, rngs_state in zip(groups, group_programs, rngs_states):
+      params.setdefault(part, {})[index] = program(rngs_state)
     return params
 
   return init
