@@ -20,6 +20,17 @@ interpreter start-up and imports count) to the end of each stage:
 * `step_compiled`: the first train step lowered and compiled (`jitted_step.lower(...).compile()`);
 * `step_done`: that compiled step run once, its loss read back.
 
+With `--compile_only` the init, the batch and the run are skipped: the step is lowered and
+compiled on abstract inputs (`jax.ShapeDtypeStruct`s with the trainer's shardings), so the 350M
+models' compile can be measured on a CPU that could not hold or run them:
+
+    JAX_PLATFORMS=cpu python -m experiments.bench_startup --config=configs/mixers.py:paper \
+        --arms=softmax,gdn2 --compile_only --config.model.scan_layers=false --json_out=...
+
+Either way the row has the process CPU seconds of the step's lowering and of its compile
+(`step_lower_cpu_s`, `step_compile_cpu_s`) and the lines of the optimised HLO
+(`step_hlo_lines`).
+
 It also sums XLA's backend compile time (the `/jax/core/compile/backend_compile_duration`
 events) inside `init` and inside the step compile, and counts the programs compiled there.
 Defaults: `train.global_batch_size=16`, `train.grad_accum_steps=1` (`--config.train...` flags
@@ -54,6 +65,9 @@ _ARMS = flags.DEFINE_list("arms", None, "Arms of the config to time, each in its
                           "(default: the config's `arm`).")
 _JSON_OUT = flags.DEFINE_string("json_out", "runs/bench_startup/startup.json",
                                 "The rows as JSON; the Markdown table goes next to it (.md).")
+_COMPILE_ONLY = flags.DEFINE_boolean(
+    "compile_only", False, "Skip init, batch and the run: lower and compile the step on "
+    "abstract inputs (measures the compile of models too large for the machine).")
 _ISOLATE = flags.DEFINE_boolean("isolate", True, "Run each arm in a fresh subprocess.")
 _ARM_JSON = flags.DEFINE_string("arm_json", None, "Internal: time one arm, write its row here.")
 _LAUNCH_TIME = flags.DEFINE_float("launch_time", None, "Internal: the parent's time.time() "
@@ -96,6 +110,7 @@ def time_arm(config, arm: str, launch: float, overridden=()) -> dict:
 
 def _time_stages(config, arm, launch, overridden, compiles) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from lineax_attn.data import pipeline as pipeline_lib  # pylint: disable=g-import-not-at-top
   from lineax_attn.train import loop  # pylint: disable=g-import-not-at-top
 
@@ -115,26 +130,49 @@ def _time_stages(config, arm, launch, overridden, compiles) -> dict:
   trainer = loop.Trainer(exp)
   row["num_params"], row["vocab_size"] = trainer.num_params, exp.model.vocab_size
   stage("trainer")
+  compile_only = _COMPILE_ONLY.value
   before = len(compiles)
-  params, opt_state = jax.block_until_ready(trainer.init())
+  if compile_only:
+    params, opt_state = trainer.abstract_params, trainer.abstract_opt_state
+  else:
+    params, opt_state = jax.block_until_ready(trainer.init())
   row["init_compiles"] = len(compiles) - before
   row["init_compile_s"] = sum(compiles[before:])
   stage("init")
-  iterator = pipeline_lib.make_iterator(exp.train_data)
-  batch = jax.block_until_ready(trainer.global_batch(next(iterator)))
+  if compile_only:
+    batch = {k: jax.ShapeDtypeStruct((exp.train.global_batch_size, exp.train.seq_len),
+                                     jnp.float32 if k == "loss_mask" else jnp.int32,
+                                     sharding=trainer.batch_sharding)
+             for k in _batch_keys(trainer)}
+  else:
+    iterator = pipeline_lib.make_iterator(exp.train_data)
+    batch = jax.block_until_ready(trainer.global_batch(next(iterator)))
   stage("batch")
   before = len(compiles)
   with jax.set_mesh(trainer.mesh):
-    compiled = trainer.jitted_step.lower(params, opt_state, batch).compile()
+    cpu = time.process_time()
+    lowered = trainer.jitted_step.lower(params, opt_state, batch)
+    row["step_lower_cpu_s"] = time.process_time() - cpu
+    cpu = time.process_time()
+    compiled = lowered.compile()
+    row["step_compile_cpu_s"] = time.process_time() - cpu
   row["step_compile_s"] = sum(compiles[before:])
   stage("step_compiled")
-  with jax.set_mesh(trainer.mesh):
-    _, _, metrics = compiled(params, opt_state, batch)
-  row["loss"] = float(jax.device_get(metrics["loss"]))
-  stage("step_done")
+  row["step_hlo_lines"] = len(compiled.as_text().splitlines())
+  if not compile_only:
+    with jax.set_mesh(trainer.mesh):
+      _, _, metrics = compiled(params, opt_state, batch)
+    row["loss"] = float(jax.device_get(metrics["loss"]))
+    stage("step_done")
+  row["scan_layers"] = exp.model.scan_layers
   row["device"] = f"{jax.device_count()} x {jax.devices()[0].device_kind}"
   row["run"] = experiment.describe(exp)
   return row
+
+
+def _batch_keys(trainer) -> tuple[str, ...]:
+  return ("inputs", "targets", "loss_mask") + (("segment_ids",) if trainer.use_segment_ids
+                                               else ())
 
 
 def _run_isolated(arm: str, json_path: str) -> dict:
@@ -163,7 +201,10 @@ COLUMNS = ([("arm", "arm"), ("num_params", "params")]
            + [("init_s", "init s"), ("init_compile_s", "XLA compile in init s"),
               ("init_compiles", "programs compiled in init"),
               ("step_compiled_s", "step lower+compile s"),
-              ("step_compile_s", "XLA compile in step s"), ("loss", "first loss"),
+              ("step_compile_s", "XLA compile in step s"),
+              ("step_lower_cpu_s", "step lower CPU s"), ("step_compile_cpu_s", "step compile CPU s"),
+              ("step_hlo_lines", "optimised HLO lines"), ("scan_layers", "scan_layers"),
+              ("loss", "first loss"),
               ("note", "note")])
 
 

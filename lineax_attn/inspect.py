@@ -192,6 +192,14 @@ def _value(variable):
   return values[0]
 
 
+def _unrolled(model):
+  """A scanned LanguageModel's unrolled twin (these tools walk `model.blocks`)."""
+  if getattr(getattr(model, "config", None), "scan_layers", False):
+    from lineax_attn.models import lm  # pylint: disable=g-import-not-at-top
+    return lm.unrolled(model)
+  return model
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _capture_jit(graphdef, state, tokens, segment_ids):
   model = nnx.merge(graphdef, state)
@@ -224,6 +232,7 @@ def capture(model, tokens, segment_ids=None, *, max_len: int = MAX_TRAJECTORY_LE
     `ModelCapture(logits, layers)`; layers maps block index -> `LayerCapture` for the linear
     layers (softmax layers have no state and are left out).
   """
+  model = _unrolled(model)
   if not hasattr(model, "blocks") or not hasattr(model, "config"):
     raise ValueError(f"model must be a lineax_attn LanguageModel, got {type(model).__name__}.")
   tokens = jnp.asarray(tokens)
@@ -385,6 +394,7 @@ def routing_summary(model) -> list[dict[str, Any]]:
     "rank" (None = full rank).
   An unrouted model gives [].
   """
+  model = _unrolled(model)
   if not hasattr(model, "blocks"):
     raise ValueError(f"model must be a lineax_attn LanguageModel, got {type(model).__name__}.")
   out = []

@@ -10,7 +10,8 @@ from __future__ import annotations
 from lineax_attn.models.config import (MIXERS, PRESETS, ROUTING_MODES, ModelConfig,
                                        canonical_mixer, get_config)
 from lineax_attn.models.decode import cache_bytes, decode_step, generate, init_cache, prefill
-from lineax_attn.models.lm import Block, LanguageModel, init_params, make_mixer, make_param_init
+from lineax_attn.models.lm import (Block, LanguageModel, init_params, make_mixer, make_param_init,
+                                   scanned, stack_params, unrolled, unstack_params)
 
 _PARAMS_NAMES = ("abstract_model", "count_params", "format_breakdown", "param_breakdown")
 
@@ -26,5 +27,5 @@ def __getattr__(name):
 __all__ = [
     "ModelConfig", "LanguageModel", "Block", "make_mixer", "make_param_init", "init_params", "get_config", "canonical_mixer",
     "PRESETS", "MIXERS", "ROUTING_MODES", "generate", "init_cache", "prefill", "decode_step",
-    "cache_bytes", "count_params", "param_breakdown", "format_breakdown", "abstract_model",
+    "cache_bytes", "stack_params", "unstack_params", "scanned", "unrolled", "count_params", "param_breakdown", "format_breakdown", "abstract_model",
 ]

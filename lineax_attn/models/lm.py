@@ -45,6 +45,9 @@ from lineax_attn.layers.norm import RMSNorm
 from lineax_attn.models.config import SOFTMAX, ModelConfig
 from lineax_attn.models.routing import ClerGamma, HiddenRoute
 
+# The pure-dict key (and attribute) of a scanned model's stacked blocks; the optimiser reads it.
+LAYER_STACK = "layer_stack"
+
 
 def make_mixer(config: ModelConfig, kind: str, *, rngs: nnx.Rngs):
   """The mixer layer of `kind` with the config's sizes and options."""
@@ -303,7 +306,7 @@ def stack_params(config: ModelConfig, params: dict) -> dict:
                      f"got blocks {got}.")
   period, repeats = config.scan_period, config.scan_repeats
   out = {k: v for k, v in params.items() if k != "blocks"}
-  out["layer_stack"] = {
+  out[LAYER_STACK] = {
       j: jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks[r * period + j] for r in range(repeats)])
       for j in range(period)}
   if config.scan_tail:
@@ -321,12 +324,12 @@ def unstack_params(config: ModelConfig, params: dict) -> dict:
   if not isinstance(config, ModelConfig):
     raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}.")
   period, repeats = config.scan_period, config.scan_repeats
-  stack = params.get("layer_stack") if isinstance(params, dict) else None
+  stack = params.get(LAYER_STACK) if isinstance(params, dict) else None
   if stack is None or set(stack) != set(range(period)):
     got = None if stack is None else sorted(stack)
     raise ValueError(f"params must be a scanned model's, with 'layer_stack' 0..{period - 1} "
                      f"(the period of {config.layer_types}); got layer_stack {got}.")
-  out = {k: v for k, v in params.items() if k not in ("layer_stack", "tail")}
+  out = {k: v for k, v in params.items() if k not in (LAYER_STACK, "tail")}
   blocks = {}
   for j in range(period):
     for r in range(repeats):
@@ -425,7 +428,7 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
   # The blocks' groups: unrolled, one per layer ("blocks"); scanned, one per period position
   # ("layer_stack", its layers r·P + j stacked) and one per tail layer ("tail").
   if scan:
-    groups = [("layer_stack", j, kind, [r * period + j for r in range(repeats)])
+    groups = [(LAYER_STACK, j, kind, [r * period + j for r in range(repeats)])
               for j, kind in enumerate(config.layer_types[:period])]
     groups += [("tail", k, kind, [repeats * period + k]) for k, kind in enumerate(config.scan_tail)]
   else:
@@ -439,7 +442,7 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
     states = [nnx.state(r) for r in block_rngs]
     rngs = []
     for part, _, _, layers in groups:
-      if part == "layer_stack":  # one stacked key state per position: vmapped below
+      if part == LAYER_STACK:  # one stacked key state per position: vmapped below
         rngs.append(jax.tree.map(lambda *xs: jnp.stack(xs), *[states[i] for i in layers]))
       else:
         rngs.append(states[layers[0]])
@@ -449,7 +452,7 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
   outer_shardings = None
   if out_shardings is not None:
     rest = dict(out_shardings)
-    parts = {part: rest.pop(part, None) for part in ("blocks", "layer_stack", "tail")}
+    parts = {part: rest.pop(part, None) for part in ("blocks", LAYER_STACK, "tail")}
     for part in sorted({g[0] for g in groups}):
       want = {g[1] for g in groups if g[0] == part}
       if parts[part] is None or set(parts[part]) != want:
@@ -478,9 +481,9 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
   programs: dict = {}  # (part, kind, shardings) -> the jitted group: equal ones share a compile
   group_programs = []
   for (part, _, kind, _), shardings in zip(groups, group_shardings):
-    key = (part == "layer_stack", kind, _sharding_key(shardings))
+    key = (part == LAYER_STACK, kind, _sharding_key(shardings))
     if key not in programs:
-      fn = stacked_block if part == "layer_stack" else block
+      fn = stacked_block if part == LAYER_STACK else block
       programs[key] = jit(functools.partial(fn, kind), shardings)
     group_programs.append(programs[key])
 

@@ -38,7 +38,7 @@ def param_breakdown(model: LanguageModel) -> dict:
   `total` and `non_embedding` (total − embedding − untied head).
   """
   layers = []
-  for block in model.blocks:
+  for block in model.layer_blocks():  # a scanned model's stack: one view per layer
     routing = 0
     if hasattr(block, "cler"):
       routing = count_params(block.cler)

@@ -15,7 +15,9 @@ Pieces:
   compiled program per block kind: `lineax_attn.models.lm.make_param_init`),
   `step(params, opt_state, batch)` and `eval_step(params, batch)`; the steps are traced under
   `jax.set_mesh`, so Pallas kernels shard themselves with `jax.shard_map`. Parameters are a
-  pure dict (`nnx.to_pure_dict`) so the optimiser state and checkpoints are plain pytrees.
+  pure dict (`nnx.to_pure_dict`) so the optimiser state and checkpoints are plain pytrees;
+  with `model.scan_layers` they hold the stacked layout ("layer_stack", "tail": the step
+  compiles one period of blocks), and resuming a checkpoint of the other layout is refused.
 * Loss: masked token cross-entropy, sum(nll · loss_mask) / sum(loss_mask) over the global batch,
   in float32. With `train.grad_accum_steps` = k the batch is split into k micro-batches whose
   summed gradients are divided by the batch's token count once, so the step equals the
@@ -311,6 +313,21 @@ def _config_diff(saved: Mapping[str, Any], current: Mapping[str, Any], prefix=""
   return out
 
 
+def _check_layer_layout(saved: Mapping[str, Any] | None, scan_layers: bool, directory: str,
+                        step: int) -> None:
+  """A checkpoint's parameter layout follows model.scan_layers (stacked blocks or one entry
+  per layer): restoring one layout into the other is refused by name, not left to orbax."""
+  saved_model = (saved or {}).get("model") or {}
+  was = bool(saved_model.get("scan_layers", False))  # checkpoints older than the option: False
+  if was != scan_layers:
+    layout = lambda scan: "stacked (scanned)" if scan else "unrolled"  # noqa: E731
+    raise ValueError(
+        f"the checkpoint at step {step} in {directory} was saved with model.scan_layers={was} "
+        f"({layout(was)} blocks) but this run has model.scan_layers={scan_layers} "
+        f"({layout(scan_layers)}): set --config.model.scan_layers={was} to resume it, or convert "
+        f"its params with lineax_attn.models.lm.stack_params / unstack_params.")
+
+
 def _fixed_batches(data_config, count: int) -> list[dict[str, np.ndarray]]:
   """The first `count` batches of a pipeline (this process's rows): a fixed validation set."""
   iterator = pipeline_lib.make_iterator(data_config)
@@ -415,6 +432,7 @@ def train(config: ml_collections.ConfigDict | experiment_lib.Experiment, workdir
       say(f"{experiment_lib.describe(exp)}; {trainer.num_params:,} parameters")
     else:
       saved = ckpt.restore_config(latest)
+      _check_layer_layout(saved, exp.model.scan_layers, ckpt.directory, latest)
       changed = _config_diff(saved, config_dict)
       if changed:
         say(f"warning: the config differs from the checkpoint's: {'; '.join(changed)}")

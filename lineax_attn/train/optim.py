@@ -12,6 +12,11 @@ path's keys joined by "/", lower-cased) and its ndim:
 * "conv": the path contains "conv" (short depthwise convolution kernels: not matmuls).
 * "matrix": everything else (ndim >= 2: the projections of the mixers and the MLP).
 
+A scanned model's stacked blocks (the "layer_stack" subtree, `ModelConfig.scan_layers`) carry
+a leading layers axis: groups and Muon's matrix axes are decided on the per-layer shape (the
+leading axis is a batch axis of the orthogonalisation), so the optimiser does to each layer
+what it does in the unrolled model.
+
 `make_optimizer(config)`, an optax `GradientTransformation` = global-norm clipping (`clip_norm`)
 followed by:
 
@@ -53,6 +58,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+
+from lineax_attn.models.lm import LAYER_STACK
 
 DECAY_SHAPES = ("minus_sqrt", "linear", "cosine")
 OPTIMIZERS = ("adamw", "muon")
@@ -154,6 +161,15 @@ def path_name(path) -> str:
   return "/".join(parts)
 
 
+def is_stacked(path) -> bool:
+  """Whether a parameter's path is in a scanned model's stacked blocks (a leading layers axis)."""
+  return path_name(path).split("/", 1)[0] == LAYER_STACK
+
+
+def _layer_ndim(path, leaf) -> int:
+  return jnp.ndim(leaf) - (1 if is_stacked(path) else 0)
+
+
 def param_group(path, leaf) -> str:
   """The group of one parameter (see the module docstring)."""
   name = path_name(path).lower()
@@ -161,7 +177,7 @@ def param_group(path, leaf) -> str:
     return "embed"
   if "lm_head" in name:
     return "head"
-  if jnp.ndim(leaf) < 2 or path_name(path).rsplit("/", 1)[-1] in GATE_CONSTANTS:
+  if _layer_ndim(path, leaf) < 2 or path_name(path).rsplit("/", 1)[-1] in GATE_CONSTANTS:
     return "vector"
   if "conv" in name:
     return "conv"
@@ -188,6 +204,13 @@ def schedules(config: OptimizerConfig) -> dict[str, optax.Schedule]:
   return out
 
 
+def _shift_dims(dims, by: int) -> optax.contrib.MuonDimensionNumbers:
+  shift = lambda axes: (axes + by if isinstance(axes, int)  # noqa: E731
+                        else tuple(a + by for a in axes))
+  return optax.contrib.MuonDimensionNumbers(reduction_axis=shift(dims.reduction_axis),
+                                            output_axis=shift(dims.output_axis))
+
+
 def _default_muon_dims(leaf) -> optax.contrib.MuonDimensionNumbers:
   ndim = jnp.ndim(leaf)
   if ndim == 2:
@@ -205,7 +228,8 @@ def make_optimizer(
   Args:
     config: an OptimizerConfig or a mapping of its fields.
     muon_dimension_numbers: optional, leaf -> optax.contrib.MuonDimensionNumbers for the Muon
-      group's leaves (default: [in, out] / [in, out_1, ...]).
+      group's leaves (default: [in, out] / [in, out_1, ...]); a stacked leaf is passed as one
+      layer's `jax.ShapeDtypeStruct` and its axes are shifted past the layers axis.
   """
   if not isinstance(config, OptimizerConfig):
     config = OptimizerConfig.from_mapping(config)
@@ -219,7 +243,14 @@ def make_optimizer(
         lrs["lr"], b1=config.b1, b2=config.b2, eps=config.eps,
         weight_decay=config.weight_decay, mask=decay_mask))
 
-  dims_fn = muon_dimension_numbers or _default_muon_dims
+  per_layer_dims = muon_dimension_numbers or _default_muon_dims
+
+  def dims_fn(path, leaf):
+    if not is_stacked(path):
+      return per_layer_dims(leaf)
+    one = jax.ShapeDtypeStruct(jnp.shape(leaf)[1:], jnp.result_type(leaf))
+    return _shift_dims(per_layer_dims(one), 1)
+
   muon = optax.contrib.muon(
       lrs["lr"],
       ns_steps=config.muon_ns_steps,
@@ -229,7 +260,8 @@ def make_optimizer(
       nesterov=config.muon_nesterov,
       consistent_rms=1.0 if config.muon_scale == "spectral" else None,
       # Every leaf that reaches this branch is a Muon matrix (the others are masked out).
-      muon_weight_dimension_numbers=lambda params: jax.tree.map(dims_fn, params),
+      muon_weight_dimension_numbers=lambda params: jax.tree_util.tree_map_with_path(
+          dims_fn, params),
   )
   adam = optax.adamw(lrs["adam_lr"], b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=0.0)
   labels = lambda params: jax.tree.map(  # noqa: E731
