@@ -231,8 +231,8 @@ def _step_hlo_lines(cfg) -> int:
 
 
 def test_scanned_step_compiles_to_a_much_smaller_program():
-  cfg = _config(n_layers=12, pattern="LLS", d_model=16, num_heads=1, num_v_heads=1, attn_heads=1,
-                mlp_hidden=16)
+  cfg = _config(n_layers=8, mixer="softmax", pattern=None, d_model=16, attn_heads=1,
+                attn_kv_heads=1, mlp_hidden=16)
   unrolled, scanned = _step_hlo_lines(cfg), _step_hlo_lines(cfg.replace(scan_layers=True))
-  # 12 layers against one period of 3 (and the loop): well under half.
-  assert scanned < 0.45 * unrolled, (scanned, unrolled)
+  # Measured 2,404 against 7,873 lines (jax 0.11.2): one block in the loop instead of eight.
+  assert scanned < 0.4 * unrolled, (scanned, unrolled)
