@@ -1,10 +1,11 @@
 """The scanned layer stack (`ModelConfig.scan_layers`) against the unrolled model (the oracle).
 
-* Period and tail of the layer kinds (hand-computed).
+* Period and rows per position of the layer kinds (hand-computed).
 * The scanned model with the unrolled model's parameters stacked gives its logits and its
-  gradients (unstacked) under `jax.jit`: softmax only, a GDN "LS" hybrid (two periods and a
-  tail layer), and "LS" hybrids with CLER (its residual rides in the scan carry) and with CLVR (a routed
-  projection per block, the path CLER-H shares).
+  gradients (unstacked) under `jax.jit`: softmax only, a GDN "LS" hybrid of 5 layers (the
+  last iteration runs the fifth and skips the missing softmax), and "LS" hybrids with CLER
+  (its residual rides in the scan carry) and with CLVR (a routed projection per block, the
+  path CLER-H shares).
 * Its own init (eager and `make_param_init`) is the unrolled init stacked; stack/unstack invert
   each other; the stacked parameters carry the "layers" logical axis, replicated by the rules.
 * The optimisers (AdamW, Muon) update each stacked layer as they update the unrolled layer.
@@ -60,13 +61,13 @@ def _loss_and_grads(model, tokens):
   return value, logits, nnx.to_pure_dict(grads)
 
 
-def test_period_and_tail():
+def test_period_and_rows():
   hybrid = _config(n_layers=8, pattern="LLS")
-  assert (hybrid.scan_period, hybrid.scan_repeats, hybrid.scan_tail) == (3, 2, ("gdn", "gdn"))
-  freq = config_lib.gdn_350m()  # linear_attention_freq=3, 20 layers
-  assert (freq.scan_period, freq.scan_repeats, freq.scan_tail) == (3, 6, ("gdn", "gdn"))
+  assert (hybrid.scan_period, hybrid.scan_rows) == (3, (3, 3, 2))
+  freq = config_lib.gdn_350m()  # linear_attention_freq=3, 20 layers: LLS x 6 + LL
+  assert (freq.scan_period, freq.scan_rows) == (3, (7, 7, 6))
   pure = config_lib.softmax_350m()
-  assert (pure.scan_period, pure.scan_repeats, pure.scan_tail) == (1, 24, ())
+  assert (pure.scan_period, pure.scan_rows) == (1, (24,))
   # Two layers of "LLS" are both linear: one block per period.
   assert _config(n_layers=2, pattern="LLS").scan_period == 1
   with pytest.raises(ValueError, match="scan_layers"):
@@ -95,7 +96,7 @@ def test_scanned_equals_unrolled(case):
     nnx.update(model, state)
   scanned = lm.scanned(model)
   assert scanned.config.scan_layers and not hasattr(scanned, "blocks")
-  assert jax.tree.leaves(scanned.layer_stack)[0].shape[0] == cfg.scan_repeats
+  assert jax.tree.leaves(scanned.layer_stack)[0].shape[0] == cfg.scan_rows[0]
   tokens = _tokens()
   loss_u, logits_u, grads_u = _loss_and_grads(model, tokens)
   loss_s, logits_s, grads_s = _loss_and_grads(scanned, tokens)
@@ -117,8 +118,10 @@ def test_init_stacking_and_sharding_names():
   unrolled = _pure(lm.LanguageModel(cfg, rngs=nnx.Rngs(3)))
   scanned_model = lm.LanguageModel(scan_cfg, rngs=nnx.Rngs(3))
   stacked = lm.stack_params(scan_cfg, unrolled)
-  assert set(stacked) == {"embed", "final_norm", "lm_head", "layer_stack", "tail"}
-  assert set(stacked["layer_stack"]) == {0, 1} and set(stacked["tail"]) == {0}
+  assert set(stacked) == {"embed", "final_norm", "lm_head", "layer_stack"}
+  assert set(stacked["layer_stack"]) == {0, 1}
+  assert stacked["layer_stack"][0]["norm1"]["weight"].shape[0] == 3  # layers 0, 2, 4
+  assert stacked["layer_stack"][1]["norm1"]["weight"].shape[0] == 2  # layers 1, 3
   jax.tree.map(np.testing.assert_array_equal, _pure(scanned_model), stacked)
   jax.tree.map(np.testing.assert_array_equal, lm.unstack_params(scan_cfg, stacked), unrolled)
   # The trainer's init: one vmapped program per stacked position, the unrolled values stacked.
@@ -135,7 +138,6 @@ def test_init_stacking_and_sharding_names():
   assert kernel == ("layers",) + layer_axes["blocks"][0]["mixer"]["in_proj"]["kernel"]
   per_layer = sharding_lib.logical_to_pspec(layer_axes["blocks"][0]["mixer"]["in_proj"]["kernel"])
   assert sharding_lib.logical_to_pspec(kernel) == jax.sharding.PartitionSpec(None, *per_layer)
-  assert axes["tail"][0] == layer_axes["blocks"][4]
   with pytest.raises(ValueError, match="blocks"):
     lm.stack_params(scan_cfg, stacked)
   with pytest.raises(ValueError, match="layer_stack"):
@@ -155,7 +157,7 @@ def test_optimizer_treats_each_stacked_layer_like_the_unrolled_layer(name):
   groups = optim.param_groups(lm.stack_params(scan_cfg, params))
   want_groups = optim.param_groups(params)
   for j in range(scan_cfg.scan_period):
-    for r in range(scan_cfg.scan_repeats):
+    for r in range(scan_cfg.scan_rows[j]):
       assert groups["layer_stack"][j] == want_groups["blocks"][r * scan_cfg.scan_period + j]
 
   def one_step(p, g):

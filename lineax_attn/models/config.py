@@ -77,10 +77,11 @@ class ModelConfig:
     norm_eps, init_std, scaled_out_init (W_out and MLP down at init_std / sqrt(2 · n_layers)).
     dtype (compute), param_dtype (master weights).
     scan_layers: build the stack as a `jax.lax.scan` over its repeating period of blocks
-      (`scan_period`: 1 for a pure stack, 3 for "LLS"), the period's parameters stacked on a
-      leading "layers" axis, plus the layers that do not fill a period unrolled (`scan_tail`).
-      The same function and the same initial parameters (stacked) as the unrolled model; the
-      train step traces and compiles one period instead of every layer (docs/BENCHMARKS.md).
+      (`scan_period`: 1 for a pure stack, 3 for "LLS"), each position's parameters stacked on a
+      leading "layers" axis (`scan_rows`); the layers after the last whole period run in one
+      more iteration, the positions they lack skipped. The same function and the same initial
+      parameters (stacked) as the unrolled model; the train step traces and compiles one
+      period instead of every layer (docs/BENCHMARKS.md).
   """
 
   vocab_size: int = 256
@@ -250,14 +251,12 @@ class ModelConfig:
                 if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
 
   @property
-  def scan_repeats(self) -> int:
-    """How many whole periods the layer scan runs (n_layers // scan_period)."""
-    return self.n_layers // self.scan_period
-
-  @property
-  def scan_tail(self) -> tuple[str, ...]:
-    """The kinds of the last layers that do not fill a period (unrolled after the scan)."""
-    return self.layer_types[self.scan_repeats * self.scan_period:]
+  def scan_rows(self) -> tuple[int, ...]:
+    """Layers per position of the period (`scan_layers`): position j holds layers j, j + P,
+    j + 2P, ... (row r = layer r·P + j), so the first n_layers mod P positions have one row
+    more than the others (the layers after the last whole period, e.g. LL of 20 layers LLS...)."""
+    p = self.scan_period
+    return tuple(len(range(j, self.n_layers, p)) for j in range(p))
 
   @property
   def mlp_dim(self) -> int:

@@ -15,9 +15,10 @@ parameters as a pure dict, compiled one block kind at a time, optionally created
 
 Scanned stack (`ModelConfig.scan_layers`): the blocks of each position j of the repeating period
 P (`config.scan_period`) live in `model.layer_stack[j]` with parameters stacked on a leading
-"layers" axis of `config.scan_repeats` rows (row r is layer r·P + j), run by one `jax.lax.scan`;
-the layers after the last whole period are `model.tail[k]`, unrolled. The parameters and the
-function are those of the unrolled model of the same seed (`stack_params` / `unstack_params`
+"layers" axis (row r is layer r·P + j; `config.scan_rows[j]` rows), run by one `jax.lax.scan`
+over ceil(n_layers / P) iterations; the layers after the last whole period run in its last
+iteration, which skips the positions they lack (`lax.cond`), so no layer is traced outside the
+loop. The parameters and the function are those of the unrolled model of the same seed (`stack_params` / `unstack_params`
 convert pure dicts; `unrolled(model)` gives the unrolled twin). `layer_blocks()` lists one Block
 per layer for either layout. Decoding (a cache) runs the layers unrolled on slices of the stack.
 
@@ -152,12 +153,8 @@ class LanguageModel(nnx.Module):
     blocks = [Block(config, kind, rngs=block_rng)
               for kind, block_rng in zip(config.layer_types, block_rngs)]
     if config.scan_layers:
-      period, repeats = config.scan_period, config.scan_repeats
-      self.layer_stack = nnx.List([
-          _stack_blocks([blocks[r * period + j] for r in range(repeats)])
-          for j in range(period)])
-      if config.scan_tail:
-        self.tail = nnx.List(blocks[repeats * period:])
+      period = config.scan_period
+      self.layer_stack = nnx.List([_stack_blocks(blocks[j::period]) for j in range(period)])
     else:
       self.blocks = nnx.List(blocks)
     self.final_norm = final_norm
@@ -170,12 +167,12 @@ class LanguageModel(nnx.Module):
     if not self.config.scan_layers:
       return list(self.blocks)
     period = self.config.scan_period
-    views = [None] * (self.config.scan_repeats * period)
+    views = [None] * self.config.n_layers
     for j, stacked in enumerate(self.layer_stack):
       graphdef, state = nnx.split(stacked)
-      for r in range(self.config.scan_repeats):
+      for r in range(self.config.scan_rows[j]):
         views[r * period + j] = nnx.merge(graphdef, _unstack_state(state, r))
-    return views + list(getattr(self, "tail", ()))
+    return views
 
   def init_cache(self, batch: int, max_len: int) -> list[dict[str, jax.Array]]:
     """Per-layer decoding caches for `batch` rows of up to `max_len` tokens."""
@@ -223,7 +220,7 @@ class LanguageModel(nnx.Module):
     return h, new_cache
 
   def _scanned_hidden_states(self, h: jax.Array, segment_ids) -> jax.Array:
-    """The blocks of a scanned model: one `lax.scan` over the periods, then the tail."""
+    """The blocks of a scanned model: one `lax.scan`, an iteration per (started) period."""
     residual = None
     if self.config.routing == "cler":
       # The CLER residual rides in the carry, so it needs a value before the first linear
@@ -232,20 +229,36 @@ class LanguageModel(nnx.Module):
       b, t = h.shape[:2]
       residual = jnp.zeros((b, t, self.config.v_heads, self.config.dv), jnp.float32)
 
-    def run(blocks, h, residual):
-      for block in blocks:
-        h, residual, _ = block(h, segment_ids=segment_ids, residual=residual)
-        if residual is not None:
-          residual = residual.astype(jnp.float32)
-      return h, residual
+    def run(block, h, residual):
+      h, residual, _ = block(h, segment_ids=segment_ids, residual=residual)
+      return h, None if residual is None else residual.astype(jnp.float32)
 
-    graphdef, state = nnx.split(self.layer_stack)
+    rows = self.config.scan_rows
+    iterations = rows[0]
+    parts = [nnx.split(stacked) for stacked in self.layer_stack]
+    # Full positions are sliced by the scan; the others (one row short: the last iteration has
+    # no layer there) are indexed inside the loop and skipped in its last iteration.
+    full = {j: state for j, (_, state) in enumerate(parts) if rows[j] == iterations}
+    short = {j: state for j, (_, state) in enumerate(parts) if rows[j] < iterations}
 
-    def body(carry, layer_state):
-      return run(nnx.merge(graphdef, layer_state), *carry), None
+    def body(carry, xs):
+      i, sliced = xs
+      h, residual = carry
+      for j, (graphdef, _) in enumerate(parts):
+        if j in full:
+          h, residual = run(nnx.merge(graphdef, sliced[j]), h, residual)
+          continue
+        row = jax.tree.map(
+            lambda x: jax.lax.dynamic_index_in_dim(x, jnp.minimum(i, rows[j] - 1), keepdims=False),
+            short[j])
+        h, residual = jax.lax.cond(
+            i < rows[j],
+            lambda h, residual, row, g=graphdef: run(nnx.merge(g, row), h, residual),
+            lambda h, residual, row: (h, residual),
+            h, residual, row)
+      return (h, residual), None
 
-    (h, residual), _ = jax.lax.scan(body, (h, residual), state)
-    h, _ = run(getattr(self, "tail", ()), h, residual)
+    (h, residual), _ = jax.lax.scan(body, (h, residual), (jnp.arange(iterations), full))
     return h
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
@@ -291,8 +304,8 @@ def _unstack_state(state, r: int):
 
 def stack_params(config: ModelConfig, params: dict) -> dict:
   """The pure-dict parameters of the unrolled model -> those of `config`'s scanned model
-  (`scan_layers=True`): `blocks[r·P + j]` becomes row r of `layer_stack[j]`, the blocks after
-  the last whole period `tail[k]`. The values are unchanged (`unstack_params` inverts it).
+  (`scan_layers=True`): `blocks[r·P + j]` becomes row r of `layer_stack[j]`. The values are
+  unchanged (`unstack_params` inverts it).
 
   Raises:
     ValueError: config is not a ModelConfig, or params has not one entry per layer in "blocks".
@@ -304,13 +317,12 @@ def stack_params(config: ModelConfig, params: dict) -> dict:
     got = None if blocks is None else sorted(blocks)
     raise ValueError(f"params must be an unrolled model's, with 'blocks' 0..{config.n_layers - 1}; "
                      f"got blocks {got}.")
-  period, repeats = config.scan_period, config.scan_repeats
+  period = config.scan_period
   out = {k: v for k, v in params.items() if k != "blocks"}
   out[LAYER_STACK] = {
-      j: jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks[r * period + j] for r in range(repeats)])
+      j: jax.tree.map(lambda *xs: jnp.stack(xs), *[blocks[i] for i in range(j, config.n_layers,
+                                                                              period)])
       for j in range(period)}
-  if config.scan_tail:
-    out["tail"] = {k: blocks[repeats * period + k] for k in range(len(config.scan_tail))}
   return out
 
 
@@ -323,21 +335,15 @@ def unstack_params(config: ModelConfig, params: dict) -> dict:
   """
   if not isinstance(config, ModelConfig):
     raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}.")
-  period, repeats = config.scan_period, config.scan_repeats
+  period = config.scan_period
   stack = params.get(LAYER_STACK) if isinstance(params, dict) else None
   if stack is None or set(stack) != set(range(period)):
     got = None if stack is None else sorted(stack)
     raise ValueError(f"params must be a scanned model's, with 'layer_stack' 0..{period - 1} "
                      f"(the period of {config.layer_types}); got layer_stack {got}.")
-  out = {k: v for k, v in params.items() if k not in (LAYER_STACK, "tail")}
-  blocks = {}
-  for j in range(period):
-    for r in range(repeats):
-      blocks[r * period + j] = jax.tree.map(lambda x: x[r], stack[j])
-  tail = params.get("tail", {})
-  for k in range(len(config.scan_tail)):
-    blocks[repeats * period + k] = tail[k]
-  out["blocks"] = blocks
+  out = {k: v for k, v in params.items() if k != LAYER_STACK}
+  out["blocks"] = {r * period + j: jax.tree.map(lambda x: x[r], stack[j])
+                   for j in range(period) for r in range(config.scan_rows[j])}
   return out
 
 
@@ -404,13 +410,13 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
       new variable by its logical names).
     compiler_options: XLA options of the jitted pieces.
 
-  A scanned model (`config.scan_layers`) gets its stacked layout ("layer_stack", "tail"): each
+  A scanned model (`config.scan_layers`) gets its stacked layout ("layer_stack"): each
   position of the period is one program, the block's init vmapped over its rows' keys, so the
   values equal the unrolled model's stacked (`stack_params`).
 
   Raises:
     ValueError: config is not a ModelConfig, seed not an int, or out_shardings without one
-      entry per block (per stacked position and tail block when scanned).
+      entry per block (per position of the period when scanned).
   """
   if not isinstance(config, ModelConfig):
     raise ValueError(f"config must be a ModelConfig, got {type(config).__name__}.")
@@ -424,13 +430,12 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
     return jax.jit(fn, compiler_options=options, **kwargs)
 
   scan = config.scan_layers
-  period, repeats = config.scan_period, config.scan_repeats
-  # The blocks' groups: unrolled, one per layer ("blocks"); scanned, one per period position
-  # ("layer_stack", its layers r·P + j stacked) and one per tail layer ("tail").
+  # The blocks' groups: unrolled, one per layer ("blocks"); scanned, one per position j of the
+  # period ("layer_stack": its layers j, j + P, ... stacked).
   if scan:
-    groups = [(LAYER_STACK, j, kind, [r * period + j for r in range(repeats)])
+    period = config.scan_period
+    groups = [(LAYER_STACK, j, kind, list(range(j, config.n_layers, period)))
               for j, kind in enumerate(config.layer_types[:period])]
-    groups += [("tail", k, kind, [repeats * period + k]) for k, kind in enumerate(config.scan_tail)]
   else:
     groups = [("blocks", i, kind, [i]) for i, kind in enumerate(config.layer_types)]
 
@@ -452,13 +457,13 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
   outer_shardings = None
   if out_shardings is not None:
     rest = dict(out_shardings)
-    parts = {part: rest.pop(part, None) for part in ("blocks", LAYER_STACK, "tail")}
+    parts = {part: rest.pop(part, None) for part in ("blocks", LAYER_STACK)}
     for part in sorted({g[0] for g in groups}):
       want = {g[1] for g in groups if g[0] == part}
       if parts[part] is None or set(parts[part]) != want:
         got = None if parts[part] is None else sorted(parts[part])
         raise ValueError(f"out_shardings must have {part!r} with an entry for each of "
-                         f"{sorted(want)} (the model's {'scanned' if scan else ''} blocks), "
+                         f"{sorted(want)} (the model's {'stacked ' if scan else ''}blocks), "
                          f"got {got}.")
     group_shardings = [parts[part][index] for part, index, _, _ in groups]
     first = jax.tree.leaves(rest)[0]

@@ -16,8 +16,8 @@ Pieces:
   `step(params, opt_state, batch)` and `eval_step(params, batch)`; the steps are traced under
   `jax.set_mesh`, so Pallas kernels shard themselves with `jax.shard_map`. Parameters are a
   pure dict (`nnx.to_pure_dict`) so the optimiser state and checkpoints are plain pytrees;
-  with `model.scan_layers` they hold the stacked layout ("layer_stack", "tail": the step
-  compiles one period of blocks), and resuming a checkpoint of the other layout is refused.
+  with `model.scan_layers` they hold the stacked layout ("layer_stack": the step compiles one
+  period of blocks), and resuming a checkpoint of the other layout is refused.
 * Loss: masked token cross-entropy, sum(nll · loss_mask) / sum(loss_mask) over the global batch,
   in float32. With `train.grad_accum_steps` = k the batch is split into k micro-batches whose
   summed gradients are divided by the batch's token count once, so the step equals the
