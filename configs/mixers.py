@@ -8,7 +8,10 @@
   mixer, pure softmax as the reference, AdamW.
 * paper: the controlled 20-layer 2:1 grid of docs/MATH.md §6.3 (softmax: the 24-layer
   Transformer++), AdamW 3e-4 (the GDN-2 launchers' default; `configs/optimizers.py` crosses with
-  Muon).
+  Muon). Its models are built with `model.scan_layers=True`: a scan over the layer period,
+  the same function and initial parameters, bit for bit on CPU, and about half the train step's
+  lower+compile (docs/BENCHMARKS.md, "The train step's compile and a scan over layers");
+  `--config.model.scan_layers=false` restores the unrolled stack (and its checkpoint layout).
 """
 
 from __future__ import annotations
@@ -32,5 +35,7 @@ def get_config(size: str = "tiny") -> ml_collections.ConfigDict:
     config.name = f"mixers_{size or 'tiny'}"
     if size == "small":
       config.model.linear_attention_freq = 3
+    if size == "paper":
+      config.model.scan_layers = True
     config.arms = base.arms({mixer: base.mixer_overrides(mixer, size) for mixer in MIXERS})
   return config

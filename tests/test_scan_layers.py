@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import base
+from configs import base, mixers
 from lineax_attn.models import config as config_lib
 from lineax_attn.models import decode, lm
 from lineax_attn.models import losses
@@ -72,6 +72,10 @@ def test_period_and_rows():
   assert _config(n_layers=2, pattern="LLS").scan_period == 1
   with pytest.raises(ValueError, match="scan_layers"):
     _config(scan_layers=1)
+  # The default: unrolled in the library and the base configs, scanned in the 350M comparison.
+  assert not config_lib.ModelConfig().scan_layers and not base.get_config("paper").model.scan_layers
+  assert mixers.get_config("paper").model.scan_layers
+  assert not mixers.get_config("small").model.scan_layers
 
 
 # Two periods or more, so the scan runs; the hybrids end with a tail. The routed stacks use the
