@@ -462,9 +462,9 @@ def make_param_init(config: ModelConfig, seed: int, *, out_shardings=None,
       want = {g[1] for g in groups if g[0] == part}
       if parts[part] is None or set(parts[part]) != want:
         got = None if parts[part] is None else sorted(parts[part])
-        raise ValueError(f"out_shardings must have {part!r} with an entry for each of "
-                         f"{sorted(want)} (the model's {'stacked ' if scan else ''}blocks), "
-                         f"got {got}.")
+        what = "positions of the period (stacked blocks)" if scan else "blocks"
+        raise ValueError(f"out_shardings must have {part!r} with an entry for each of the "
+                         f"{len(want)} {what}, got {got}.")
     group_shardings = [parts[part][index] for part, index, _, _ in groups]
     first = jax.tree.leaves(rest)[0]
     # The blocks' keys: replicated over the parameters' devices (global on every process).
