@@ -9,8 +9,9 @@
 * paper: the controlled 20-layer 2:1 grid of docs/MATH.md §6.3 (softmax: the 24-layer
   Transformer++), AdamW 3e-4 (the GDN-2 launchers' default; `configs/optimizers.py` crosses with
   Muon). Its models are built with `model.scan_layers=True`: a scan over the layer period,
-  the same function and initial parameters, bit for bit on CPU, and about half the train step's
-  lower+compile (docs/BENCHMARKS.md, "The train step's compile and a scan over layers");
+  the same function and initial parameters, bit for bit on CPU, and a cheaper train-step
+  compile (CPU lower+compile: softmax -54 %, GDN-2 hybrid -25 %; docs/BENCHMARKS.md, "The train
+  step's compile and a scan over layers");
   `--config.model.scan_layers=false` restores the unrolled stack (and its checkpoint layout).
 """
 

@@ -9,7 +9,7 @@
 * Its own init (eager and `make_param_init`) is the unrolled init stacked; stack/unstack invert
   each other; the stacked parameters carry the "layers" logical axis, replicated by the rules.
 * The optimisers (AdamW, Muon) update each stacked layer as they update the unrolled layer.
-* Decoding a scanned model generates the unrolled model's tokens.
+* Decoding a scanned model generates the unrolled model's tokens; inspect reads its layers.
 * Training: the loss falls, the checkpoint holds the stacked layout and resumes bit for bit,
   and an unrolled run refuses the stacked checkpoint by name.
 * The compiled train step's optimised HLO of a deeper stack is markedly smaller scanned.
@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 
 from configs import base, mixers
+from lineax_attn import inspect
 from lineax_attn.models import config as config_lib
 from lineax_attn.models import decode, lm
 from lineax_attn.models import losses
@@ -188,6 +189,11 @@ def test_decoding_a_scanned_model():
   assert len(scanned.init_cache(2, 16)) == cfg.n_layers
   back = lm.unrolled(scanned)
   jax.tree.map(np.testing.assert_array_equal, _pure(back), _pure(model))
+  # lineax_attn.inspect walks the unrolled twin: the same per-layer routing summary.
+  got_summary, want_summary = inspect.routing_summary(scanned), inspect.routing_summary(model)
+  assert [(e["layer"], e["mode"]) for e in got_summary] == [(0, "cler"), (2, "cler"), (4, "cler")]
+  for got_entry, want_entry in zip(got_summary, want_summary):
+    np.testing.assert_array_equal(got_entry["gamma"], want_entry["gamma"])
 
 
 def _tiny_run(scan_layers: bool, **train):
