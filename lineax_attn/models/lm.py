@@ -18,9 +18,10 @@ P (`config.scan_period`) live in `model.layer_stack[j]` with parameters stacked 
 "layers" axis (row r is layer r·P + j; `config.scan_rows[j]` rows), run by one `jax.lax.scan`
 over ceil(n_layers / P) iterations; the layers after the last whole period run in its last
 iteration, which skips the positions they lack (`lax.cond`), so no layer is traced outside the
-loop. The parameters and the function are those of the unrolled model of the same seed (`stack_params` / `unstack_params`
-convert pure dicts; `unrolled(model)` gives the unrolled twin). `layer_blocks()` lists one Block
-per layer for either layout. Decoding (a cache) runs the layers unrolled on slices of the stack.
+loop. The parameters and the function are those of the unrolled model of the same seed
+(`stack_params` / `unstack_params` convert pure dicts; `unrolled(model)` gives the unrolled
+twin). `layer_blocks()` lists one Block per layer for either layout. Decoding (a cache) runs the
+layers unrolled on slices of the stack.
 
 Decoding: `init_cache(batch, max_len)`, `forward(tokens, cache=... | max_len=...)` (prefill or
 continue) and `decode_step(tokens, cache)`; `lineax_attn.models.decode.generate` wraps them in
