@@ -10,8 +10,8 @@
   Transformer++), AdamW 3e-4 (the GDN-2 launchers' default; `configs/optimizers.py` crosses with
   Muon). Its models are built with `model.scan_layers=True`: a scan over the layer period,
   the same function and initial parameters, bit for bit on CPU, and a cheaper train-step
-  compile (CPU lower+compile: softmax -54 %, GDN-2 hybrid -25 %; docs/BENCHMARKS.md, "The train
-  step's compile and a scan over layers");
+  compile (CPU lower+compile: softmax -54 %, the hybrids -1 % (DeltaNet) to -39 % (KDA);
+  docs/BENCHMARKS.md, "The train step's compile and a scan over layers");
   `--config.model.scan_layers=false` restores the unrolled stack (and its checkpoint layout).
 """
 

@@ -202,7 +202,8 @@ COLUMNS = ([("arm", "arm"), ("num_params", "params")]
               ("init_compiles", "programs compiled in init"),
               ("step_compiled_s", "step lower+compile s"),
               ("step_compile_s", "XLA compile in step s"),
-              ("step_lower_cpu_s", "step lower CPU s"), ("step_compile_cpu_s", "step compile CPU s"),
+              ("step_lower_cpu_s", "step lower CPU s"),
+              ("step_compile_cpu_s", "step compile CPU s"),
               ("step_hlo_lines", "optimised HLO lines"), ("scan_layers", "scan_layers"),
               ("loss", "first loss"),
               ("note", "note")])

@@ -56,7 +56,8 @@ def _loss_and_grads(model, tokens):
   def run(state):
     def loss(state):
       logits = nnx.merge(graphdef, state)(tokens[:, :-1])
-      return losses.masked_cross_entropy(logits, tokens[:, 1:], jnp.ones(tokens[:, 1:].shape)), logits
+      targets = tokens[:, 1:]
+      return losses.masked_cross_entropy(logits, targets, jnp.ones(targets.shape)), logits
     return jax.value_and_grad(loss, has_aux=True)(state)
 
   (value, logits), grads = run(state)
@@ -215,7 +216,8 @@ def test_train_checkpoint_and_resume(tmp_path):
   trainer = loop.Trainer(exp, mesh=mesh, compiler_options=COMPILER_OPTIONS)
   assert "layer_stack" in trainer.param_shardings and "blocks" not in trainer.param_shardings
   unrolled_trainer = loop.Trainer(_tiny_run(False), mesh=mesh)
-  spec = lambda t, part, j: t.param_shardings[part][j]["mlp"]["up_proj"]["kernel"].spec  # noqa: E731
+  spec = lambda t, part, j: (  # noqa: E731
+      t.param_shardings[part][j]["mlp"]["up_proj"]["kernel"].spec)
   assert spec(trainer, "layer_stack", 0) == jax.sharding.PartitionSpec(
       None, *spec(unrolled_trainer, "blocks", 0))
   run = lambda workdir, **kw: loop.train(exp, str(workdir), progress=False,  # noqa: E731
@@ -291,5 +293,6 @@ def test_context_parallel_step_of_a_scanned_model(monkeypatch):
   assert calls  # the linear layer ran context parallel
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   # Re-associated float32 sums of the sharded chunks only (measured <= 6e-7 of each leaf's max).
-  for a, b in zip(jax.tree.leaves(lm.unstack_params(scanned_exp.model, got)), jax.tree.leaves(want)):
+  got = lm.unstack_params(scanned_exp.model, got)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert float(np.max(np.abs(a - b))) <= 1e-5 * float(np.max(np.abs(b))) + 1e-8

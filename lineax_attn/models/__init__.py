@@ -27,5 +27,6 @@ def __getattr__(name):
 __all__ = [
     "ModelConfig", "LanguageModel", "Block", "make_mixer", "make_param_init", "init_params", "get_config", "canonical_mixer",
     "PRESETS", "MIXERS", "ROUTING_MODES", "generate", "init_cache", "prefill", "decode_step",
-    "cache_bytes", "stack_params", "unstack_params", "scanned", "unrolled", "count_params", "param_breakdown", "format_breakdown", "abstract_model",
+    "cache_bytes", "stack_params", "unstack_params", "scanned", "unrolled",
+    "count_params", "param_breakdown", "format_breakdown", "abstract_model",
 ]
