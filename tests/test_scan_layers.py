@@ -14,6 +14,7 @@
   and an unrolled run refuses the stacked checkpoint by name.
 * The compiled train step's optimised HLO of a deeper stack is markedly smaller scanned.
 * A context-parallel step of a scanned model equals the unrolled one-device step.
+* bench_startup --compile_only compiles the scanned step on abstract inputs.
 """
 
 from __future__ import annotations
@@ -296,3 +297,26 @@ def test_context_parallel_step_of_a_scanned_model(monkeypatch):
   got = lm.unstack_params(scanned_exp.model, got)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert float(np.max(np.abs(a - b))) <= 1e-5 * float(np.max(np.abs(b))) + 1e-8
+
+
+def test_bench_startup_compile_only(tmp_path):
+  """experiments/bench_startup.py --compile_only: the step lowered and compiled on abstract
+  inputs (nothing initialised or run), with the CPU seconds and HLO lines in the row."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "startup.json"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+      "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"))
+  cmd = [sys.executable, "-m", "experiments.bench_startup", "--config=configs/mixers.py:tiny",
+         "--arms=softmax", "--compile_only", "--noisolate", "--config.model.scan_layers=true",
+         "--config.model.n_layers=3", "--config.train.seq_len=32", f"--json_out={out}"]
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  (row,) = json.loads(out.read_text())
+  assert row["scan_layers"] is True and row["init_compiles"] == 0 and "loss" not in row
+  assert row["step_lower_cpu_s"] > 0 and row["step_compile_cpu_s"] > 0
+  assert row["step_hlo_lines"] > 100
