@@ -26,7 +26,8 @@ _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV =
 _MIXER = flags.DEFINE_enum("mixer", "kda", ["kda", "gdn2"], "Per-channel-gate mixer.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per row (median reported).")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Rows as JSON.")
-_ONLY = flags.DEFINE_list("only", "", "Time only the pieces whose name contains one of these.")
+_ONLY = flags.DEFINE_string("only", "", "Time only the pieces whose name contains one of these "
+                            "substrings, separated by '|' (the names hold commas).")
 
 
 def _grad_all(fn):
@@ -94,7 +95,8 @@ def rows_for(mixer, b, t, h, d, iters):
   ]
   rows = []
   for name, fn, args, *only in cases:
-    if _ONLY.value and not any(w in name for w in _ONLY.value):
+    only = [w for w in _ONLY.value.split("|") if w]
+    if only and not any(w in name for w in only):
       continue
     modes = (("fwd", fn), ("fwd+bwd", _grad_all(fn)))
     for mode, f in modes[:1] if only else modes:
