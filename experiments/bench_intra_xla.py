@@ -95,8 +95,8 @@ def rows_for(mixer, b, t, h, d, iters):
   ]
   rows = []
   for name, fn, args, *only in cases:
-    only = [w for w in _ONLY.value.split("|") if w]
-    if only and not any(w in name for w in only):
+    wanted = [w for w in _ONLY.value.split("|") if w]
+    if wanted and not any(w in name for w in wanted):
       continue
     modes = (("fwd", fn), ("fwd+bwd", _grad_all(fn)))
     for mode, f in modes[:1] if only else modes:
