@@ -8,11 +8,10 @@
   mixer, pure softmax as the reference, AdamW.
 * paper: the controlled 20-layer 2:1 grid of docs/MATH.md §6.3 (softmax: the 24-layer
   Transformer++), AdamW 3e-4 (the GDN-2 launchers' default; `configs/optimizers.py` crosses with
-  Muon). Its models are built with `model.scan_layers=True`: a scan over the layer period,
-  the same function and initial parameters, bit for bit on CPU, and a cheaper train-step
-  compile (CPU lower+compile: softmax -54 %, the hybrids -1 % (DeltaNet) to -39 % (KDA);
-  docs/BENCHMARKS.md, "The train step's compile and a scan over layers");
-  `--config.model.scan_layers=false` restores the unrolled stack (and its checkpoint layout).
+  Muon). `--config.model.scan_layers=true` builds the stack as a scan over its layer period
+  (a cheaper train-step compile, but on an H200 the scanned softmax model trains 15 % slower
+  and the scanned GDN-2 hybrid runs out of memory at 16 x 4096: docs/BENCHMARKS.md, "The train
+  step's compile and a scan over layers"), so the comparison keeps the unrolled stack.
 """
 
 from __future__ import annotations
@@ -36,7 +35,5 @@ def get_config(size: str = "tiny") -> ml_collections.ConfigDict:
     config.name = f"mixers_{size or 'tiny'}"
     if size == "small":
       config.model.linear_attention_freq = 3
-    if size == "paper":
-      config.model.scan_layers = True
     config.arms = base.arms({mixer: base.mixer_overrides(mixer, size) for mixer in MIXERS})
   return config
