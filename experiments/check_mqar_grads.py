@@ -66,8 +66,12 @@ def _rel_diff(a, b) -> float:
 
 
 def check(mixer: str, dtype: str, *, vocab: int, seq_len: int, num_pairs: int, d_model: int,
-          batch: int, copies: int, seed: int = 0, dt_shift: float = 0.0) -> dict:
-  """chunk-vs-scan and vmapped-vs-single agreement of one MQAR training step's gradients."""
+          batch: int, copies: int, seed: int = 0, dt_shift: float = 0.0,
+          n_layers: int | None = None) -> dict:
+  """chunk-vs-scan and vmapped-vs-single agreement of one MQAR training step's gradients.
+
+  `n_layers`: None keeps the sweep's depth (configs/mqar.py); the CPU test uses 1 (each layer
+  compiles its own chunk forward and backward, and one is enough to compare them)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -80,6 +84,8 @@ def check(mixer: str, dtype: str, *, vocab: int, seq_len: int, num_pairs: int, d
 
   overrides = mqar_config.get_config("gpu").model.to_dict()
   overrides["dtype"] = dtype
+  if n_layers is not None:
+    overrides["n_layers"] = n_layers
   x, y = (jnp.asarray(a) for a in synthetic.mqar(vocab, seq_len, num_pairs, count=batch,
                                                  seed=seed))
   results = {}

@@ -36,7 +36,9 @@ from lineax_attn.data import synthetic
 from lineax_attn.evals import recall
 
 FAST = os.environ.get("LINEAX_NOTEBOOK_FAST", "1") != "0"
-MIXERS = ("deltanet", "gdn", "kda", "gdn2")
+# Fast mode trains DeltaNet (no decay; β) and GDN-2 (per-channel decay; erase b, write w): they
+# take every branch of the cells below, GDN and KDA would only add compiles.
+MIXERS = ("deltanet", "gdn2") if FAST else ("deltanet", "gdn", "kda", "gdn2")
 SEQ_LEN, VOCAB = (32, 64) if FAST else (128, 256)
 NUM_PAIRS = (2, 8) if FAST else (4, 8, 16, 32)
 D_MODEL = 32 if FAST else 128

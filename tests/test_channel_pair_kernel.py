@@ -90,9 +90,29 @@ def test_rejects_shapes_it_does_not_handle():
     cp.channel_pairs_bwd(q, kt, k, g, dp, dl[:, :32])
 
 
+def test_kernel_forward_with_the_xla_backward_matches_the_dense_definition():
+  # channel_pair="kernel_fwd": the op's custom VJP with the Pallas forward and the XLA backward
+  # (`chunked._channel_pair_bwd`, once per matrix); c=32: two 16-row sub-chunks. The op test
+  # below runs "kernel" (Pallas both ways) through the op; the two modes differ only in this
+  # backward branch, which is why the op test no longer compiles the op a third time.
+  from lineax_attn.ops import gpu_vjps
+  q, kt, k, g, dp, dl = _inputs(c=32, d=32)
+  pairs = lambda q, kt, k, g: gpu_vjps.channel_pairs_kernel(q, k, kt, g, INTERPRET, False)
+  loss = lambda f: lambda *x: jnp.sum(f(*x)[0] * dp) + jnp.sum(f(*x)[1] * dl)
+  p, l = jax.jit(pairs)(q, kt, k, g)
+  assert_close(p, _dense(q, k, g), 3e-3, "P")
+  assert_close(l, _dense(kt, k, g), 3e-3, "L")
+  got = jax.jit(jax.grad(loss(pairs), argnums=(0, 1, 2, 3)))(q, kt, k, g)
+  dense = lambda q, kt, k, g: (_dense(q, k, g), _dense(kt, k, g))
+  want = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(q, kt, k, g)
+  for name, a, b in zip(("dQ", "dK~", "dK", "dG"), got, want):
+    assert_close(a, b, 3e-3, name)
+
+
 def test_op_with_the_kernel_matches_the_xla_pair():
   # The opt-in path through the op: same output and gradients as the default XLA pair (which
-  # tests/test_pallas_gpu.py checks against the scan), within bf16 rounding.
+  # tests/test_pallas_gpu.py checks against the scan), within bf16 rounding. "kernel_fwd" (the
+  # Pallas forward with the XLA backward) is the test above, at the custom VJP.
   from lineax_attn import bench, ops
   from lineax_attn.ops import pallas_gpu
   args = bench.mixer_inputs("gdn2", batch=1, seq_len=72, heads=1, v_heads=1, head_dim_k=64,
@@ -107,9 +127,9 @@ def test_op_with_the_kernel_matches_the_xla_pair():
     return out, grads
 
   o_x, g_x = run("xla")
-  # Each diagonal method once through the op (both kernels for "levels"; the dense test above
-  # covers each kernel of each method alone).
-  for pair, diag in (("kernel", "levels"), ("kernel_fwd", "columns")):
+  # Both diagonal methods through the op with both kernels (the dense test above covers each
+  # kernel of each method alone).
+  for pair, diag in (("kernel", "columns"), ("kernel", "levels")):
     o_k, g_k = run(pair, diag)
     assert_close(o_k, o_x, 1e-3, f"o ({pair}, {diag})")
     for name, a, b in zip(("q", "k", "v", "g", "b", "w"), g_k, g_x):

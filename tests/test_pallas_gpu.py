@@ -88,17 +88,17 @@ def _segments(b, t):
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
-def test_op_forward_matches_scan_and_chunk(mixer):
+def test_op_forward_matches_scan(mixer):
   # T = 100: two chunks, the second padded; GVA (1 q/k head, 2 value heads); a reset at 30, a
-  # segment crossing the chunk boundary, trailing padding; an initial state.
+  # segment crossing the chunk boundary, trailing padding; an initial state. The oracle is the
+  # scan alone: chunk == scan on these features is tests/test_chunk_vs_scan.py's and
+  # tests/test_segments.py's (a chunk reference here only cost an eager run of the chunk form).
   args, kw = make_inputs(mixer, b=1, t=100, h=1, hv=2, dk=64, dv=64, seed=3)
   kw.update(segment_ids=_segments(1, 100), output_final_state=True, return_residual=True)
   got = run(mixer, args, **kw, implementation="pallas_gpu")
   want = run(mixer, args, **kw, implementation="scan")
-  chunk = run(mixer, args, **kw, implementation="chunk")
-  for name, g, w, c in zip(("o", "final_state", "r"), got, want, chunk):
+  for name, g, w in zip(("o", "final_state", "r"), got, want):
     assert_close(g, w, FWD_TOL, f"{mixer} {name} vs scan")
-    assert_close(g, c, FWD_TOL, f"{mixer} {name} vs chunk")
 
 
 @pytest.mark.parametrize("mixer,intra", [("gated_delta_rule", "kernel"), ("gated_delta_rule", "xla"),
