@@ -40,7 +40,7 @@ _HEAVY_MODULES_S = {
     "test_inspect.py": 30, "test_train_loop.py": 25, "test_cli.py": 21, "test_bench_ops.py": 20,
     "test_readme.py": 17, "test_layers.py": 45, "test_check_mqar_grads.py": 22,
     "test_channel_pair_kernel.py": 25, "test_xla_cpu_workarounds.py": 25,
-    "test_intra_chunk_parts.py": 20, "test_chunk_vs_scan.py": 30,
+    "test_intra_chunk_parts.py": 20, "test_chunk_vs_scan.py": 30, "test_scan_layers.py": 90,
 }
 
 
