@@ -4,6 +4,9 @@
 #   bash experiments/run_gpu_train.sh compare STEPS [--config.x=y ...]  # every arm of configs/mixers.py:small
 #   bash experiments/run_gpu_train.sh seq LENGTHS STEPS  # bench_seq_scaling --preset=paper
 #   bash experiments/run_gpu_train.sh mqar [--config.x=y ...]      # eval_recall, configs/mqar.py:gpu
+#   bash experiments/run_gpu_train.sh mqar_cells STEPS CELLS [--config.x=y ...]
+#       # MQAR cells as concurrent processes (CELLS = mixer:T:N[:seed],...; one LR, 1e-3 unless
+#       # --config.lrs is given), each in /tmp/mqar_cells/<cell>; one archive of all their rows
 #   bash experiments/run_gpu_train.sh parallel MESHES [flags ...]  # bench_parallel on all local GPUs
 #   bash experiments/run_gpu_train.sh paper ARMS STEPS [flags ...]  # 350M tokens/s per arm, one GPU
 #
@@ -54,6 +57,25 @@ mqar)
   echo "mqar rc=$?"; cat /tmp/mqar/mqar.md 2>/dev/null; tail -n 3 /tmp/mqar/log
   tar czf $OUT/mqar.tgz -C /tmp mqar
   ;;
+mqar_cells)
+  # Tiny MQAR models leave an H200 mostly idle, so cells share it: 8 concurrent processes ran
+  # 3,000 steps each in ~160 s (docs/EXPERIMENTS.md item 10); train seconds are under sharing.
+  STEPS=$1; CELLS=$2; shift 2; WD=/tmp/mqar_cells; mkdir -p $WD
+  N_CELLS=$(echo "$CELLS" | tr ',' '\n' | wc -l)
+  for cell in ${CELLS//,/ }; do
+    IFS=: read -r mixer T N SEED <<< "$cell"; SEED=${SEED:-0}; name=${mixer}_T${T}_N${N}_s${SEED}
+    mkdir -p $WD/$name
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $N_CELLS, 3))") \
+      timeout ${MQAR_TIMEOUT:-570} python3 -u -m experiments.eval_recall --config=configs/mqar.py:gpu \
+      --workdir=$WD/$name --config.steps=$STEPS "--config.mixers=(\"$mixer\",)" \
+      "--config.seq_lens=($T,)" "--config.num_pairs=($N,)" '--config.lrs=(0.001,)' \
+      --config.seed=$SEED --config.max_minutes=$(( ${MQAR_TIMEOUT:-570} / 60 - 1 )) "$@" \
+      > $WD/$name/log 2>&1 &
+  done
+  wait
+  for d in $WD/*/; do echo "$(basename $d): $(grep -h -o '"accuracy": [0-9.]*' $d/mqar_rows.jsonl 2>/dev/null)"; done
+  tar czf $OUT/mqar_cells.tgz -C /tmp mqar_cells
+  ;;
 parallel)
   MESHES=$1; shift; CFG=${CFG:-configs/mixers.py:small}; mkdir -p /tmp/par
   python3 -u -m experiments.bench_parallel --config=$CFG --meshes="$MESHES" \
@@ -73,6 +95,6 @@ paper)
   done
   ;;
 *)
-  echo "unknown mode $MODE (compare | seq | mqar | parallel | paper)" >&2; exit 2
+  echo "unknown mode $MODE (compare | seq | mqar | mqar_cells | parallel | paper)" >&2; exit 2
   ;;
 esac
