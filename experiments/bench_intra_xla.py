@@ -94,8 +94,8 @@ def rows_for(mixer, b, t, h, d, iters):
        (q, k, v, *gates)),
   ]
   rows = []
+  wanted = [w for w in _ONLY.value.split("|") if w]
   for name, fn, args, *only in cases:
-    wanted = [w for w in _ONLY.value.split("|") if w]
     if wanted and not any(w in name for w in wanted):
       continue
     modes = (("fwd", fn), ("fwd+bwd", _grad_all(fn)))
