@@ -5,7 +5,8 @@
 Times, for each shape (B, T, H, D) and mixer, forward and forward+backward (median of
 `--iters` runs after `--warmup`, each ending in `block_until_ready` / `cuda.synchronize`):
 
-* ours: `implementation="pallas_gpu"`, `"chunk"`, and `"scan"` (forward only, T <= --scan_max_t);
+* ours: `implementation="pallas_gpu"`, `"triton"` (jax-triton; --impls=triton,...), `"chunk"`,
+  and `"scan"` (forward only, T <= --scan_max_t);
 * jax-linear-attention 0.1.0 (`jla.ops.linear_attention(kind, ..., impl="mosaic_gpu")`);
 * FLA (fla-core) through torch, for the mixers in --fla_mixers (it autotunes 90-200 s per op);
 * causal softmax attention: cuDNN via `jax.nn.dot_product_attention(implementation="cudnn")`
@@ -412,15 +413,17 @@ def to_markdown(results, meta):
            f"Times in ms (median of {_ITERS.value} after {_WARMUP.value} warm-up calls, "
            "wall clock with block_until_ready / synchronize); bf16 inputs; peak memory in GiB "
            "(JAX: args + outputs + temporaries of the compiled executable; torch: "
-           "max_memory_allocated). `err` = rms(o_pallas_gpu − o_chunk)/rms(o_chunk), forward. "
+           "max_memory_allocated). `err` = rms(o_pallas_gpu − o_chunk)/rms(o_chunk), forward "
+           "(`err triton` likewise). "
            "`floor` = the HBM-traffic floor (`lineax_attn.bench.traffic_floor_ms`: bf16 q, k, "
            "v, o, do and their cotangents, float32 gates, each moved once, at "
            f"{bench.H200_HBM_TB_S} TB/s).",
            "",
            "| B,T,H,D | mixer | mode | pallas_gpu | chunk | scan | jla | FLA | cuDNN attn | "
            "SDPA | ours/jla | ours/FLA | ours/chunk | ours/cuDNN | peak ours | peak chunk | "
-           "peak jla | err | floor | ours/floor |",
-           "|" + "---|" * 20]
+           "peak jla | err | floor | ours/floor | triton | triton/FLA | triton/chunk | "
+           "err triton |",
+           "|" + "---|" * 24]
   for shape in shapes:
     for mixer in mixers:
       for mode in _MODES.value:
@@ -428,9 +431,11 @@ def to_markdown(results, meta):
         ms = lambda impl, m=mixer: getattr(get(impl, m), "ms", None)
         ours = ms("pallas_gpu")
         cud = ms("cudnn", "attention")
-        if all(ms(i) is None for i in ("pallas_gpu", "chunk", "jla", "fla")):
+        if all(ms(i) is None for i in ("pallas_gpu", "triton", "chunk", "jla", "fla")):
           continue
         err = getattr(by.get((shape, mixer, "pallas_gpu", "fwd")), "err_vs_chunk", None)
+        err_tr = getattr(by.get((shape, mixer, "triton", "fwd")), "err_vs_chunk", None)
+        tr = ms("triton")
         peak = lambda impl: getattr(get(impl), "peak_gib", None)
         b, t, h, d = shape
         floor = bench.traffic_floor_ms(mixer, mode, batch=b, seq_len=t, heads=h, v_heads=h,
@@ -441,7 +446,8 @@ def to_markdown(results, meta):
             f"{_fmt(cud)} | {_fmt(ms('sdpa', 'attention'))} | {_ratio(ours, ms('jla'))} | "
             f"{_ratio(ours, ms('fla'))} | {_ratio(ours, ms('chunk'))} | {_ratio(ours, cud)} | "
             f"{_fmt(peak('pallas_gpu'))} | {_fmt(peak('chunk'))} | {_fmt(peak('jla'))} | "
-            f"{_err_cell(err)} | {floor:.3f} | {_ratio(ours, floor)} |")
+            f"{_err_cell(err)} | {floor:.3f} | {_ratio(ours, floor)} | {_fmt(tr)} | "
+            f"{_ratio(tr, ms('fla'))} | {_ratio(tr, ms('chunk'))} | {_err_cell(err_tr)} |")
   if meta.get("breakdown"):
     bd = meta["breakdown"]
     lines += ["", f"pallas_gpu GDN parts at B,T,H,D = {','.join(map(str, bd['shape']))} "
@@ -639,16 +645,17 @@ def main(argv):
       np_in = make_inputs(mixer, b, t, h, d)
       for mode in _MODES.value:
         outs = {}
-        for impl in ("pallas_gpu", "chunk", "scan"):
+        for impl in ("pallas_gpu", "triton", "chunk", "scan"):
           if impl not in impls or (impl == "scan" and (mode != "fwd" or t > _SCAN_MAX_T.value)):
             continue
           out = attempt(Result(shape, mixer, impl, mode),
                         lambda impl=impl: run_ours(
                             mixer, impl, mode, np_in,
-                            tuning=tuning if impl == "pallas_gpu" else None))
+                            tuning=tuning if impl in ("pallas_gpu", "triton") else None))
           if out is not None and mode == "fwd":
             outs[impl] = np.asarray(out[4], np.float32)
-        if "pallas_gpu" in outs and "chunk" not in outs:
+        kernel_outs = [i for i in ("pallas_gpu", "triton") if i in outs]
+        if kernel_outs and "chunk" not in outs:
           try:  # chunk not timed this run: still compute its output for the err column
             q_, k_, v_, g_ = np_in
             a_ = [jnp.asarray(x, jnp.bfloat16) for x in (q_, k_, v_)]
@@ -657,13 +664,13 @@ def main(argv):
             outs["chunk"] = np.asarray(ref, np.float32)
           except Exception as e:  # noqa: BLE001
             log(f"[error] chunk reference output: {type(e).__name__}: {e}")
-        if "pallas_gpu" in outs and "chunk" in outs:
-          a, r = outs["pallas_gpu"], outs["chunk"]
+        for kernel in kernel_outs if "chunk" in outs else ():
+          a, r = outs[kernel], outs["chunk"]
           err = float(np.sqrt(np.mean((a - r) ** 2)) / max(np.sqrt(np.mean(r ** 2)), 1e-30))
           for res in results:
-            if (res.shape, res.mixer, res.impl, res.mode) == (shape, mixer, "pallas_gpu", "fwd"):
+            if (res.shape, res.mixer, res.impl, res.mode) == (shape, mixer, kernel, "fwd"):
               res.err_vs_chunk = err
-          log(f"    err(pallas_gpu vs chunk) = {err:.2e}")
+          log(f"    err({kernel} vs chunk) = {err:.2e}")
         outs.clear()
         if have["jla"] and mixer in JLA_KIND:
           attempt(Result(shape, mixer, "jla", mode), lambda: run_jla(mixer, mode, np_in))

@@ -7,7 +7,8 @@
 set -u
 TT=${1:-240}; BT=${2:-300}; shift 2
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/jax_linear_attention-*.whl .whl/fla_core-*.whl > $OUT/pip.log 2>&1 || { cat $OUT/pip.log; exit 1; }
+  .whl/jax_linear_attention-*.whl .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl \
+  .whl/einops-*.whl .whl/jax_triton-*.whl > $OUT/pip.log 2>&1 || { cat $OUT/pip.log; exit 1; }
 export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache JAX_PLATFORMS=cuda
 mkdir -p /tmp/triton_cache

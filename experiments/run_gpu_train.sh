@@ -19,8 +19,9 @@
 # go to $OUT.
 set -u
 MODE=$1; shift
+# (jax-triton too, where carried: implementation="triton" runs.)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl/train/*.whl > $OUT/pip.log 2>&1 || { cat $OUT/pip.log; exit 1; }
+  .whl/train/*.whl $(ls .whl/jax_triton-*.whl 2>/dev/null) > $OUT/pip.log 2>&1 || { cat $OUT/pip.log; exit 1; }
 export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > $OUT/gpu.txt
 python3 -c "import jax, flax, optax, orbax.checkpoint as o, grain; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__, 'grain', grain.__version__)" > $OUT/versions.txt 2>&1
@@ -86,12 +87,15 @@ parallel)
 paper)
   # The 350M 2:1 hybrids (and the softmax baseline) of configs/mixers.py:paper on one GPU, 16 rows
   # of 4096 per step without micro-batches (issue #17's throughput rows), one arm per process.
+  # An arm may name its implementation, ARM@IMPL (e.g. gdn@triton, gdn@chunk): its files are then
+  # paper_ARM@IMPL.*, so one call can compare implementations of one arm.
   ARMS=${1:-softmax,gdn,kda,gdn2}; STEPS=${2:-8}; shift 2
-  for arm in ${ARMS//,/ }; do
+  for spec in ${ARMS//,/ }; do
+    arm=${spec%@*}; impl=(); [ "$spec" != "$arm" ] && impl=(--config.model.implementation=${spec#*@})
     python3 -u -m experiments.bench_parallel --config=configs/mixers.py:paper --config.arm=$arm \
       --config.train.global_batch_size=16 --config.train.grad_accum_steps=1 --meshes=data=1 \
-      --steps=$STEPS --out_md=$OUT/paper_$arm.md "$@" > $OUT/paper_$arm.log 2>&1
-    echo "$arm rc=$?"; grep -E "^\| *data=1|tokens/s" $OUT/paper_$arm.md 2>/dev/null | head -3
+      --steps=$STEPS --out_md=$OUT/paper_$spec.md "${impl[@]}" "$@" > $OUT/paper_$spec.log 2>&1
+    echo "$spec rc=$?"; grep -E "^\| *data=1|tokens/s" $OUT/paper_$spec.md 2>/dev/null | head -3
   done
   ;;
 *)

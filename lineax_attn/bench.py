@@ -117,7 +117,7 @@ def forward_backward(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
 MAX_REL_ERR_FLOAT32 = 1e-3
 MAX_REL_ERR_LOW_PRECISION = 5e-2
 # Implementations whose matmul operands are bf16 whatever the input dtype.
-LOW_PRECISION_IMPLEMENTATIONS = ("pallas_gpu", "cudnn")
+LOW_PRECISION_IMPLEMENTATIONS = ("pallas_gpu", "triton", "cudnn")
 
 
 def error_tolerance(dtype, implementation: str) -> float:

@@ -169,7 +169,7 @@ def test_command_line_field_wins_over_the_arm():
 @pytest.mark.parametrize("field, value, match", [
     ("mixer", "kdaa", re.escape(f"model.mixer: unknown mixer 'kdaa'; expected one of {MIXERS}")),
     ("implementation", "fused", r"model\.implementation='fused' is not an implementation.*"
-     r"\['chunk', 'pallas_gpu', 'pallas_tpu', 'scan'\] or None"),
+     r"\['chunk', 'pallas_gpu', 'pallas_tpu', 'scan', 'triton'\] or None"),
     ("attn_implementation", "flash", r"model\.attn_implementation='flash'.*\['reference', "
      r"'xla', 'cudnn'\] or None"),
 ])
@@ -181,7 +181,7 @@ def test_command_line_names_are_checked_over_the_arm(field, value, match):
 
 
 def test_implementation_none_on_the_command_line():
-  assert set(ops.available_implementations()) == {"scan", "chunk", "pallas_tpu", "pallas_gpu"}
+  assert set(ops.available_implementations()) == {"scan", "chunk", "pallas_tpu", "pallas_gpu", "triton"}
   for text in ("None", "none"):
     config, command_line = _parse([f"--config={MIXERS_FILE}:tiny", "--config.arm=gdn",
                                    f"--config.model.implementation={text}"], with_overrides=True)

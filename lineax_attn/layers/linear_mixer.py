@@ -118,7 +118,7 @@ class LinearMixer(nnx.Module):
     chunk_size: chunk size passed to the op.
     implementation: op implementation for sequences ("scan", "chunk", a kernel, None = best).
     gpu_tuning: `ops.GpuTuning` passed as the op's `tuning=` when the implementation resolves to
-      "pallas_gpu" (None: its default); other implementations take no tuning. Not applied under
+      "pallas_gpu" or "triton" (None: its default); other implementations take no tuning. Not applied under
       context parallelism (the sharded op runs with its defaults).
     decode_implementation: op implementation for one-token steps ("scan").
     context_axis: mesh axis of context parallelism: when the current mesh (`jax.set_mesh`) has
@@ -345,7 +345,7 @@ class LinearMixer(nnx.Module):
                                                axis=self.context_axis, **op_kwargs)
     else:
       tuning = (self.gpu_tuning if self.gpu_tuning is not None
-                and ops_api.resolve_implementation(impl) == "pallas_gpu" else None)
+                and ops_api.resolve_implementation(impl) in ("pallas_gpu", "triton") else None)
       results = getattr(ops, self.spec.name)(q, k, v, *gate_args, tuning=tuning, **op_kwargs)
     o, state = results[0], results[1]
     r = results[2] if with_residual else None

@@ -33,6 +33,10 @@ _api.register_deferred_implementation("pallas_tpu", "lineax_attn.ops.pallas_tpu"
 _api.register_deferred_implementation("pallas_gpu", "lineax_attn.ops.pallas_gpu",
                                       "pallas_gpu_delta_family", tuning_type="GpuTuning",
                                       supports="supports")
+# Triton kernels through jax-triton (the optional `triton` extra; NVIDIA GPUs from sm_80).
+_api.register_deferred_implementation("triton", "lineax_attn.ops.triton_gpu",
+                                      "triton_delta_family", tuning_type="GpuTuning",
+                                      supports="supports")
 
 available_implementations = _api.available_implementations
 checked = _api.checked
@@ -55,7 +59,8 @@ __all__ = list(MIXERS) + [
 # re-exports the same class) comes without the kernels.
 _LAZY = {"GpuTuning": ("lineax_attn.ops.gpu_tuning", "GpuTuning"),
          "pallas_gpu": ("lineax_attn.ops.pallas_gpu", None),
-         "pallas_tpu": ("lineax_attn.ops.pallas_tpu", None)}
+         "pallas_tpu": ("lineax_attn.ops.pallas_tpu", None),
+         "triton_gpu": ("lineax_attn.ops.triton_gpu", None)}
 
 
 def __getattr__(name):

@@ -144,9 +144,10 @@ def available_implementations() -> tuple[str, ...]:
 def default_implementation(backend: str | None = None) -> str:
   """The best implementation available on `backend` (default: jax's default backend).
 
-  "pallas_tpu" on TPU, "pallas_gpu" on Hopper GPUs (for calls its `supports` rejects,
-  `run_mixer` runs "chunk" instead), else the chunked pure-JAX form; the scan is an oracle, far too slow to
-  train with.
+  "pallas_tpu" on TPU, "pallas_gpu" on Hopper GPUs, "triton" on other NVIDIA GPUs where the
+  optional `triton` extra is installed (for calls an implementation's `supports` rejects,
+  `run_mixer` runs "chunk" instead), else the chunked pure-JAX form; the scan is an oracle, far
+  too slow to train with.
   """
   backend = backend or jax.default_backend()
   if backend == "tpu" and "pallas_tpu" in _IMPLEMENTATIONS:
@@ -155,6 +156,10 @@ def default_implementation(backend: str | None = None) -> str:
     from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
     if pallas_gpu.is_hopper():
       return "pallas_gpu"
+  if backend == "gpu" and "triton" in _IMPLEMENTATIONS:
+    from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+    if triton_gpu.available():
+      return "triton"
   return "chunk"
 
 
@@ -554,8 +559,8 @@ _COMMON_DOC = """scale: query scale, default K ** -0.5.
       sequence n starts from initial_state[n].
     chunk_size: rows per chunk of the chunked forms (a multiple of 16).
     return_residual: also return the write residual r `[B, T, HV, V]` (what CLER routes).
-    implementation: "scan" (the reference), "chunk", "pallas_tpu", "pallas_gpu", or None for the
-      best on the backend.
+    implementation: "scan" (the reference), "chunk", "pallas_tpu", "pallas_gpu", "triton", or
+      None for the best on the backend.
     tuning: implementation-specific static tuning (e.g. `pallas_gpu.GpuTuning`); None = the
       implementation's default. A frozen, hashable value read at trace time: each distinct
       tuning is its own trace under `jax.jit`. Implementations without tuning take only None.

@@ -1,7 +1,9 @@
 """The custom VJPs that wrap the `pallas_gpu` kernels, and their XLA glue.
 
-* `state_pass`: the state-passing kernels (`pallas_kernels.gpu.state_passing`), forward and a
-  reverse kernel for the state cotangent; the other gradients are batched matmuls here.
+* `state_pass`: the state-passing kernels, forward and a reverse kernel for the state
+  cotangent, either Mosaic GPU (`pallas_kernels.gpu.state_passing`, Hopper) or Triton
+  (`pallas_kernels.gpu.triton.state_pass`, sm_80+; `kernels="triton"`), same contract; the
+  other gradients are batched matmuls here.
 * `intra_kernel`: the intra-chunk kernels of DeltaNet / GDN (`pallas_kernels.gpu.intra_chunk`);
   QG/KG cotangents, Gx's chain rule and GVA's head sum in XLA.
 * `channel_pairs_kernel`: KDA / GDN-2's pair matrices P, L (`pallas_kernels.gpu.channel_pair`),
@@ -55,7 +57,29 @@ def vary(x, axes: frozenset):
 # ----------------------------------------------------------------------------- state pass
 
 
-def state_pass(ny, qg, p, u, kg, gc, s0, interpret):
+def _state_kernels(kernels):
+  """The module with `state_passing_fwd` / `state_passing_bwd` for `kernels`."""
+  if kernels == "mosaic":
+    return sp
+  if kernels == "triton":
+    from pallas_kernels.gpu.triton import state_pass as tsp  # the optional extra: lazily
+    return tsp
+  raise ValueError(f"`kernels` must be 'mosaic' or 'triton', got {kernels!r}.")
+
+
+def _state_fwd_call(kernels, interpret, *args, save_states=False):
+  if kernels == "triton":  # compiled only (jax-triton has no CPU lowering): no interpreter
+    return _state_kernels(kernels).state_passing_fwd(*args, save_states=save_states)
+  return sp.state_passing_fwd(*args, save_states=save_states, interpret=interpret)
+
+
+def _state_bwd_call(kernels, interpret, *args):
+  if kernels == "triton":
+    return _state_kernels(kernels).state_passing_bwd(*args)
+  return sp.state_passing_bwd(*args, interpret=interpret)
+
+
+def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic"):
   # Under shard_map(check_vma=True) (context parallelism, lineax_attn.parallel) every input,
   # output and cotangent must carry the varying axes its values have; the kernels' outputs carry
   # none. So the inputs are all cast to the union here, and inside the custom VJP (where no
@@ -63,20 +87,21 @@ def state_pass(ny, qg, p, u, kg, gc, s0, interpret):
   # per-device cotangents) the kernels' outputs and the cotangents are typed with that union.
   axes = vma(ny, qg, p, u, kg, gc, s0)
   args = [vary(x, axes) for x in (ny, qg, p, u, kg, gc, s0)]
-  return _state_pass_vjp(*args, interpret, tuple(sorted(axes)))
+  _state_kernels(kernels)  # validates `kernels`
+  return _state_pass_vjp(*args, interpret, tuple(sorted(axes)), kernels)
 
 
 # `axes` is static: the backward is traced without the primal's varying-axes types.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels):
   axes = frozenset(axes)
-  outs = sp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, interpret=interpret)
+  outs = _state_fwd_call(kernels, interpret, ny, qg, p, u, kg, gc, s0)
   return tuple(vary(x, axes) for x in outs)
 
 
-def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes):
+def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels):
   axes = frozenset(axes)
-  outs = sp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True, interpret=interpret)
+  outs = _state_fwd_call(kernels, interpret, ny, qg, p, u, kg, gc, s0, save_states=True)
   o, e, s_final, h = (vary(x, axes) for x in outs)
   return (o, e, s_final), (ny, qg, p, kg, gc, h, e)
 
@@ -86,11 +111,11 @@ def _mm(spec, a, b):
   return jnp.einsum(spec, a.astype(_MM), b.astype(_MM), preferred_element_type=_F32)
 
 
-def _state_pass_bwd(interpret, axes, res, cts):
+def _state_pass_bwd(interpret, axes, kernels, res, cts):
   ny, qg, p, kg, gc, h, e = res
   do, de_ext, ds_final = cts
-  de, dh, ds0 = sp.state_passing_bwd(ny, qg, p, kg, gc, do.astype(_MM), de_ext.astype(_F32),
-                                     ds_final.astype(_F32), interpret=interpret)
+  de, dh, ds0 = _state_bwd_call(kernels, interpret, ny, qg, p, kg, gc, do.astype(_MM),
+                                de_ext.astype(_F32), ds_final.astype(_F32))
   # h = state entering each chunk, dh = cotangent of the state leaving it.
   d_ny = _mm("...cv,...kv->...ck", de, h)           # E = U + NY·S
   d_qg = _mm("...cv,...kv->...ck", do, h)           # O = QG·S + P·E

@@ -111,10 +111,10 @@ def supports(call) -> str | None:
 # ----------------------------------------------------------------------------- composition
 
 
-def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning):
+def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernels):
   """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
   ny, qg, p, u, kg, gc = prepare_chunks(q, k, k_erase, v_write, g, segidx, c=c, tuning=tuning)
-  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret)
+  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels)
   return from_chunks(o), from_chunks(e), s_final
 
 
@@ -155,6 +155,19 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
   if reason:  # called directly, past the dispatch: refuse rather than run wrong
     raise ValueError(f"pallas_gpu cannot run this call: {reason}; call it through the op "
                      f"(implementation='pallas_gpu' falls back to 'chunk').")
+  return delta_family(mixer, q, k, v, gates, scale=scale, initial_state=initial_state,
+                      layout=layout, chunk_size=chunk_size,
+                      output_final_state=output_final_state, tuning=tuning, kernels="mosaic")
+
+
+def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
+                 output_final_state, tuning: GpuTuning, kernels: str):
+  """The composition shared by the GPU kernel paths: XLA (or Mosaic GPU) intra-chunk part,
+  then the state-pass kernels `kernels` ("mosaic": `pallas_gpu`; "triton": `triton_gpu`, which
+  never takes the Mosaic intra-chunk kernel). Arguments as `api.run_mixer`'s; sizes checked by
+  the caller."""
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
   g, erase, write = chunked.canonical_gates(mixer, v, gates)
   c = chunk_size
   t_pad = -(-t // c) * c
@@ -169,7 +182,8 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
     q, k = q * m[..., None], k * m[..., None]
     g = None if g is None else g * (m if g.ndim == 3 else m[..., None])
   # (Under shard_map the kernel's outputs would lack the varying-axes types: XLA path there.)
-  if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning) and not vma(q, k, v):
+  if (kernels == "mosaic" and _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning)
+      and not vma(q, k, v)):
     beta = gates["beta"] if m is None else gates["beta"] * m
     o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                        scale=scale, c=c, interpret=interpret_params())
@@ -181,6 +195,7 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
   v_write = v if write is None else v * write
   if m is not None:
     v_write = v_write * m[..., None]
+  interpret = interpret_params() if kernels == "mosaic" else None
   o, e, s_final = _core(pad(q), pad(k), pad(k_erase), pad(v_write), pad(g), s0, segidx, c=c,
-                        interpret=interpret_params(), tuning=tuning)
+                        interpret=interpret, tuning=tuning, kernels=kernels)
   return o[:, :t], (s_final if output_final_state else None), e[:, :t]

@@ -1,0 +1,95 @@
+"""The `triton` implementation: Triton kernels through jax-triton, for NVIDIA GPUs from sm_80.
+
+The portable GPU path: the default on NVIDIA GPUs that are not Hopper (A100, L40, RTX: sm_80,
+sm_86, sm_89), where the Mosaic GPU kernels of `pallas_gpu` (wgmma, TMA: sm_90) cannot run;
+selectable on Hopper too. It is the chunk form split as `pallas_gpu` splits it (docs/MATH.md
+§3.2, docs/KERNELS_GPU.md):
+
+* **intra-chunk part in XLA** (`gpu_prepare.prepare_chunks`: bf16 products, float32
+  accumulation and solve; differentiated by autodiff), all five mixers;
+* **sequential state pass in Triton** (`pallas_kernels.gpu.triton.state_pass`): one program per
+  (batch·value head, V-tile) walks the chunks with the float32 state in registers, forward and a
+  reverse kernel for the state cotangent, wired as a `jax.custom_vjp` (`gpu_vjps.state_pass`,
+  the same glue as the Mosaic kernels).
+
+Same op contract as every implementation: GVA, segment_ids, padding, initial / final state, the
+write residual, T not a multiple of the chunk, float32 state, bf16 / fp16 / fp32 inputs. Needs
+the `triton` extra (`pip install lineax_attn[triton]`: jax-triton 0.3.1 and triton >= 3.6) and a
+CUDA GPU; chunk_size 64; head dims in `pallas_kernels.gpu.triton.blocks`. Anything else
+(`cu_seqlens` varlen, no GPU, no extra) falls back to `chunk` with one log line per reason.
+
+tuning: a `pallas_gpu.GpuTuning`; its `solve`, `remat_intra` and `channel_pair` steer the XLA
+intra-chunk part as for `pallas_gpu`. `intra` is ignored: the Mosaic GPU intra-chunk kernel is
+Hopper-only, so this path always takes the XLA intra-chunk part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import jax
+
+from lineax_attn.ops import api
+from lineax_attn.ops.gpu_tuning import GpuTuning, check_tuning
+from pallas_kernels.gpu.triton import blocks
+
+__all__ = ["GpuTuning", "available", "supports", "triton_delta_family", "unsupported_reason"]
+
+_warned: set[str] = api.fallback_logged("triton")
+
+
+def missing_packages() -> tuple[str, ...]:
+  """The packages of the `triton` extra that are not installed."""
+  return tuple(name for name in ("triton", "jax_triton")
+               if importlib.util.find_spec(name) is None)
+
+
+def available() -> bool:
+  """True where this implementation can run: the extra is installed and JAX runs on CUDA."""
+  return not missing_packages() and _on_cuda()
+
+
+def _on_cuda() -> bool:
+  """JAX's default device is an NVIDIA GPU (the kernels are untested on ROCm)."""
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return False
+  version = str(getattr(device.client, "platform_version", "")).lower()
+  return "rocm" not in version and "hip" not in version
+
+
+def unsupported_reason(*, dk: int, dv: int, chunk_size: int, varlen: bool) -> str | None:
+  """Why `triton` cannot run this call (None if it can)."""
+  missing = missing_packages()
+  if missing:
+    return (f"{', '.join(missing)} not installed (the optional extra: pip install "
+            "'lineax_attn[triton]')")
+  if not _on_cuda():
+    return (f"device {jax.devices()[0].device_kind!r}: the Triton kernels need an NVIDIA GPU "
+            "(jax-triton has no CPU lowering)")
+  if varlen:
+    return "cu_seqlens (varlen) is not handled by the Triton kernels yet"
+  return blocks.supported(chunk_size, dk, dv)
+
+
+def supports(call) -> str | None:
+  """`api.Call` -> None, or why `triton` cannot run it (dispatch then runs "chunk")."""
+  d = call.dims
+  return unsupported_reason(dk=d.dk, dv=d.dv, chunk_size=call.chunk_size, varlen=call.varlen)
+
+
+def triton_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
+                        output_final_state=False, tuning=None):
+  """The `triton` implementation (see `api.run_mixer` for the contract)."""
+  tuning = dataclasses.replace(check_tuning(tuning), intra="xla")
+  reason = unsupported_reason(dk=q.shape[-1], dv=v.shape[-1], chunk_size=chunk_size,
+                              varlen=layout.is_varlen)
+  if reason:  # called directly, past the dispatch: refuse rather than run wrong
+    raise ValueError(f"triton cannot run this call: {reason}; call it through the op "
+                     f"(implementation='triton' falls back to 'chunk').")
+  from lineax_attn.ops import pallas_gpu  # the shared composition (imports no triton)
+  return pallas_gpu.delta_family(mixer, q, k, v, gates, scale=scale,
+                                 initial_state=initial_state, layout=layout,
+                                 chunk_size=chunk_size, output_final_state=output_final_state,
+                                 tuning=tuning, kernels="triton")

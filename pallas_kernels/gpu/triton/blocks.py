@@ -1,0 +1,46 @@
+"""Sizes the Triton kernels take and their block sizes, fixed per size (no run-time autotuning).
+
+Plain Python (no triton import), so the dispatch and CPU tests can read it without the extra.
+
+How the numbers were chosen: one program owns a float32 state tile [K, BLOCK_V] in registers
+for the whole sequence, plus one chunk's operand tiles. At 4 warps (128 threads), K = 128 and
+BLOCK_V = 64 the state is 64 registers a thread; BLOCK_V = 32 keeps K = 256 at the same count.
+More warps did not help a state pass whose chunks are serial (docs/BENCHMARKS.md, "Triton").
+"""
+
+from __future__ import annotations
+
+CHUNK = 64          # rows of a chunk (tl.dot's M); the chunk form's default
+HEAD_DIMS_K = (16, 32, 64, 128, 256)
+
+
+def block_v(dk: int, dv: int) -> int:
+  """Value columns per program for head dims (dk, dv): the largest of 64/32/16 dividing dv
+  whose state tile fits the register budget above."""
+  cap = 64 if dk <= 128 else 32
+  for bv in (64, 32, 16):
+    if bv <= cap and dv % bv == 0:
+      return bv
+  raise ValueError(f"dv={dv} must be a multiple of 16")
+
+
+def num_warps(dk: int) -> int:
+  del dk
+  return 4
+
+
+def num_stages(dk: int) -> int:
+  """Software-pipelining depth of the chunk loop's loads (2: the next chunk loads while this one
+  computes; K = 256 has no shared memory for a second copy of its tiles)."""
+  return 2 if dk <= 128 else 1
+
+
+def supported(chunk: int, dk: int, dv: int) -> str | None:
+  """None if the Triton kernels take these sizes, else why not (for the dispatch's log line)."""
+  if chunk != CHUNK:
+    return f"chunk_size={chunk} (the Triton kernels need {CHUNK})"
+  if dk not in HEAD_DIMS_K:
+    return f"head dim K={dk} (the Triton kernels need K in {HEAD_DIMS_K})"
+  if dv % 16 or dv > 512:
+    return f"head dim V={dv} (the Triton kernels need a multiple of 16, at most 512)"
+  return None

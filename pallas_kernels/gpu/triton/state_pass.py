@@ -1,0 +1,185 @@
+"""Triton kernels of the chunk form's sequential part: the state pass, forward and reverse.
+
+The same recurrence and the same array contract as the Mosaic GPU kernels of
+`pallas_kernels.gpu.state_passing` (read its docstring for the maths), written in Triton's
+language for any NVIDIA GPU from sm_80 (A100, L40, RTX) and called from JAX by
+`jax_triton.triton_call`. Per chunk c (S = state entering c, K × BLOCK_V, float32 in registers):
+
+    forward:   E = U + NY·S     O = QG·S + P·E     S' = gc ⊙ S + KGᵀ·E
+    reverse:   dE = dE_ext + Pᵀ·dO + KG·dS      dS' = gc ⊙ dS + QGᵀ·dO + NYᵀ·dE
+
+One program owns one (batch·value-head, V-tile) and walks the chunks in order; every product is
+a `tl.dot` with bf16 operands (S and E rounded to bf16 as operands, as the Mosaic kernels do)
+and a float32 accumulator. The loop's loads do not depend on the state, so Triton's software
+pipelining (`num_stages`) fetches chunk c + 1 while chunk c computes.
+
+Offsets are int64 (a B·T·H·D past 2^31 elements stays exact); the chunk count is a run-time
+argument, so one compiled kernel serves every sequence length.
+
+Arrays: chunk-major `[B, HV, Nc, C, D]`, contiguous. This module imports triton (the `triton`
+extra; `lineax_attn` imports it lazily); jax_triton, which refuses to import without a GPU jaxlib,
+is imported by the JAX wrappers when first called, so Triton's interpreter can run the kernels on
+CPU (`TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels.gpu.triton import blocks
+
+MM_DTYPE = jnp.bfloat16
+
+
+@triton.jit
+def _fwd_kernel(ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, gc_ptr, s0_ptr, nc,
+                o_ptr, e_ptr, sf_ptr, h_ptr,
+                C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                SAVE_STATES: tl.constexpr):
+  iv = tl.program_id(0)
+  bh = tl.program_id(1).to(tl.int64)
+  rc = tl.arange(0, C)
+  rk = tl.arange(0, K)
+  rv = iv * BV + tl.arange(0, BV)
+  ck = rc[:, None] * K + rk[None, :]          # a [C, K] tile
+  cc = rc[:, None] * C + rc[None, :]          # a [C, C] tile
+  cv = rc[:, None] * V + rv[None, :]          # a [C, BV] tile of a [C, V] chunk
+  kv = rk[:, None] * V + rv[None, :]          # a [K, BV] tile of a [K, V] state
+  s = tl.load(s0_ptr + bh * K * V + kv)
+  for ci in range(nc):
+    chunk = bh * nc + ci                      # index of this (b, h, chunk) in the Nc axis
+    ny = tl.load(ny_ptr + chunk * C * K + ck)
+    qg = tl.load(qg_ptr + chunk * C * K + ck)
+    kg = tl.load(kg_ptr + chunk * C * K + ck)
+    p = tl.load(p_ptr + chunk * C * C + cc)
+    u = tl.load(u_ptr + chunk * C * V + cv)
+    gc = tl.load(gc_ptr + chunk * K + rk)
+    s_mm = s.to(tl.bfloat16)
+    if SAVE_STATES:                           # the state entering chunk ci, as used below
+      tl.store(h_ptr + chunk * K * V + kv, s_mm)
+    e = tl.dot(ny, s_mm) + u
+    e_mm = e.to(tl.bfloat16)
+    o = tl.dot(qg, s_mm)
+    o = tl.dot(p, e_mm, o)
+    s = s * gc[:, None]
+    s = tl.dot(tl.trans(kg), e_mm, s)
+    tl.store(o_ptr + chunk * C * V + cv, o)
+    tl.store(e_ptr + chunk * C * V + cv, e)
+  tl.store(sf_ptr + bh * K * V + kv, s)
+
+
+@triton.jit
+def _bwd_kernel(ny_ptr, qg_ptr, p_ptr, kg_ptr, gc_ptr, do_ptr, dx_ptr, dsf_ptr, nc,
+                de_ptr, dh_ptr, ds0_ptr,
+                C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+  iv = tl.program_id(0)
+  bh = tl.program_id(1).to(tl.int64)
+  rc = tl.arange(0, C)
+  rk = tl.arange(0, K)
+  rv = iv * BV + tl.arange(0, BV)
+  ck = rc[:, None] * K + rk[None, :]
+  cc = rc[:, None] * C + rc[None, :]
+  cv = rc[:, None] * V + rv[None, :]
+  kv = rk[:, None] * V + rv[None, :]
+  ds = tl.load(dsf_ptr + bh * K * V + kv)     # cotangent of the state leaving the last chunk
+  for j in range(nc):
+    chunk = bh * nc + (nc - 1 - j)
+    ny = tl.load(ny_ptr + chunk * C * K + ck)
+    qg = tl.load(qg_ptr + chunk * C * K + ck)
+    kg = tl.load(kg_ptr + chunk * C * K + ck)
+    p = tl.load(p_ptr + chunk * C * C + cc)
+    do = tl.load(do_ptr + chunk * C * V + cv)
+    dx = tl.load(dx_ptr + chunk * C * V + cv)
+    gc = tl.load(gc_ptr + chunk * K + rk)
+    ds_mm = ds.to(tl.bfloat16)
+    tl.store(dh_ptr + chunk * K * V + kv, ds_mm)
+    de = tl.dot(tl.trans(p), do, dx)
+    de = tl.dot(kg, ds_mm, de)
+    de_mm = de.to(tl.bfloat16)
+    ds = ds * gc[:, None]
+    ds = tl.dot(tl.trans(qg), do, ds)
+    ds = tl.dot(tl.trans(ny), de_mm, ds)
+    tl.store(de_ptr + chunk * C * V + cv, de)
+  tl.store(ds0_ptr + bh * K * V + kv, ds)
+
+
+def _jax_triton():
+  """jax_triton, imported without its side effect on the process.
+
+  jax-triton 0.3.1 sets `os.environ["TRITON_CACHE_DIR"] = ""` when imported, which breaks every
+  other Triton user of the process (FLA's autotuner raises "Could not create or locate cache
+  dir"); its own compiles do not need that. So the variable is put back as it was."""
+  saved = os.environ.get("TRITON_CACHE_DIR")
+  import jax_triton  # noqa: PLC0415 (see the module docstring)
+  if saved is None:
+    os.environ.pop("TRITON_CACHE_DIR", None)
+  else:
+    os.environ["TRITON_CACHE_DIR"] = saved
+  return jax_triton
+
+
+def _launch(dk, dv):
+  bv = blocks.block_v(dk, dv)
+  return bv, dict(num_warps=blocks.num_warps(dk), num_stages=blocks.num_stages(dk))
+
+
+def _check(c, dk, dv):
+  reason = blocks.supported(c, dk, dv)
+  if reason:
+    raise ValueError(f"pallas_kernels.gpu.triton: {reason}.")
+
+
+@functools.partial(jax.jit, static_argnames=("save_states",))
+def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False):
+  """Forward state pass; arguments and results as `pallas_kernels.gpu.state_passing`'s.
+
+  ny, qg, kg `[B, HV, Nc, C, K]` bf16; p `[B, HV, Nc, C, C]` bf16; u `[B, HV, Nc, C, V]` f32;
+  gc `[B, HV, Nc, K]` f32; s0 `[B, HV, K, V]` f32. Returns (o, e, s_final[, h]): o, e float32
+  like u, s_final like s0, h `[B, HV, Nc, K, V]` bf16 (the state entering each chunk).
+  """
+  jt = _jax_triton()
+  b, hv, nc, c, dk = qg.shape
+  dv = u.shape[-1]
+  _check(c, dk, dv)
+  bv, launch = _launch(dk, dv)
+  f32 = jnp.float32
+  out_shape = [jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
+               jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
+               jax.ShapeDtypeStruct((b, hv, dk, dv), f32),
+               # Without save_states the kernel never writes h: a one-element placeholder.
+               jax.ShapeDtypeStruct((b, hv, nc, dk, dv) if save_states else (1,), MM_DTYPE)]
+  o, e, s_final, h = jt.triton_call(
+      ny.astype(MM_DTYPE), qg.astype(MM_DTYPE), p.astype(MM_DTYPE), u.astype(f32),
+      kg.astype(MM_DTYPE), gc.astype(f32), s0.astype(f32), nc,
+      kernel=_fwd_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
+      C=c, K=dk, V=dv, BV=bv, SAVE_STATES=save_states, **launch)
+  return (o, e, s_final, h) if save_states else (o, e, s_final)
+
+
+@jax.jit
+def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final):
+  """Reverse state pass; arguments and results as `pallas_kernels.gpu.state_passing`'s.
+
+  Returns (de, dh, ds0): de `[B, HV, Nc, C, V]` f32 (total cotangent of E), dh
+  `[B, HV, Nc, K, V]` bf16 (cotangent of the state leaving each chunk), ds0 `[B, HV, K, V]` f32.
+  """
+  jt = _jax_triton()
+  b, hv, nc, c, dk = qg.shape
+  dv = do.shape[-1]
+  _check(c, dk, dv)
+  bv, launch = _launch(dk, dv)
+  f32 = jnp.float32
+  out_shape = [jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
+               jax.ShapeDtypeStruct((b, hv, nc, dk, dv), MM_DTYPE),
+               jax.ShapeDtypeStruct((b, hv, dk, dv), f32)]
+  return tuple(jt.triton_call(
+      ny.astype(MM_DTYPE), qg.astype(MM_DTYPE), p.astype(MM_DTYPE), kg.astype(MM_DTYPE),
+      gc.astype(f32), do.astype(MM_DTYPE), de_ext.astype(f32), ds_final.astype(f32), nc,
+      kernel=_bwd_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
+      C=c, K=dk, V=dv, BV=bv, **launch))

@@ -1,0 +1,183 @@
+"""The `triton` implementation, compiled on an NVIDIA GPU (skipped elsewhere, with the reason).
+
+jax-triton has no CPU lowering, so nothing here runs in `make test`; the CPU side (sizes,
+dispatch, fallback) is tests/test_triton_path.py. On the GPU machine:
+`GPU_TESTS=tests/test_triton_gpu.py bash experiments/run_gpu_kernels.sh 300 0`.
+
+Oracles (as tests/test_pallas_gpu.py's for the Mosaic kernels, same tolerances):
+* kernel forward vs the float32 `lax.scan` recurrence with the kernels' bf16 operand rounding
+  emulated (`state_passing_reference(round_operands=True)`: only accumulation order differs);
+* kernel backward vs autodiff of the unrounded float32 recurrence (bf16 operands);
+* public ops vs the `scan` reference, forward and every gradient, with GVA, segment ids, tail
+  padding, T not a multiple of the chunk, initial/final state and the write residual; edges of
+  T under fresh jit compiles; log gates down to −1e4; bf16 / fp16 / fp32 inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import MIXERS, assert_close, make_inputs, output_and_state_grads, run
+from lineax_attn.ops import api
+from lineax_attn.ops import triton_gpu
+
+_REASON = triton_gpu.unsupported_reason(dk=64, dv=64, chunk_size=64, varlen=False)
+if _REASON:
+  pytest.skip(f"implementation='triton' cannot run here: {_REASON}", allow_module_level=True)
+
+from lineax_attn import ops  # noqa: E402
+from lineax_attn.ops import pallas_gpu  # noqa: E402
+from pallas_kernels.gpu import state_passing as sp  # noqa: E402  (the shared reference)
+from pallas_kernels.gpu.triton import state_pass as tsp  # noqa: E402
+
+FWD_TOL = 2e-2    # bf16 matmul operands, float32 accumulation and state
+GRAD_TOL = 3e-2
+BF = jnp.bfloat16
+
+
+def _chunk_inputs(seed, b=1, hv=2, nc=3, c=64, dk=64, dv=64):
+  ks = jax.random.split(jax.random.key(seed), 7)
+  n = lambda i, s, sc=1.0: sc * jax.random.normal(ks[i], s, jnp.float32)
+  return dict(
+      ny=n(0, (b, hv, nc, c, dk), 0.1).astype(BF), qg=n(1, (b, hv, nc, c, dk), 0.1).astype(BF),
+      p=n(2, (b, hv, nc, c, c), 0.1).astype(BF), u=n(3, (b, hv, nc, c, dv)),
+      kg=n(4, (b, hv, nc, c, dk), 0.1).astype(BF),
+      gc=jax.nn.sigmoid(n(5, (b, hv, nc, dk))), s0=n(6, (b, hv, dk, dv)))
+
+
+# Every block width: V-tiles of 64 (K ≤ 128), 32 (K = 256) and 16 (V = 48).
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 128), (256, 64), (32, 48)])
+def test_state_pass_forward_matches_scan(dk, dv):
+  # 5e-4: the reference rounds the same operands to bf16, but a float32 state that differs in
+  # its last bits (accumulation order) can round to the neighbouring bf16 value; those flips
+  # (2^-8 each) reach ~1.5e-4 over three chunks (measured on the H200).
+  x = _chunk_inputs(0, dk=dk, dv=dv)
+  o, e, s, h = tsp.state_passing_fwd(**x, save_states=True)
+  ro, re, rs, rh = sp.state_passing_reference(**x, round_operands=True)
+  for name, got, want in (("o", o, ro), ("e", e, re), ("s_final", s, rs)):
+    assert_close(got, want, 5e-4, name)
+  assert h.dtype == BF
+  assert_close(h.astype(jnp.float32), rh, 1e-2, "h (bf16 chunk-entry states)")
+  # Without the saved states (another compiled kernel, maybe another accumulation order).
+  o2, e2, s2 = tsp.state_passing_fwd(**x)
+  for name, got, want in (("o", o2, ro), ("e", e2, re), ("s_final", s2, rs)):
+    assert_close(got, want, 5e-4, f"{name} (save_states=False)")
+
+
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 128)])
+def test_state_pass_backward_matches_autodiff(dk, dv):
+  x = _chunk_inputs(1, nc=4, dk=dk, dv=dv)
+  ks = jax.random.split(jax.random.key(2), 3)
+  do = jax.random.normal(ks[0], x["u"].shape).astype(BF)
+  de_ext = jax.random.normal(ks[1], x["u"].shape)
+  ds_final = jax.random.normal(ks[2], x["s0"].shape)
+  de, dh, ds0 = tsp.state_passing_bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, de_ext,
+                                      ds_final)
+  f = lambda u, s0: sp.state_passing_reference(
+      x["ny"], x["qg"], x["p"], u, x["kg"], x["gc"], s0)[:3]
+  _, vjp = jax.vjp(f, x["u"], x["s0"])
+  du, d_s0 = vjp((do.astype(jnp.float32), de_ext, ds_final))
+  assert_close(de, du, FWD_TOL, "dE (= dU)")
+  assert_close(ds0, d_s0, FWD_TOL, "d initial_state")
+  assert_close(dh[:, :, -1].astype(jnp.float32), ds_final, 1e-2, "dh of the last chunk")
+  # The same cotangents as the Mosaic GPU kernel where it runs (Hopper).
+  if pallas_gpu.is_hopper():
+    want = sp.state_passing_bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, de_ext, ds_final)
+    for name, got, w in zip(("de", "dh", "ds0"), (de, dh, ds0), want):
+      assert_close(got.astype(jnp.float32), w.astype(jnp.float32), 1e-2, f"{name} vs Mosaic")
+
+
+def _segments(b, t):
+  ids = jnp.concatenate([jnp.full((b, 30), 1), jnp.full((b, 50), 2), jnp.full((b, t - 80), 0)], 1)
+  return ids.astype(jnp.int32)
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_op_forward_matches_scan(mixer):
+  # T = 100: two chunks, the second padded; GVA (1 q/k head, 2 value heads); a reset at 30, a
+  # segment crossing the chunk boundary, trailing padding (segment id 0); an initial state.
+  args, kw = make_inputs(mixer, b=2, t=100, h=1, hv=2, dk=64, dv=64, seed=3)
+  kw.update(segment_ids=_segments(2, 100), output_final_state=True, return_residual=True)
+  got = run(mixer, args, **kw, implementation="triton")
+  want = run(mixer, args, **kw, implementation="scan")
+  for name, g, w in zip(("o", "final_state", "r"), got, want):
+    assert_close(g, w, FWD_TOL, f"{mixer} {name} vs scan")
+
+
+@pytest.mark.parametrize("mixer", MIXERS)
+def test_op_gradients_match_scan(mixer):
+  args, kw = make_inputs(mixer, b=1, t=160, h=2, hv=4, dk=64, dv=128, seed=4)
+  got = output_and_state_grads(mixer, args, kw["initial_state"], "triton")
+  want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
+  names = ["q", "k", "v"] + [f"gate{i}" for i in range(len(args) - 3)] + ["initial_state"]
+  for name, g, w in zip(names, got, want):
+    assert_close(g, w, GRAD_TOL, f"{mixer} d{name}")
+
+
+# The per-channel gates' one-chunk case is where XLA CPU once miscompiled (tests/test_jit_edges.py);
+# GDN shares every other path of theirs (tests/test_triton_gpu.py's op tests).
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 128])
+@pytest.mark.parametrize("mixer", ["kda", "gdn2"])
+def test_jitted_forward_at_the_edges_of_t(mixer, t):
+  args, _ = make_inputs(mixer, b=2, t=t, h=2, dk=64, dv=64, seed=5, with_state=False)
+  want = run(mixer, args, implementation="scan")[0]
+  for outputs in ("o", "o+state", "o+residual"):
+    jax.clear_caches()   # a fresh compile each time: the class of bug tests/test_jit_edges.py hunts
+    kw = dict(output_final_state=outputs == "o+state", return_residual=outputs == "o+residual")
+    got = jax.jit(lambda *a, kw=kw: run(mixer, a, implementation="triton", **kw)[0])(*args)
+    assert_close(got, want, FWD_TOL, f"{mixer} T={t} {outputs}")
+
+
+@pytest.mark.parametrize("mixer", ["kda", "gdn2", "gated_delta_rule"])
+def test_log_gates_down_to_minus_1e4_stay_finite(mixer):
+  args, kw = make_inputs(mixer, b=1, t=130, h=2, dk=64, dv=64, seed=6)
+  args = list(args)
+  gi = 3   # the decay gate follows q, k, v in every gated mixer's signature
+  g = np.array(args[gi])
+  g[:, 40:50] = -1e4   # a full reset in the middle of the first chunk
+  args[gi] = jnp.asarray(g)
+  got = run(mixer, args, **kw, implementation="triton", output_final_state=True)
+  want = run(mixer, args, **kw, implementation="scan", output_final_state=True)
+  for name, x, w in zip(("o", "final_state"), got, want):
+    assert np.isfinite(np.asarray(x)).all(), f"{mixer} {name} not finite"
+    assert_close(x, w, FWD_TOL, f"{mixer} {name} with −1e4 gates")
+  grads = output_and_state_grads(mixer, tuple(args), kw["initial_state"], "triton")
+  assert all(np.isfinite(np.asarray(x)).all() for x in grads), f"{mixer}: non-finite gradient"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_input_dtypes(dtype):
+  args, kw = make_inputs("gated_delta_rule", b=1, t=96, h=2, dk=128, dv=128, seed=7)
+  cast = [a.astype(dtype) for a in args[:3]] + list(args[3:])
+  got = run("gated_delta_rule", cast, **kw, implementation="triton")[0]
+  want = run("gated_delta_rule", cast, **kw, implementation="scan")[0]
+  assert got.dtype == dtype
+  assert_close(got.astype(jnp.float32), want.astype(jnp.float32), FWD_TOL, str(dtype))
+
+
+def test_default_implementation_on_this_gpu():
+  want = "pallas_gpu" if pallas_gpu.is_hopper() else "triton"
+  assert api.default_implementation() == want
+
+
+def test_tuning_steers_the_xla_intra_chunk_part():
+  # remat_intra=False keeps the intra-chunk residuals: same numbers, one less recompute.
+  args, kw = make_inputs("kda", b=1, t=128, h=2, dk=64, dv=64, seed=8)
+  a = output_and_state_grads("kda", args, kw["initial_state"], "triton",
+                             tuning=ops.GpuTuning(remat_intra=False))
+  b = output_and_state_grads("kda", args, kw["initial_state"], "triton")
+  for x, y in zip(a, b):
+    assert_close(x, y, 1e-5, "remat_intra")
+
+
+def test_jax_triton_leaves_other_triton_users_their_cache_dir():
+  # jax-triton 0.3.1 empties TRITON_CACHE_DIR on import, which broke FLA's autotuner in the same
+  # process ("Could not create or locate cache dir"); state_pass puts it back.
+  x = _chunk_inputs(9, nc=1)
+  tsp.state_passing_fwd(**x)
+  assert os.environ.get("TRITON_CACHE_DIR", None) != ""

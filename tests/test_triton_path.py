@@ -1,0 +1,84 @@
+"""The `triton` implementation's CPU side: sizes, dispatch and fallback (no GPU, no extra needed).
+
+The kernels themselves run only compiled on an NVIDIA GPU (jax-triton has no CPU lowering):
+tests/test_triton_gpu.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from helpers import assert_close, make_inputs, run
+from lineax_attn import ops
+from lineax_attn.ops import api
+from lineax_attn.ops import segments
+from lineax_attn.ops import triton_gpu
+from pallas_kernels.gpu.triton import blocks
+
+
+def test_block_sizes_are_fixed_per_head_dims():
+  # Hand-derived from the register budget in blocks' docstring: a [K, BLOCK_V] float32 state
+  # of at most 128 x 64 elements per 4-warp program.
+  assert [blocks.block_v(dk, 128) for dk in (16, 64, 128, 256)] == [64, 64, 64, 32]
+  assert blocks.block_v(64, 48) == 16 and blocks.block_v(128, 96) == 32
+  assert [blocks.num_stages(dk) for dk in (64, 128, 256)] == [2, 2, 1]
+  with pytest.raises(ValueError, match="dv=40"):
+    blocks.block_v(64, 40)
+
+
+@pytest.mark.parametrize("chunk,dk,dv,word", [(32, 64, 64, "chunk_size"), (64, 96, 64, "K=96"),
+                                              (64, 64, 40, "V=40"), (64, 64, 1024, "V=1024")])
+def test_unsupported_sizes_name_the_reason(chunk, dk, dv, word):
+  assert word in blocks.supported(chunk, dk, dv)
+  assert blocks.supported(64, 128, 128) is None
+
+
+def test_off_gpu_the_op_falls_back_to_chunk_with_one_log_line(caplog):
+  reason = triton_gpu.unsupported_reason(dk=32, dv=32, chunk_size=64, varlen=False)
+  missing = [m for m in ("triton", "jax_triton") if importlib.util.find_spec(m) is None]
+  if jax.default_backend() == "gpu" and not missing:
+    pytest.skip("this machine runs the kernels (tests/test_triton_gpu.py)")
+  assert reason and (("not installed" in reason) if missing else ("NVIDIA GPU" in reason))
+  args, kw = make_inputs("gated_delta_rule", b=1, t=70, h=2, dk=32, dv=32, seed=0)
+  triton_gpu._warned.clear()
+  with caplog.at_level(logging.WARNING):
+    got = jax.jit(lambda *a: run("gated_delta_rule", a, implementation="triton", **kw)[0])(*args)
+    jax.jit(lambda *a: run("gated_delta_rule", a, implementation="triton", **kw)[0] * 2)(*args)
+  lines = [r for r in caplog.records if "falls back to implementation='chunk'" in r.message]
+  assert len(lines) == 1 and reason in lines[0].message
+  want = run("gated_delta_rule", args, implementation="scan", **kw)[0]
+  assert_close(got, want, 1e-4, "fallback output vs scan")
+
+
+def test_registered_with_the_gpu_tuning_and_not_the_default_off_gpu():
+  assert "triton" in ops.available_implementations()
+  assert api.default_implementation("cpu") == "chunk"
+  assert api.check_tuning(ops.GpuTuning(remat_intra=False), "triton") == ops.GpuTuning(
+      remat_intra=False)
+  with pytest.raises(ValueError, match="tuning"):
+    api.check_tuning("remat_intra=false", "triton")
+
+
+def test_direct_call_past_the_dispatch_refuses_rather_than_runs_wrong():
+  if triton_gpu.available():
+    pytest.skip("the kernels run here")
+  args, _ = make_inputs("delta_rule", b=1, t=64, h=1, dk=32, dv=32, seed=1, with_state=False)
+  q, k, v, beta = args
+  layout = segments.SegmentLayout()
+  with pytest.raises(ValueError, match="triton cannot run this call"):
+    triton_gpu.triton_delta_family("delta_rule", q, k, v, {"beta": beta}, scale=32 ** -0.5,
+                                   initial_state=None, layout=layout, chunk_size=64)
+
+
+def test_kernel_module_needs_the_extra():
+  if importlib.util.find_spec("triton") is not None:
+    pytest.skip("triton is installed here")
+  with pytest.raises(ImportError):
+    importlib.import_module("pallas_kernels.gpu.triton.state_pass")
+  # ... while the dispatch and size tables import without it (this file's own imports).
+  assert jnp.asarray(blocks.CHUNK) == 64
