@@ -8,6 +8,9 @@ Oracles (as tests/test_pallas_gpu.py's for the Mosaic kernels, same tolerances):
 * kernel forward vs the float32 `lax.scan` recurrence with the kernels' bf16 operand rounding
   emulated (`state_passing_reference(round_operands=True)`: only accumulation order differs);
 * kernel backward vs autodiff of the unrounded float32 recurrence (bf16 operands);
+* the intra-chunk kernels (DeltaNet / GDN) vs `intra_chunk.intra_chunk_reference` (float32,
+  exact solve) forward, and through `gpu_vjps.intra_kernel` vs autodiff of it (5e-3, as the
+  Mosaic GPU kernels' tests);
 * public ops vs the `scan` reference, forward and every gradient, with GVA, segment ids, tail
   padding, T not a multiple of the chunk, initial/final state and the write residual; edges of
   T under fresh jit compiles; log gates down to −1e4; bf16 / fp16 / fp32 inputs.
@@ -31,8 +34,10 @@ if _REASON:
   pytest.skip(f"implementation='triton' cannot run here: {_REASON}", allow_module_level=True)
 
 from lineax_attn import ops  # noqa: E402
-from lineax_attn.ops import pallas_gpu  # noqa: E402
+from lineax_attn.ops import gpu_chunks, gpu_vjps, pallas_gpu  # noqa: E402
+from pallas_kernels.gpu import intra_chunk as ic  # noqa: E402  (the shared reference)
 from pallas_kernels.gpu import state_passing as sp  # noqa: E402  (the shared reference)
+from pallas_kernels.gpu.triton import intra_chunk as tic  # noqa: E402
 from pallas_kernels.gpu.triton import state_pass as tsp  # noqa: E402
 
 FWD_TOL = 2e-2    # bf16 matmul operands, float32 accumulation and state
@@ -181,3 +186,101 @@ def test_jax_triton_leaves_other_triton_users_their_cache_dir():
   x = _chunk_inputs(9, nc=1)
   tsp.state_passing_fwd(**x)
   assert os.environ.get("TRITON_CACHE_DIR", None) != ""
+
+
+def _intra_inputs(seed, *, correlated=False, b=1, t=128, h=1, hv=2, dk=64, dv=64):
+  ks = jax.random.split(jax.random.key(seed), 6)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (b, t, h, dk))).astype(BF)
+  noise = jax.random.normal(ks[1], (b, t, h, dk))
+  if correlated:   # every key within ~0.2 of one direction, β in (0.5, 1), no decay
+    k = unit(jax.random.normal(ks[5], (1, 1, 1, dk)) + 0.2 * noise)
+    beta = 0.5 + 0.5 * jax.nn.sigmoid(jax.random.normal(ks[3], (b, hv, t)))
+    log_g = jnp.zeros((b, hv, t))
+  else:
+    k = unit(noise)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, hv, t)))
+    log_g = -0.5 * jax.nn.softplus(jax.random.normal(ks[4], (b, hv, t)))
+  v = jax.random.normal(ks[2], (b, t, hv, dv)).astype(BF)
+  G = jnp.cumsum(log_g.reshape(b, hv, t // 64, 64), axis=-1)
+  return q, k.astype(BF), v, beta, G.reshape(b, hv, t), (G[..., -1:] - G).reshape(b, hv, t)
+
+
+def _packed_ids(t=128):
+  """Segments 1 | 2 | 3 with boundaries at 40 (inside chunk 0) and 64 (a chunk boundary)."""
+  return jnp.asarray(np.concatenate([np.full(40, 1), np.full(24, 2), np.full(t - 64, 3)])[None],
+                     jnp.int32)
+
+
+@pytest.mark.parametrize("case,dk,dv", [("random", 64, 64), ("random", 128, 128),
+                                        ("correlated", 64, 64), ("packed", 64, 128)])
+def test_intra_kernel_forward_matches_exact_reference(case, dk, dv):
+  args = _intra_inputs(0, correlated=case == "correlated", dk=dk, dv=dv)
+  segments = gpu_chunks.kernel_segments(_packed_ids(), 64) if case == "packed" else None
+  scale = dk ** -0.5
+  *got, m = tic.intra_chunk_fwd(*args, segments, scale=scale, with_inverse=True)
+  want = ic.intra_chunk_reference(*args, segments, scale=scale)
+  for name, g, w in zip(("ny", "qg", "p", "u", "kg"), got, want):
+    tol = 2e-2 if (name == "ny" and case == "correlated") else 5e-3
+    assert_close(np.asarray(g, np.float32), w, tol, f"{name} ({case})")
+  plain = tic.intra_chunk_fwd(*args, segments, scale=scale)   # with_inverse changes nothing else
+  for name, a, b in zip(("ny", "qg", "p", "u", "kg"), plain, got):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
+  # M (I + L) = I with L built here in float64 (M is bf16: 2^-9 per entry).
+  q, k, v, beta, g, _ = (np.asarray(x, np.float64) for x in args)
+  for hv, ci in ((0, 0), (1, 1)):
+    rows = slice(ci * 64, (ci + 1) * 64)
+    kc, gc, bc = k[0, rows, 0], g[0, hv, rows], beta[0, hv, rows]
+    gam = np.exp(gc[:, None] - gc[None, :])
+    if case == "packed":
+      ids = np.asarray(_packed_ids())[0, rows]
+      gam = gam * (ids[:, None] == ids[None, :])
+    lmat = np.tril(bc[:, None] * (kc @ kc.T) * gam, -1)
+    resid = np.asarray(m[0, hv, ci], np.float64) @ (np.eye(64) + lmat) - np.eye(64)
+    assert np.abs(resid).max() < 1e-2, (case, hv, ci, np.abs(resid).max())
+
+
+@pytest.mark.parametrize("case", ["random", "packed"])
+def test_intra_kernel_backward_matches_autodiff_of_exact_reference(case):
+  q, k, v, beta, g, _ = _intra_inputs(3)
+  b, t, h, dk = q.shape
+  hv = v.shape[2]
+  G = g.reshape(b, hv, t // 64, 64)
+  beta_t = jnp.moveaxis(beta, 1, 2)            # the op's [B, T, HV] layout
+  segidx = _packed_ids() if case == "packed" else None
+  scale = 64 ** -0.5
+
+  def exact(q, k, v, beta_t, G):
+    segments = None if segidx is None else gpu_chunks.kernel_segments(segidx, 64)
+    return ic.intra_chunk_reference(q, k, v, jnp.moveaxis(beta_t, 1, 2), G.reshape(b, hv, t),
+                                    (G[..., -1:] - G).reshape(b, hv, t), segments, scale=scale)
+
+  def kernel(q, k, v, beta_t, G):
+    return gpu_vjps.intra_kernel(q, k, v, beta_t, G, segidx, scale, 64, None, "triton")
+
+  primals = (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), beta_t, G)
+  outs, vjp_exact = jax.vjp(exact, *primals)
+  keys = jax.random.split(jax.random.key(9), len(outs))
+  cts = tuple(jax.random.normal(kk, o.shape).astype(BF).astype(jnp.float32)
+              for kk, o in zip(keys, outs))
+  want = vjp_exact(cts)
+  _, vjp_kernel = jax.vjp(kernel, *primals)
+  got = vjp_kernel(tuple(ct.astype(o.dtype) for ct, o in zip(cts, kernel(*primals))))
+  for name, g_, w in zip(("q", "k", "v", "beta", "G"), got, want):
+    assert_close(g_, w, 5e-3, f"d{name} ({case})")
+
+
+@pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule"])
+def test_op_takes_the_triton_intra_kernel_and_the_xla_path_on_request(monkeypatch, mixer):
+  calls = []
+  kernel = tic.intra_chunk_fwd
+  monkeypatch.setattr(tic, "intra_chunk_fwd", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=1)
+  want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
+  for intra in ("kernel", "xla"):
+    calls.clear()
+    got = output_and_state_grads(mixer, args, kw["initial_state"], "triton",
+                                 tuning=ops.GpuTuning(intra=intra))
+    assert bool(calls) == (intra == "kernel"), intra
+    for i, (g_, w) in enumerate(zip(got, want)):
+      assert_close(g_, w, GRAD_TOL, f"{mixer} intra={intra} grad {i}")

@@ -4,8 +4,9 @@
   cotangent, either Mosaic GPU (`pallas_kernels.gpu.state_passing`, Hopper) or Triton
   (`pallas_kernels.gpu.triton.state_pass`, sm_80+; `kernels="triton"`), same contract; the
   other gradients are batched matmuls here.
-* `intra_kernel`: the intra-chunk kernels of DeltaNet / GDN (`pallas_kernels.gpu.intra_chunk`);
-  QG/KG cotangents, Gx's chain rule and GVA's head sum in XLA.
+* `intra_kernel`: the intra-chunk kernels of DeltaNet / GDN (`pallas_kernels.gpu.intra_chunk`,
+  or its Triton twin `pallas_kernels.gpu.triton.intra_chunk` with `kernels="triton"`); QG/KG
+  cotangents, Gx's chain rule and GVA's head sum in XLA.
 * `channel_pairs_kernel`: KDA / GDN-2's pair matrices P, L (`pallas_kernels.gpu.channel_pair`),
   backward by its kernel or by `chunked`'s XLA VJP.
 
@@ -144,23 +145,42 @@ def _kernel_inputs(q, k, v, beta, G, segidx, c):
           flat(G), flat(G[..., -1:] - G), segments)
 
 
-def _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse):
-  return ic.intra_chunk_fwd(*_kernel_inputs(q, k, v, beta, G, segidx, c), scale=scale,
-                            with_inverse=with_inverse, interpret=interpret)
+def _intra_kernels(kernels):
+  """The module with `intra_chunk_fwd` / `intra_chunk_bwd` for `kernels` (as `_state_kernels`)."""
+  if kernels == "mosaic":
+    return ic
+  if kernels == "triton":
+    from pallas_kernels.gpu.triton import intra_chunk as tic  # the optional extra: lazily
+    return tic
+  raise ValueError(f"`kernels` must be 'mosaic' or 'triton', got {kernels!r}.")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def intra_kernel(q, k, v, beta, G, segidx, scale, c, interpret):
-  return _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse=False)
+def _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse, kernels):
+  extra = {} if kernels == "triton" else {"interpret": interpret}
+  return _intra_kernels(kernels).intra_chunk_fwd(*_kernel_inputs(q, k, v, beta, G, segidx, c),
+                                                 scale=scale, with_inverse=with_inverse, **extra)
 
 
-def _intra_kernel_fwd(q, k, v, beta, G, segidx, scale, c, interpret):
+def intra_kernel(q, k, v, beta, G, segidx, scale, c, interpret, kernels="mosaic"):
+  """The intra-chunk kernels of DeltaNet / GDN (`kernels`: "mosaic" or "triton") as one
+  differentiable function of q, k, v, β `[B, T, HV]` and the chunk gates G; returns the state
+  pass's (ny, qg, p, u, kg)."""
+  _intra_kernels(kernels)  # validates `kernels`
+  return _intra_kernel_vjp(q, k, v, beta, G, segidx, scale, c, interpret, kernels)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _intra_kernel_vjp(q, k, v, beta, G, segidx, scale, c, interpret, kernels):
+  return _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, False, kernels)
+
+
+def _intra_kernel_fwd(q, k, v, beta, G, segidx, scale, c, interpret, kernels):
   # The backward takes the forward's bf16 inverse (8 KiB per chunk) instead of inverting again.
-  *out, m = _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse=True)
+  *out, m = _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, True, kernels)
   return tuple(out), (q, k, v, beta, G, segidx, m)
 
 
-def _intra_kernel_bwd(scale, c, interpret, res, cts):
+def _intra_kernel_bwd(scale, c, interpret, kernels, res, cts):
   """The kernel's backward (`intra_chunk_bwd`) plus the elementwise QG / KG terms and the
   chain rule of Gx = G_C − G, the entry factor and GVA's sum over value heads, in XLA."""
   q, k, v, beta, G, segidx, m = res
@@ -169,9 +189,9 @@ def _intra_kernel_bwd(scale, c, interpret, res, cts):
   h, n_rep = q.shape[2], hv // q.shape[2]
   inputs = _kernel_inputs(q, k, v, beta, G, segidx, c)
   segments = inputs[-1]
-  dq, dk, dv, dbeta, dg_row, dg_col = ic.intra_chunk_bwd(
-      *inputs, m, d_ny.astype(_MM), d_p.astype(_MM), d_u.astype(_MM), scale=scale,
-      interpret=interpret)
+  extra = {} if kernels == "triton" else {"interpret": interpret}
+  dq, dk, dv, dbeta, dg_row, dg_col = _intra_kernels(kernels).intra_chunk_bwd(
+      *inputs, m, d_ny.astype(_MM), d_p.astype(_MM), d_u.astype(_MM), scale=scale, **extra)
   entry, exit_ = jnp.exp(G), jnp.exp(G[..., -1:] - G)       # [B, HV, Nc, C]
   if segments is not None:
     cont, keep = (x.reshape(b, 1, t // c, c) for x in segments[1:])
@@ -190,7 +210,7 @@ def _intra_kernel_bwd(scale, c, interpret, res, cts):
           dG.astype(G.dtype), None)
 
 
-intra_kernel.defvjp(_intra_kernel_fwd, _intra_kernel_bwd)
+_intra_kernel_vjp.defvjp(_intra_kernel_fwd, _intra_kernel_bwd)
 
 
 # ----------------------------------------------------------------------------- channel pairs

@@ -118,7 +118,7 @@ def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernel
   return from_chunks(o), from_chunks(e), s_final
 
 
-def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret):
+def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, kernels):
   """`_core` for DeltaNet / GDN with the intra-chunk kernel; q, k unrepeated and unscaled."""
   b, t, hv = v.shape[:3]
   dk = q.shape[-1]
@@ -126,18 +126,22 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret):
     G = jnp.zeros((b, hv, t // c, c), _F32)
   else:
     G, _ = chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))
-  ny, qg, p, u, kg = intra_kernel(q, k, v, beta, G, segidx, float(scale), c, interpret)
+  ny, qg, p, u, kg = intra_kernel(q, k, v, beta, G, segidx, float(scale), c, interpret, kernels)
   gc = jnp.exp(G[..., -1:])
   if segidx is not None:   # a segment starting inside the chunk resets the entry state
     gc = gc * segment_masks(segidx, c)[1][..., -1:]
   gc = jnp.broadcast_to(gc, G.shape[:3] + (dk,))
-  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret)
+  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels)
   return from_chunks(o), from_chunks(e), s_final
 
 
-def _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning) -> bool:
-  return (tuning.intra == "kernel" and specs.resolve(mixer).gpu_intra_kernel
-          and ic.supported(chunk_size, dk, dv) is None)
+def _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) -> bool:
+  if kernels == "triton":
+    from pallas_kernels.gpu.triton import intra_chunk as tic  # the optional extra: lazily
+    reason = tic.supported(chunk_size, dk, dv)
+  else:
+    reason = ic.supported(chunk_size, dk, dv)
+  return tuning.intra == "kernel" and specs.resolve(mixer).gpu_intra_kernel and reason is None
 
 
 def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
@@ -162,10 +166,10 @@ def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layo
 
 def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
                  output_final_state, tuning: GpuTuning, kernels: str):
-  """The composition shared by the GPU kernel paths: XLA (or Mosaic GPU) intra-chunk part,
-  then the state-pass kernels `kernels` ("mosaic": `pallas_gpu`; "triton": `triton_gpu`, which
-  never takes the Mosaic intra-chunk kernel). Arguments as `api.run_mixer`'s; sizes checked by
-  the caller."""
+  """The composition shared by the GPU kernel paths: the intra-chunk part (the kernels of
+  `kernels` for DeltaNet / GDN with `tuning.intra="kernel"`, else XLA), then the state-pass
+  kernels of `kernels` ("mosaic": `pallas_gpu`'s Mosaic GPU kernels; "triton": `triton_gpu`'s).
+  Arguments as `api.run_mixer`'s; sizes checked by the caller."""
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   g, erase, write = chunked.canonical_gates(mixer, v, gates)
@@ -182,11 +186,11 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
     q, k = q * m[..., None], k * m[..., None]
     g = None if g is None else g * (m if g.ndim == 3 else m[..., None])
   # (Under shard_map the kernel's outputs would lack the varying-axes types: XLA path there.)
-  if (kernels == "mosaic" and _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning)
-      and not vma(q, k, v)):
+  interpret = interpret_params() if kernels == "mosaic" else None
+  if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
     o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
-                                       scale=scale, c=c, interpret=interpret_params())
+                                       scale=scale, c=c, interpret=interpret, kernels=kernels)
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
   q = jnp.repeat(q, n_rep, axis=2) * scale
@@ -195,7 +199,6 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   v_write = v if write is None else v * write
   if m is not None:
     v_write = v_write * m[..., None]
-  interpret = interpret_params() if kernels == "mosaic" else None
   o, e, s_final = _core(pad(q), pad(k), pad(k_erase), pad(v_write), pad(g), s0, segidx, c=c,
                         interpret=interpret, tuning=tuning, kernels=kernels)
   return o[:, :t], (s_final if output_final_state else None), e[:, :t]

@@ -5,8 +5,11 @@ sm_86, sm_89), where the Mosaic GPU kernels of `pallas_gpu` (wgmma, TMA: sm_90) 
 selectable on Hopper too. It is the chunk form split as `pallas_gpu` splits it (docs/MATH.md
 §3.2, docs/KERNELS_GPU.md):
 
-* **intra-chunk part in XLA** (`gpu_prepare.prepare_chunks`: bf16 products, float32
-  accumulation and solve; differentiated by autodiff), all five mixers;
+* **intra-chunk part**: for DeltaNet and GDN Triton kernels (`pallas_kernels.gpu.triton.
+  intra_chunk`, forward and backward, one program per chunk: the C×C products, the float32
+  blocked inverse of I + L, the pseudo-values), as `pallas_gpu` has Mosaic GPU ones; for the
+  other mixers (and with `GpuTuning(intra="xla")`) XLA (`gpu_prepare.prepare_chunks`: bf16
+  products, float32 accumulation and solve; differentiated by autodiff);
 * **sequential state pass in Triton** (`pallas_kernels.gpu.triton.state_pass`): one program per
   (batch·value head, V-tile) walks the chunks with the float32 state in registers, forward and a
   reverse kernel for the state cotangent, wired as a `jax.custom_vjp` (`gpu_vjps.state_pass`,
@@ -18,14 +21,13 @@ the `triton` extra (`pip install lineax_attn[triton]`: jax-triton 0.3.1 and trit
 CUDA GPU; chunk_size 64; head dims in `pallas_kernels.gpu.triton.blocks`. Anything else
 (`cu_seqlens` varlen, no GPU, no extra) falls back to `chunk` with one log line per reason.
 
-tuning: a `pallas_gpu.GpuTuning`; its `solve`, `remat_intra` and `channel_pair` steer the XLA
-intra-chunk part as for `pallas_gpu`. `intra` is ignored: the Mosaic GPU intra-chunk kernel is
-Hopper-only, so this path always takes the XLA intra-chunk part.
+tuning: a `pallas_gpu.GpuTuning`, read as for `pallas_gpu`: `intra` picks DeltaNet / GDN's
+intra-chunk path ("kernel": the Triton kernels, "xla"); `solve`, `remat_intra` and
+`channel_pair` steer the XLA intra-chunk part.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 import jax
@@ -82,7 +84,7 @@ def supports(call) -> str | None:
 def triton_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
                         output_final_state=False, tuning=None):
   """The `triton` implementation (see `api.run_mixer` for the contract)."""
-  tuning = dataclasses.replace(check_tuning(tuning), intra="xla")
+  tuning = check_tuning(tuning)
   reason = unsupported_reason(dk=q.shape[-1], dv=v.shape[-1], chunk_size=chunk_size,
                               varlen=layout.is_varlen)
   if reason:  # called directly, past the dispatch: refuse rather than run wrong

@@ -1,0 +1,236 @@
+"""Triton kernels of the delta-rule intra-chunk part (DeltaNet, GDN), forward and backward.
+
+The same maths, inputs and outputs as the Mosaic GPU kernels of `pallas_kernels.gpu.intra_chunk`
+(read its docstring for the formulas and layouts; `intra_chunk_reference` there is the oracle),
+for any NVIDIA GPU from sm_80. One program per (chunk, batch · value head) reads the chunk's rows
+of q, k, v straight from `[B, T, H, D]` and writes the state pass's inputs once:
+
+    Γ_ij = exp(G_i − G_j) (i ≥ j, same segment)   P = s (q kᵀ) ⊙ Γ
+    L = diag(β) (k kᵀ) ⊙ Γ strictly lower         M = (I + L)^{-1}
+    Y = M (k ⊙ β e),  U = M (v ⊙ β)               NY = −Y, QG = s q ⊙ e, KG = k ⊙ e^{Gx}
+
+The inverse is the Mosaic kernel's product form over 16 × 16 diagonal blocks (D, its block
+diagonal; F = (I + D)^{-1}(L − D), F⁴ = 0): M = (I − F)(I + F²)(I − D)(I + D²)(I + D⁴)(I + D⁸),
+here in float32 `tl.dot(..., input_precision="ieee")` (exact float32 products; ten 64³ products
+per chunk). M is rounded to bf16 to be applied, as the other paths do; every other product has
+bf16 operands and a float32 accumulator.
+
+The backward takes the forward's bf16 M (`with_inverse`) and follows the formulas of
+`intra_chunk.intra_chunk_bwd`. Offsets are int64. Imports triton (the `triton` extra);
+jax_triton only inside the wrappers (`state_pass._jax_triton`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels.gpu.triton import blocks
+from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton
+
+BLOCK = 16   # diagonal block of the inverse
+# 8 warps: a program holds a dozen [64, 64] float32 matrices (Γ, products, the inverse's
+# powers); at 4 warps each is 32 registers a thread, at 8 it is 16.
+_WARPS = 8
+
+
+@triton.jit
+def _dot32(a, b):
+  return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _unit_lower_inverse(lmat, ii, jj, BLK: tl.constexpr):
+  """(I + L)^{-1} for a strictly lower [C, C] float32 L (see the module docstring)."""
+  eye = tl.where(ii == jj, 1.0, 0.0)
+  d = tl.where((ii // BLK) == (jj // BLK), lmat, 0.0)
+  e = lmat - d
+  d2 = _dot32(d, d)
+  d4 = _dot32(d2, d2)
+  d8 = _dot32(d4, d4)
+  d_inv = _dot32(_dot32(_dot32(eye - d, eye + d2), eye + d4), eye + d8)
+  f = _dot32(d_inv, e)
+  f2 = _dot32(f, f)
+  return _dot32(_dot32(eye - f, eye + f2), d_inv)
+
+
+@triton.jit
+def _chunk_rows(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, t, bhv, ci,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                C: tl.constexpr, PACKED: tl.constexpr):
+  """Loads one chunk: q, k [C, K] and v [C, V] bf16, β, G, the entry factor e [C] and Γ."""
+  b = bhv // HV
+  hv = bhv % HV
+  kh = hv // (HV // H)
+  rc = tl.arange(0, C)
+  rk = tl.arange(0, K)
+  rv = tl.arange(0, V)
+  row = b.to(tl.int64) * t + ci * C + rc                 # time rows of this batch element
+  qk_off = (row * H + kh)[:, None] * K + rk[None, :]
+  q = tl.load(q_ptr + qk_off)
+  k = tl.load(k_ptr + qk_off)
+  v = tl.load(v_ptr + (row * HV + hv)[:, None] * V + rv[None, :])
+  vec = bhv.to(tl.int64) * t + ci * C + rc
+  beta = tl.load(beta_ptr + vec)
+  g = tl.load(g_ptr + vec)
+  ii = rc[:, None]
+  jj = rc[None, :]
+  lower = ii >= jj
+  gam = tl.where(lower, tl.exp(tl.where(lower, g[:, None] - g[None, :], 0.0)), 0.0)
+  entry = tl.exp(g)
+  if PACKED:
+    seg = tl.load(seg_ptr + row)
+    gam = tl.where(seg[:, None] == seg[None, :], gam, 0.0)
+    entry = entry * tl.load(cont_ptr + row)
+  return q, k, v, beta, entry, gam, ii, jj, row, vec
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr, keep_ptr, t,
+                scale, ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, m_ptr,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                C: tl.constexpr, BLK: tl.constexpr, PACKED: tl.constexpr,
+                WITH_INVERSE: tl.constexpr):
+  ci = tl.program_id(0)
+  bhv = tl.program_id(1)
+  q, k, v, beta, entry, gam, ii, jj, row, vec = _chunk_rows(
+      q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, t, bhv, ci, H, HV, K, V, C, PACKED)
+  exit_ = tl.exp(tl.load(gx_ptr + vec))
+  if PACKED:
+    exit_ = exit_ * tl.load(keep_ptr + row)
+  p = scale * tl.dot(q, tl.trans(k)) * gam
+  lmat = tl.where(ii > jj, beta[:, None] * tl.dot(k, tl.trans(k)) * gam, 0.0)
+  m = _unit_lower_inverse(lmat, ii, jj, BLK).to(tl.bfloat16)
+  y = tl.dot(m, (k.to(tl.float32) * (beta * entry)[:, None]).to(tl.bfloat16))
+  u = tl.dot(m, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16))
+  # Outputs are chunk-major [B, HV, Nc, C, D]: chunk index (bhv, ci).
+  chunk = bhv.to(tl.int64) * (t // C) + ci
+  rc = tl.arange(0, C)
+  rk = tl.arange(0, K)
+  rv = tl.arange(0, V)
+  ck = chunk * C * K + rc[:, None] * K + rk[None, :]
+  cc = chunk * C * C + rc[:, None] * C + rc[None, :]
+  tl.store(ny_ptr + ck, (-y).to(tl.bfloat16))
+  tl.store(qg_ptr + ck, (scale * q.to(tl.float32) * entry[:, None]).to(tl.bfloat16))
+  tl.store(kg_ptr + ck, (k.to(tl.float32) * exit_[:, None]).to(tl.bfloat16))
+  tl.store(p_ptr + cc, p.to(tl.bfloat16))
+  tl.store(u_ptr + chunk * C * V + rc[:, None] * V + rv[None, :], u)
+  if WITH_INVERSE:
+    tl.store(m_ptr + cc, m)
+
+
+@triton.jit
+def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, dny_ptr, dp_ptr,
+                du_ptr, t, scale, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dgr_ptr, dgc_ptr,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                C: tl.constexpr, PACKED: tl.constexpr):
+  ci = tl.program_id(0)
+  bhv = tl.program_id(1)
+  q, k, v, beta, entry, gam, ii, jj, row, vec = _chunk_rows(
+      q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, t, bhv, ci, H, HV, K, V, C, PACKED)
+  chunk = bhv.to(tl.int64) * (t // C) + ci
+  rc = tl.arange(0, C)
+  rk = tl.arange(0, K)
+  rv = tl.arange(0, V)
+  ck = chunk * C * K + rc[:, None] * K + rk[None, :]
+  cc = chunk * C * C + rc[:, None] * C + rc[None, :]
+  cv = chunk * C * V + rc[:, None] * V + rv[None, :]
+  m = tl.load(m_ptr + cc)                                 # bf16, as the forward applied it
+  kf = k.to(tl.float32)
+  vf = v.to(tl.float32)
+  y = tl.dot(m, (kf * (beta * entry)[:, None]).to(tl.bfloat16))
+  u = tl.dot(m, (vf * beta[:, None]).to(tl.bfloat16))
+  mt = tl.trans(m)
+  d_y = (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16)   # dY = −dNY (exact)
+  d_rk = tl.dot(mt, d_y)                                   # dR = Mᵀ [dY | dU]
+  d_rv = tl.dot(mt, tl.load(du_ptr + cv))
+  d_l = -(tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)))
+          + tl.dot(d_rv.to(tl.bfloat16), tl.trans(u.to(tl.bfloat16))))
+  qk = tl.dot(q, tl.trans(k))
+  kk = tl.dot(k, tl.trans(k))
+  strict = ii > jj
+  d_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam
+  d_b = tl.where(strict, d_l * beta[:, None] * gam, 0.0)
+  w = d_a * qk + d_b * kk
+  d_a16 = d_a.to(tl.bfloat16)
+  dq = tl.dot(d_a16, k)
+  dk = tl.dot(tl.trans(d_a16), q)
+  dk = tl.dot((d_b + tl.trans(d_b)).to(tl.bfloat16), k, dk)
+  dk += (beta * entry)[:, None] * d_rk
+  tl.store(dq_ptr + ck, dq)
+  tl.store(dk_ptr + ck, dk)
+  tl.store(dv_ptr + cv, beta[:, None] * d_rv)
+  rk_dot = tl.sum(d_rk * kf, axis=1)
+  d_beta = (tl.sum(tl.where(strict, d_l * kk * gam, 0.0), axis=1) + entry * rk_dot
+            + tl.sum(d_rv * vf, axis=1))
+  tl.store(dbeta_ptr + vec, d_beta)
+  tl.store(dgr_ptr + vec, entry * beta * rk_dot + tl.sum(w, axis=1))
+  tl.store(dgc_ptr + vec, tl.sum(w, axis=0))
+
+
+def supported(chunk: int, dk: int, dv: int) -> str | None:
+  """None if these kernels take the sizes (their [C, D] tiles stay in registers), else why."""
+  if chunk != blocks.CHUNK:
+    return f"chunk_size={chunk} (the Triton intra-chunk kernels need {blocks.CHUNK})"
+  if dk not in (64, 128) or dv not in (64, 128):
+    return f"head dims K={dk}, V={dv} (the Triton intra-chunk kernels need 64 or 128)"
+  return None
+
+
+def _packed(segments, like):
+  if segments is None:   # unused pointers: the kernels read them only when PACKED
+    return (like,) * 3, False
+  return tuple(x.astype(jnp.float32) for x in segments), True
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "with_inverse"))
+def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_inverse=False):
+  """As `pallas_kernels.gpu.intra_chunk.intra_chunk_fwd` (same arguments and results)."""
+  jt = _jax_triton()
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
+  c = blocks.CHUNK
+  nc = t // c
+  f32 = jnp.float32
+  seg, packed = _packed(segments, beta)
+  out_shape = [jax.ShapeDtypeStruct((b, hv, nc, c, dk), MM_DTYPE),
+               jax.ShapeDtypeStruct((b, hv, nc, c, dk), MM_DTYPE),
+               jax.ShapeDtypeStruct((b, hv, nc, c, c), MM_DTYPE),
+               jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
+               jax.ShapeDtypeStruct((b, hv, nc, c, dk), MM_DTYPE),
+               jax.ShapeDtypeStruct((b, hv, nc, c, c) if with_inverse else (1,), MM_DTYPE)]
+  ny, qg, p, u, kg, m = jt.triton_call(
+      q.astype(MM_DTYPE), k.astype(MM_DTYPE), v.astype(MM_DTYPE), beta.astype(f32),
+      g.astype(f32), gx.astype(f32), *seg, t, float(scale),
+      kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=_WARPS, num_stages=1,
+      H=h, HV=hv, K=dk, V=dv, C=c, BLK=BLOCK, PACKED=packed, WITH_INVERSE=with_inverse)
+  return (ny, qg, p, u, kg, m) if with_inverse else (ny, qg, p, u, kg)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: float):
+  """As `pallas_kernels.gpu.intra_chunk.intra_chunk_bwd` (same arguments and results)."""
+  del gx   # the exit factor's terms are elementwise: the caller's
+  jt = _jax_triton()
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
+  c = blocks.CHUNK
+  nc = t // c
+  f32 = jnp.float32
+  seg, packed = _packed(segments, beta)
+  out_shape = [jax.ShapeDtypeStruct((b, hv, nc, c, dk), f32),
+               jax.ShapeDtypeStruct((b, hv, nc, c, dk), f32),
+               jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
+               jax.ShapeDtypeStruct((b, hv, t), f32),
+               jax.ShapeDtypeStruct((b, hv, t), f32),
+               jax.ShapeDtypeStruct((b, hv, t), f32)]
+  return tuple(jt.triton_call(
+      q.astype(MM_DTYPE), k.astype(MM_DTYPE), v.astype(MM_DTYPE), beta.astype(f32),
+      g.astype(f32), seg[0], seg[1], m.astype(MM_DTYPE), dny.astype(MM_DTYPE),
+      dp.astype(MM_DTYPE), du.astype(MM_DTYPE), t, float(scale),
+      kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=_WARPS, num_stages=1,
+      H=h, HV=hv, K=dk, V=dv, C=c, PACKED=packed))
