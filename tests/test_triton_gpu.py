@@ -271,7 +271,7 @@ def test_intra_kernel_backward_matches_autodiff_of_exact_reference(case):
 
 
 @pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule"])
-def test_op_takes_the_triton_intra_kernel_and_the_xla_path_on_request(monkeypatch, mixer):
+def test_op_takes_the_triton_intra_kernel_on_request(monkeypatch, mixer):
   calls = []
   kernel = tic.intra_chunk_fwd
   monkeypatch.setattr(tic, "intra_chunk_fwd", lambda *a, **k: calls.append(1) or kernel(*a, **k))
@@ -280,7 +280,7 @@ def test_op_takes_the_triton_intra_kernel_and_the_xla_path_on_request(monkeypatc
   for intra in ("kernel", "xla"):
     calls.clear()
     got = output_and_state_grads(mixer, args, kw["initial_state"], "triton",
-                                 tuning=ops.GpuTuning(intra=intra))
+                                 tuning=ops.GpuTuning(triton_intra=intra))
     assert bool(calls) == (intra == "kernel"), intra
     for i, (g_, w) in enumerate(zip(got, want)):
       assert_close(g_, w, GRAD_TOL, f"{mixer} intra={intra} grad {i}")

@@ -82,3 +82,20 @@ def test_kernel_module_needs_the_extra():
     importlib.import_module("pallas_kernels.gpu.triton.state_pass")
   # ... while the dispatch and size tables import without it (this file's own imports).
   assert jnp.asarray(blocks.CHUNK) == 64
+
+
+def test_triton_intra_is_a_checked_tuning_field():
+  # The triton path reads `triton_intra` (default "xla", the measured path), never `intra`.
+  assert ops.GpuTuning().triton_intra == "xla" and ops.GpuTuning().intra == "kernel"
+  assert ops.GpuTuning.parse("triton_intra=kernel").triton_intra == "kernel"
+  with pytest.raises(ValueError, match="triton_intra"):
+    ops.GpuTuning(triton_intra="fast")
+
+
+def test_intra_kernel_sizes_without_triton():
+  # The Triton intra-chunk kernels' size check lives beside them, in a module that imports
+  # triton: here only when it is installed.
+  if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed")
+  from pallas_kernels.gpu.triton import intra_chunk as tic
+  assert tic.supported(64, 128, 64) is None and "K=32" in tic.supported(64, 32, 64)

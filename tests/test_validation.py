@@ -187,8 +187,8 @@ LINEAR_CASES = [
     ("initial_state_float64_numpy", lambda: _call("delta_rule", initial_state=np.zeros((B, HV, DK, DV))),
      "`initial_state` must be float32"),
     # Implementation.
-    ("unknown_implementation", lambda: _call("delta_rule", implementation="triton"),
-     r"unknown `implementation='triton'`"),
+    ("unknown_implementation", lambda: _call("delta_rule", implementation="fused"),
+     r"unknown `implementation='fused'`"),
     # Tuning: only the chosen implementation's tuning type (or None).
     ("tuning_for_chunk", lambda: _call("delta_rule", implementation="chunk", tuning=ops.GpuTuning()),
      r"`tuning` must be None for implementation='chunk' \(it takes no tuning\), got GpuTuning\("),

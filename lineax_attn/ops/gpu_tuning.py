@@ -1,4 +1,5 @@
-"""Static tuning of the `pallas_gpu` implementation: `GpuTuning` and its checks.
+"""Static tuning of the GPU kernel implementations (`pallas_gpu`, `triton`): `GpuTuning` and its
+checks.
 
 Its own module, importing neither jax nor the kernels; `pallas_gpu` re-exports every name
 here (`pallas_gpu.GpuTuning` stays the public spelling).
@@ -42,6 +43,11 @@ class GpuTuning:
     remat_intra: whether the backward recomputes the XLA intra-chunk part (`jax.checkpoint`:
       less memory) or keeps its residuals (the C×C products and the inverse per chunk: a faster
       backward).
+    triton_intra: who computes DeltaNet / GDN's intra-chunk part under implementation="triton"
+      (where `intra` is not read): "xla" (the default: measured on the H200, docs/BENCHMARKS.md
+      "The Triton path") or "kernel" (the Triton intra-chunk kernels of
+      `pallas_kernels.gpu.triton.intra_chunk`; experimental: checked in Triton's interpreter,
+      not yet run compiled on a GPU).
   """
 
   intra: str = "kernel"
@@ -49,10 +55,12 @@ class GpuTuning:
   channel_pair: str = "xla"
   pair_diag: str = "columns"
   remat_intra: bool = True
+  triton_intra: str = "xla"
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
-                          ("channel_pair", PAIR_CHOICES), ("pair_diag", PAIR_DIAG_CHOICES)):
+                          ("channel_pair", PAIR_CHOICES), ("pair_diag", PAIR_DIAG_CHOICES),
+                          ("triton_intra", INTRA_CHOICES)):
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")

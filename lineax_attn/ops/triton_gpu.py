@@ -5,11 +5,13 @@ sm_86, sm_89), where the Mosaic GPU kernels of `pallas_gpu` (wgmma, TMA: sm_90) 
 selectable on Hopper too. It is the chunk form split as `pallas_gpu` splits it (docs/MATH.md
 §3.2, docs/KERNELS_GPU.md):
 
-* **intra-chunk part**: for DeltaNet and GDN Triton kernels (`pallas_kernels.gpu.triton.
-  intra_chunk`, forward and backward, one program per chunk: the C×C products, the float32
-  blocked inverse of I + L, the pseudo-values), as `pallas_gpu` has Mosaic GPU ones; for the
-  other mixers (and with `GpuTuning(intra="xla")`) XLA (`gpu_prepare.prepare_chunks`: bf16
-  products, float32 accumulation and solve; differentiated by autodiff);
+* **intra-chunk part in XLA** (`gpu_prepare.prepare_chunks`: bf16 products, float32
+  accumulation and solve; differentiated by autodiff) for every mixer by default. For DeltaNet
+  and GDN, `GpuTuning(triton_intra="kernel")` takes Triton intra-chunk kernels instead
+  (`pallas_kernels.gpu.triton.intra_chunk`, forward and backward, one program per chunk: the
+  C×C products, the float32 blocked inverse of I + L, the pseudo-values), as `pallas_gpu` has
+  Mosaic GPU ones; experimental until they have run compiled (checked so far in Triton's
+  interpreter only);
 * **sequential state pass in Triton** (`pallas_kernels.gpu.triton.state_pass`): one program per
   (batch·value head, V-tile) walks the chunks with the float32 state in registers, forward and a
   reverse kernel for the state cotangent, wired as a `jax.custom_vjp` (`gpu_vjps.state_pass`,
@@ -21,13 +23,14 @@ the `triton` extra (`pip install lineax_attn[triton]`: jax-triton 0.3.1 and trit
 CUDA GPU; chunk_size 64; head dims in `pallas_kernels.gpu.triton.blocks`. Anything else
 (`cu_seqlens` varlen, no GPU, no extra) falls back to `chunk` with one log line per reason.
 
-tuning: a `pallas_gpu.GpuTuning`, read as for `pallas_gpu`: `intra` picks DeltaNet / GDN's
-intra-chunk path ("kernel": the Triton kernels, "xla"); `solve`, `remat_intra` and
-`channel_pair` steer the XLA intra-chunk part.
+tuning: a `pallas_gpu.GpuTuning`: `triton_intra` picks DeltaNet / GDN's intra-chunk path
+("xla", "kernel"; `intra` is pallas_gpu's and not read here); `solve`, `remat_intra` and
+`channel_pair` steer the XLA intra-chunk part as for `pallas_gpu`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import jax
@@ -85,6 +88,8 @@ def triton_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, 
                         output_final_state=False, tuning=None):
   """The `triton` implementation (see `api.run_mixer` for the contract)."""
   tuning = check_tuning(tuning)
+  # `intra` is pallas_gpu's choice; this path reads `triton_intra` (see GpuTuning).
+  tuning = dataclasses.replace(tuning, intra=tuning.triton_intra)
   reason = unsupported_reason(dk=q.shape[-1], dv=v.shape[-1], chunk_size=chunk_size,
                               varlen=layout.is_varlen)
   if reason:  # called directly, past the dispatch: refuse rather than run wrong
