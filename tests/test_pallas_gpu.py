@@ -30,6 +30,7 @@ from helpers import (MIXERS, assert_close, make_inputs, mosaic_gpu_or_skip, outp
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
+import kernel_cases  # noqa: E402
 from lineax_attn import ops  # noqa: E402
 from lineax_attn.ops import api  # noqa: E402
 from lineax_attn.ops import pallas_gpu  # noqa: E402
@@ -40,15 +41,7 @@ FWD_TOL = 2e-2    # bf16 matmul operands (Y, S, E, P, QG, KG), float32 accumulat
 GRAD_TOL = 3e-2
 
 
-def _chunk_inputs(seed, b=1, hv=2, nc=3, c=64, dk=64, dv=64):
-  ks = jax.random.split(jax.random.key(seed), 7)
-  n = lambda i, s, sc=1.0: sc * jax.random.normal(ks[i], s, jnp.float32)
-  bf = sp.MM_DTYPE
-  return dict(
-      ny=n(0, (b, hv, nc, c, dk), 0.1).astype(bf), qg=n(1, (b, hv, nc, c, dk), 0.1).astype(bf),
-      p=n(2, (b, hv, nc, c, c), 0.1).astype(bf), u=n(3, (b, hv, nc, c, dv)),
-      kg=n(4, (b, hv, nc, c, dk), 0.1).astype(bf),
-      gc=jax.nn.sigmoid(n(5, (b, hv, nc, dk))), s0=n(6, (b, hv, dk, dv)))
+_chunk_inputs = kernel_cases.state_pass_inputs
 
 
 # K = 128 (two swizzle groups per row, M = 128 state matmuls) only compiled: the interpreter
@@ -65,39 +58,14 @@ def test_state_pass_forward_matches_scan(dk, dv):
 
 
 def test_state_pass_backward_matches_autodiff():
-  x = _chunk_inputs(1)
-  ks = jax.random.split(jax.random.key(2), 3)
-  do = jax.random.normal(ks[0], x["u"].shape).astype(sp.MM_DTYPE)
-  de_ext = jax.random.normal(ks[1], x["u"].shape)
-  ds_final = jax.random.normal(ks[2], x["s0"].shape)
-  de, dh, ds0 = sp.state_passing_bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, de_ext,
-                                     ds_final, interpret=INTERPRET)
-  f = lambda u, s0: sp.state_passing_reference(
-      x["ny"], x["qg"], x["p"], u, x["kg"], x["gc"], s0)[:3]
-  _, vjp = jax.vjp(f, x["u"], x["s0"])
-  du, d_s0 = vjp((do.astype(jnp.float32), de_ext, ds_final))
-  assert_close(de, du, FWD_TOL, "dE (= dU)")
-  assert_close(ds0, d_s0, FWD_TOL, "d initial_state")
-  # The state cotangent leaving the last chunk is the final-state cotangent itself.
-  assert_close(dh[:, :, -1].astype(jnp.float32), ds_final, 1e-2, "dh of the last chunk")
-
-
-def _segments(b, t):
-  ids = jnp.concatenate([jnp.full((b, 30), 1), jnp.full((b, 50), 2), jnp.full((b, t - 80), 0)], 1)
-  return ids.astype(jnp.int32)
+  bwd = functools.partial(sp.state_passing_bwd, interpret=INTERPRET)
+  for name, got, want, tol in kernel_cases.state_pass_backward_pairs(bwd, _chunk_inputs(1)):
+    assert_close(got, want, tol, name)
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_op_forward_matches_scan(mixer):
-  # T = 100: two chunks, the second padded; GVA (1 q/k head, 2 value heads); a reset at 30, a
-  # segment crossing the chunk boundary, trailing padding; an initial state. The oracle is the
-  # scan alone: chunk == scan on these features is tests/test_chunk_vs_scan.py's and
-  # tests/test_segments.py's (a chunk reference here only cost an eager run of the chunk form).
-  args, kw = make_inputs(mixer, b=1, t=100, h=1, hv=2, dk=64, dv=64, seed=3)
-  kw.update(segment_ids=_segments(1, 100), output_final_state=True, return_residual=True)
-  got = run(mixer, args, **kw, implementation="pallas_gpu")
-  want = run(mixer, args, **kw, implementation="scan")
-  for name, g, w in zip(("o", "final_state", "r"), got, want):
+  for name, g, w in kernel_cases.op_forward_pairs(mixer, "pallas_gpu", b=1):
     assert_close(g, w, FWD_TOL, f"{mixer} {name} vs scan")
 
 

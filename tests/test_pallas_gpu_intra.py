@@ -39,39 +39,14 @@ from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, output_and_st
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
-from lineax_attn.ops import gpu_chunks, gpu_vjps, pallas_gpu  # noqa: E402
+import kernel_cases  # noqa: E402
+from lineax_attn.ops import gpu_vjps, pallas_gpu  # noqa: E402
 from pallas_kernels.gpu import intra_chunk as ic  # noqa: E402
 NAMES = ("ny", "qg", "p", "u", "kg")
 
 
-def _kernel_inputs(seed, *, correlated, b=1, t=128, h=1, hv=2, dk=64, dv=64):
-  ks = jax.random.split(jax.random.key(seed), 6)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(ks[0], (b, t, h, dk))).astype(jnp.bfloat16)
-  noise = jax.random.normal(ks[1], (b, t, h, dk))
-  if correlated:   # every key within ~0.2 of one direction; beta in (0.5, 1); no decay
-    k = unit(jax.random.normal(ks[5], (1, 1, 1, dk)) + 0.2 * noise)
-    beta = 0.5 + 0.5 * jax.nn.sigmoid(jax.random.normal(ks[3], (b, hv, t)))
-    log_g = jnp.zeros((b, hv, t))
-  else:
-    k = unit(noise)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, hv, t)))
-    log_g = -0.5 * jax.nn.softplus(jax.random.normal(ks[4], (b, hv, t)))
-  v = jax.random.normal(ks[2], (b, t, hv, dv)).astype(jnp.bfloat16)
-  G = jnp.cumsum(log_g.reshape(b, hv, t // 64, 64), axis=-1)
-  g, gx = G.reshape(b, hv, t), (G[..., -1:] - G).reshape(b, hv, t)
-  return q, k.astype(jnp.bfloat16), v, beta, g, gx
-
-
-def _packed(t=128):
-  """Segments 1 | 2 | 3 with boundaries at 40 (inside chunk 0) and 64 (a chunk boundary)."""
-  ids = np.concatenate([np.full(40, 1), np.full(24, 2), np.full(t - 64, 3)])[None]
-  c = 64
-  chunks = ids.reshape(1, -1, c)
-  entry = np.concatenate([ids[:, :1], ids[:, c - 1:-1:c]], axis=1)[..., None]
-  cont = (chunks == entry).reshape(1, t)
-  keep = (chunks == chunks[..., -1:]).reshape(1, t)
-  return tuple(jnp.asarray(x, jnp.float32) for x in (ids, cont, keep))
+_kernel_inputs = kernel_cases.intra_inputs
+_packed = kernel_cases.packed_segments
 
 
 @pytest.mark.parametrize("case", ["random", "correlated", "packed"])
@@ -115,33 +90,9 @@ def test_kernel_inverse_output(case):
 
 @pytest.mark.parametrize("case", ["random", "packed"])
 def test_kernel_backward_matches_autodiff_of_exact_reference(case):
-  q, k, v, beta, g, _ = _kernel_inputs(3, correlated=False)
-  b, t, h, dk = q.shape
-  hv = v.shape[2]
-  G = g.reshape(b, hv, t // 64, 64)
-  beta_t = jnp.moveaxis(beta, 1, 2)            # the op's [B, T, HV] layout
-  segidx = None
-  if case == "packed":
-    segidx = jnp.asarray(_packed()[0], jnp.int32)
-  scale = 64 ** -0.5
-
-  def exact(q, k, v, beta_t, G):
-    segments = None if segidx is None else gpu_chunks.kernel_segments(segidx, 64)
-    return ic.intra_chunk_reference(q, k, v, jnp.moveaxis(beta_t, 1, 2), G.reshape(b, hv, t),
-                                    (G[..., -1:] - G).reshape(b, hv, t), segments, scale=scale)
-
-  def kernel(q, k, v, beta_t, G):
-    return gpu_vjps.intra_kernel(q, k, v, beta_t, G, segidx, scale, 64, INTERPRET)
-
-  primals = (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), beta_t, G)
-  outs, vjp_exact = jax.vjp(exact, *primals)
-  keys = jax.random.split(jax.random.key(9), len(outs))
-  cts = tuple(jax.random.normal(kk, o.shape).astype(jnp.bfloat16).astype(jnp.float32)
-              for kk, o in zip(keys, outs))
-  want = vjp_exact(cts)
-  _, vjp_kernel = jax.vjp(kernel, *primals)
-  got = vjp_kernel(tuple(ct.astype(o.dtype) for ct, o in zip(cts, kernel(*primals))))
-  for name, g_, w in zip(("q", "k", "v", "beta", "G"), got, want):
+  kernel = lambda q, k, v, beta_t, G, segidx, scale: gpu_vjps.intra_kernel(
+      q, k, v, beta_t, G, segidx, scale, 64, INTERPRET)
+  for name, g_, w in kernel_cases.intra_backward_pairs(kernel, case):
     assert_close(g_, w, 5e-3, f"d{name} ({case})")
 
 

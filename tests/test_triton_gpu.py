@@ -33,6 +33,7 @@ _REASON = triton_gpu.unsupported_reason(dk=64, dv=64, chunk_size=64, varlen=Fals
 if _REASON:
   pytest.skip(f"implementation='triton' cannot run here: {_REASON}", allow_module_level=True)
 
+import kernel_cases  # noqa: E402
 from lineax_attn import ops  # noqa: E402
 from lineax_attn.ops import gpu_chunks, gpu_vjps, pallas_gpu  # noqa: E402
 from pallas_kernels.gpu import intra_chunk as ic  # noqa: E402  (the shared reference)
@@ -45,14 +46,7 @@ GRAD_TOL = 3e-2
 BF = jnp.bfloat16
 
 
-def _chunk_inputs(seed, b=1, hv=2, nc=3, c=64, dk=64, dv=64):
-  ks = jax.random.split(jax.random.key(seed), 7)
-  n = lambda i, s, sc=1.0: sc * jax.random.normal(ks[i], s, jnp.float32)
-  return dict(
-      ny=n(0, (b, hv, nc, c, dk), 0.1).astype(BF), qg=n(1, (b, hv, nc, c, dk), 0.1).astype(BF),
-      p=n(2, (b, hv, nc, c, c), 0.1).astype(BF), u=n(3, (b, hv, nc, c, dv)),
-      kg=n(4, (b, hv, nc, c, dk), 0.1).astype(BF),
-      gc=jax.nn.sigmoid(n(5, (b, hv, nc, dk))), s0=n(6, (b, hv, dk, dv)))
+_chunk_inputs = kernel_cases.state_pass_inputs
 
 
 # Every block width: V-tiles of 64 (K ≤ 128), 32 (K = 256) and 16 (V = 48).
@@ -77,40 +71,22 @@ def test_state_pass_forward_matches_scan(dk, dv):
 @pytest.mark.parametrize("dk,dv", [(64, 64), (128, 128)])
 def test_state_pass_backward_matches_autodiff(dk, dv):
   x = _chunk_inputs(1, nc=4, dk=dk, dv=dv)
-  ks = jax.random.split(jax.random.key(2), 3)
-  do = jax.random.normal(ks[0], x["u"].shape).astype(BF)
-  de_ext = jax.random.normal(ks[1], x["u"].shape)
-  ds_final = jax.random.normal(ks[2], x["s0"].shape)
-  de, dh, ds0 = tsp.state_passing_bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, de_ext,
-                                      ds_final)
-  f = lambda u, s0: sp.state_passing_reference(
-      x["ny"], x["qg"], x["p"], u, x["kg"], x["gc"], s0)[:3]
-  _, vjp = jax.vjp(f, x["u"], x["s0"])
-  du, d_s0 = vjp((do.astype(jnp.float32), de_ext, ds_final))
-  assert_close(de, du, FWD_TOL, "dE (= dU)")
-  assert_close(ds0, d_s0, FWD_TOL, "d initial_state")
-  assert_close(dh[:, :, -1].astype(jnp.float32), ds_final, 1e-2, "dh of the last chunk")
+  for name, got, want, tol in kernel_cases.state_pass_backward_pairs(tsp.state_passing_bwd, x):
+    assert_close(got, want, tol, name)
   # The same cotangents as the Mosaic GPU kernel where it runs (Hopper).
   if pallas_gpu.is_hopper():
-    want = sp.state_passing_bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, de_ext, ds_final)
-    for name, got, w in zip(("de", "dh", "ds0"), (de, dh, ds0), want):
+    ks = jax.random.split(jax.random.key(2), 3)
+    cts = (jax.random.normal(ks[0], x["u"].shape).astype(BF),
+           jax.random.normal(ks[1], x["u"].shape), jax.random.normal(ks[2], x["s0"].shape))
+    args = (x["ny"], x["qg"], x["p"], x["kg"], x["gc"], *cts)
+    for name, got, w in zip(("de", "dh", "ds0"), tsp.state_passing_bwd(*args),
+                            sp.state_passing_bwd(*args)):
       assert_close(got.astype(jnp.float32), w.astype(jnp.float32), 1e-2, f"{name} vs Mosaic")
-
-
-def _segments(b, t):
-  ids = jnp.concatenate([jnp.full((b, 30), 1), jnp.full((b, 50), 2), jnp.full((b, t - 80), 0)], 1)
-  return ids.astype(jnp.int32)
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
 def test_op_forward_matches_scan(mixer):
-  # T = 100: two chunks, the second padded; GVA (1 q/k head, 2 value heads); a reset at 30, a
-  # segment crossing the chunk boundary, trailing padding (segment id 0); an initial state.
-  args, kw = make_inputs(mixer, b=2, t=100, h=1, hv=2, dk=64, dv=64, seed=3)
-  kw.update(segment_ids=_segments(2, 100), output_final_state=True, return_residual=True)
-  got = run(mixer, args, **kw, implementation="triton")
-  want = run(mixer, args, **kw, implementation="scan")
-  for name, g, w in zip(("o", "final_state", "r"), got, want):
+  for name, g, w in kernel_cases.op_forward_pairs(mixer, "triton", b=2):
     assert_close(g, w, FWD_TOL, f"{mixer} {name} vs scan")
 
 
@@ -188,28 +164,12 @@ def test_jax_triton_leaves_other_triton_users_their_cache_dir():
   assert os.environ.get("TRITON_CACHE_DIR", None) != ""
 
 
-def _intra_inputs(seed, *, correlated=False, b=1, t=128, h=1, hv=2, dk=64, dv=64):
-  ks = jax.random.split(jax.random.key(seed), 6)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(ks[0], (b, t, h, dk))).astype(BF)
-  noise = jax.random.normal(ks[1], (b, t, h, dk))
-  if correlated:   # every key within ~0.2 of one direction, β in (0.5, 1), no decay
-    k = unit(jax.random.normal(ks[5], (1, 1, 1, dk)) + 0.2 * noise)
-    beta = 0.5 + 0.5 * jax.nn.sigmoid(jax.random.normal(ks[3], (b, hv, t)))
-    log_g = jnp.zeros((b, hv, t))
-  else:
-    k = unit(noise)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, hv, t)))
-    log_g = -0.5 * jax.nn.softplus(jax.random.normal(ks[4], (b, hv, t)))
-  v = jax.random.normal(ks[2], (b, t, hv, dv)).astype(BF)
-  G = jnp.cumsum(log_g.reshape(b, hv, t // 64, 64), axis=-1)
-  return q, k.astype(BF), v, beta, G.reshape(b, hv, t), (G[..., -1:] - G).reshape(b, hv, t)
+def _intra_inputs(seed, *, correlated=False, **dims):
+  return kernel_cases.intra_inputs(seed, correlated=correlated, **dims)
 
 
 def _packed_ids(t=128):
-  """Segments 1 | 2 | 3 with boundaries at 40 (inside chunk 0) and 64 (a chunk boundary)."""
-  return jnp.asarray(np.concatenate([np.full(40, 1), np.full(24, 2), np.full(t - 64, 3)])[None],
-                     jnp.int32)
+  return jnp.asarray(kernel_cases.packed_segments(t)[0], jnp.int32)
 
 
 @pytest.mark.parametrize("case,dk,dv", [("random", 64, 64), ("random", 128, 128),
@@ -242,31 +202,9 @@ def test_intra_kernel_forward_matches_exact_reference(case, dk, dv):
 
 @pytest.mark.parametrize("case", ["random", "packed"])
 def test_intra_kernel_backward_matches_autodiff_of_exact_reference(case):
-  q, k, v, beta, g, _ = _intra_inputs(3)
-  b, t, h, dk = q.shape
-  hv = v.shape[2]
-  G = g.reshape(b, hv, t // 64, 64)
-  beta_t = jnp.moveaxis(beta, 1, 2)            # the op's [B, T, HV] layout
-  segidx = _packed_ids() if case == "packed" else None
-  scale = 64 ** -0.5
-
-  def exact(q, k, v, beta_t, G):
-    segments = None if segidx is None else gpu_chunks.kernel_segments(segidx, 64)
-    return ic.intra_chunk_reference(q, k, v, jnp.moveaxis(beta_t, 1, 2), G.reshape(b, hv, t),
-                                    (G[..., -1:] - G).reshape(b, hv, t), segments, scale=scale)
-
-  def kernel(q, k, v, beta_t, G):
-    return gpu_vjps.intra_kernel(q, k, v, beta_t, G, segidx, scale, 64, None, "triton")
-
-  primals = (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), beta_t, G)
-  outs, vjp_exact = jax.vjp(exact, *primals)
-  keys = jax.random.split(jax.random.key(9), len(outs))
-  cts = tuple(jax.random.normal(kk, o.shape).astype(BF).astype(jnp.float32)
-              for kk, o in zip(keys, outs))
-  want = vjp_exact(cts)
-  _, vjp_kernel = jax.vjp(kernel, *primals)
-  got = vjp_kernel(tuple(ct.astype(o.dtype) for ct, o in zip(cts, kernel(*primals))))
-  for name, g_, w in zip(("q", "k", "v", "beta", "G"), got, want):
+  kernel = lambda q, k, v, beta_t, G, segidx, scale: gpu_vjps.intra_kernel(
+      q, k, v, beta_t, G, segidx, scale, 64, None, "triton")
+  for name, g_, w in kernel_cases.intra_backward_pairs(kernel, case):
     assert_close(g_, w, 5e-3, f"d{name} ({case})")
 
 

@@ -92,7 +92,7 @@ def test_triton_intra_is_a_checked_tuning_field():
     ops.GpuTuning(triton_intra="fast")
 
 
-def test_intra_kernel_sizes_without_triton():
+def test_intra_kernel_sizes():
   # The Triton intra-chunk kernels' size check lives beside them, in a module that imports
   # triton: here only when it is installed.
   if importlib.util.find_spec("triton") is None:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.gpu.triton import blocks
-from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton
+from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _structs
 
 BLOCK = 16   # diagonal block of the inverse
 # 8 warps: a program holds a dozen [64, 64] float32 matrices (Γ, products, the inverse's
@@ -90,6 +90,17 @@ def _chunk_rows(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, t, bhv,
 
 
 @triton.jit
+def _chunk_offsets(t, bhv, ci, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
+  """Offsets of this chunk's [C, K], [C, C] and [C, V] tiles in chunk-major [B, HV, Nc, C, D]."""
+  chunk = bhv.to(tl.int64) * (t // C) + ci
+  rc = tl.arange(0, C)
+  ck = chunk * C * K + rc[:, None] * K + tl.arange(0, K)[None, :]
+  cc = chunk * C * C + rc[:, None] * C + rc[None, :]
+  cv = chunk * C * V + rc[:, None] * V + tl.arange(0, V)[None, :]
+  return ck, cc, cv
+
+
+@triton.jit
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr, keep_ptr, t,
                 scale, ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, m_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -107,18 +118,12 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
   m = _unit_lower_inverse(lmat, ii, jj, BLK).to(tl.bfloat16)
   y = tl.dot(m, (k.to(tl.float32) * (beta * entry)[:, None]).to(tl.bfloat16))
   u = tl.dot(m, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16))
-  # Outputs are chunk-major [B, HV, Nc, C, D]: chunk index (bhv, ci).
-  chunk = bhv.to(tl.int64) * (t // C) + ci
-  rc = tl.arange(0, C)
-  rk = tl.arange(0, K)
-  rv = tl.arange(0, V)
-  ck = chunk * C * K + rc[:, None] * K + rk[None, :]
-  cc = chunk * C * C + rc[:, None] * C + rc[None, :]
+  ck, cc, cv = _chunk_offsets(t, bhv, ci, K, V, C)
   tl.store(ny_ptr + ck, (-y).to(tl.bfloat16))
   tl.store(qg_ptr + ck, (scale * q.to(tl.float32) * entry[:, None]).to(tl.bfloat16))
   tl.store(kg_ptr + ck, (k.to(tl.float32) * exit_[:, None]).to(tl.bfloat16))
   tl.store(p_ptr + cc, p.to(tl.bfloat16))
-  tl.store(u_ptr + chunk * C * V + rc[:, None] * V + rv[None, :], u)
+  tl.store(u_ptr + cv, u)
   if WITH_INVERSE:
     tl.store(m_ptr + cc, m)
 
@@ -132,13 +137,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
   bhv = tl.program_id(1)
   q, k, v, beta, entry, gam, ii, jj, row, vec = _chunk_rows(
       q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, t, bhv, ci, H, HV, K, V, C, PACKED)
-  chunk = bhv.to(tl.int64) * (t // C) + ci
-  rc = tl.arange(0, C)
-  rk = tl.arange(0, K)
-  rv = tl.arange(0, V)
-  ck = chunk * C * K + rc[:, None] * K + rk[None, :]
-  cc = chunk * C * C + rc[:, None] * C + rc[None, :]
-  cv = chunk * C * V + rc[:, None] * V + rv[None, :]
+  ck, cc, cv = _chunk_offsets(t, bhv, ci, K, V, C)
   m = tl.load(m_ptr + cc)                                 # bf16, as the forward applied it
   kf = k.to(tl.float32)
   vf = v.to(tl.float32)
@@ -181,29 +180,27 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
   return None
 
 
-def _packed(segments, like):
+def _dims(q, v, segments, beta):
+  """((B, T, H, K, HV, V, Nc, C), the three segment rows, packed?) of a call."""
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
   if segments is None:   # unused pointers: the kernels read them only when PACKED
-    return (like,) * 3, False
-  return tuple(x.astype(jnp.float32) for x in segments), True
+    seg, packed = (beta,) * 3, False
+  else:
+    seg, packed = tuple(x.astype(jnp.float32) for x in segments), True
+  return (b, t, h, dk, hv, dv, t // blocks.CHUNK, blocks.CHUNK), seg, packed
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "with_inverse"))
 def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_inverse=False):
   """As `pallas_kernels.gpu.intra_chunk.intra_chunk_fwd` (same arguments and results)."""
-  jt = _jax_triton()
-  b, t, h, dk = q.shape
-  hv, dv = v.shape[2], v.shape[3]
-  c = blocks.CHUNK
-  nc = t // c
+  (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
   f32 = jnp.float32
-  seg, packed = _packed(segments, beta)
-  out_shape = [jax.ShapeDtypeStruct((b, hv, nc, c, dk), MM_DTYPE),
-               jax.ShapeDtypeStruct((b, hv, nc, c, dk), MM_DTYPE),
-               jax.ShapeDtypeStruct((b, hv, nc, c, c), MM_DTYPE),
-               jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
-               jax.ShapeDtypeStruct((b, hv, nc, c, dk), MM_DTYPE),
-               jax.ShapeDtypeStruct((b, hv, nc, c, c) if with_inverse else (1,), MM_DTYPE)]
-  ny, qg, p, u, kg, m = jt.triton_call(
+  out_shape = _structs(((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, c, dk), MM_DTYPE),
+                       ((b, hv, nc, c, c), MM_DTYPE), ((b, hv, nc, c, dv), f32),
+                       ((b, hv, nc, c, dk), MM_DTYPE),
+                       ((b, hv, nc, c, c) if with_inverse else (1,), MM_DTYPE))
+  ny, qg, p, u, kg, m = _jax_triton().triton_call(
       q.astype(MM_DTYPE), k.astype(MM_DTYPE), v.astype(MM_DTYPE), beta.astype(f32),
       g.astype(f32), gx.astype(f32), *seg, t, float(scale),
       kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=_WARPS, num_stages=1,
@@ -215,20 +212,11 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_i
 def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: float):
   """As `pallas_kernels.gpu.intra_chunk.intra_chunk_bwd` (same arguments and results)."""
   del gx   # the exit factor's terms are elementwise: the caller's
-  jt = _jax_triton()
-  b, t, h, dk = q.shape
-  hv, dv = v.shape[2], v.shape[3]
-  c = blocks.CHUNK
-  nc = t // c
+  (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
   f32 = jnp.float32
-  seg, packed = _packed(segments, beta)
-  out_shape = [jax.ShapeDtypeStruct((b, hv, nc, c, dk), f32),
-               jax.ShapeDtypeStruct((b, hv, nc, c, dk), f32),
-               jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
-               jax.ShapeDtypeStruct((b, hv, t), f32),
-               jax.ShapeDtypeStruct((b, hv, t), f32),
-               jax.ShapeDtypeStruct((b, hv, t), f32)]
-  return tuple(jt.triton_call(
+  out_shape = _structs(((b, hv, nc, c, dk), f32), ((b, hv, nc, c, dk), f32),
+                       ((b, hv, nc, c, dv), f32), *[((b, hv, t), f32)] * 3)
+  return tuple(_jax_triton().triton_call(
       q.astype(MM_DTYPE), k.astype(MM_DTYPE), v.astype(MM_DTYPE), beta.astype(f32),
       g.astype(f32), seg[0], seg[1], m.astype(MM_DTYPE), dny.astype(MM_DTYPE),
       dp.astype(MM_DTYPE), du.astype(MM_DTYPE), t, float(scale),

@@ -124,15 +124,18 @@ def _jax_triton():
   return jax_triton
 
 
-def _launch(dk, dv):
-  bv = blocks.block_v(dk, dv)
-  return bv, dict(num_warps=blocks.num_warps(dk), num_stages=blocks.num_stages(dk))
+def _structs(*shapes_dtypes):
+  return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes_dtypes]
 
 
-def _check(c, dk, dv):
+def _dims(qg, dv):
+  """(B, HV, Nc, C, K, BLOCK_V, launch options) of a call; ValueError for sizes not taken."""
+  b, hv, nc, c, dk = qg.shape
   reason = blocks.supported(c, dk, dv)
   if reason:
     raise ValueError(f"pallas_kernels.gpu.triton: {reason}.")
+  launch = dict(num_warps=blocks.num_warps(dk), num_stages=blocks.num_stages(dk))
+  return b, hv, nc, c, dk, blocks.block_v(dk, dv), launch
 
 
 @functools.partial(jax.jit, static_argnames=("save_states",))
@@ -143,18 +146,14 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False):
   gc `[B, HV, Nc, K]` f32; s0 `[B, HV, K, V]` f32. Returns (o, e, s_final[, h]): o, e float32
   like u, s_final like s0, h `[B, HV, Nc, K, V]` bf16 (the state entering each chunk).
   """
-  jt = _jax_triton()
-  b, hv, nc, c, dk = qg.shape
   dv = u.shape[-1]
-  _check(c, dk, dv)
-  bv, launch = _launch(dk, dv)
+  b, hv, nc, c, dk, bv, launch = _dims(qg, dv)
   f32 = jnp.float32
-  out_shape = [jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
-               jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
-               jax.ShapeDtypeStruct((b, hv, dk, dv), f32),
-               # Without save_states the kernel never writes h: a one-element placeholder.
-               jax.ShapeDtypeStruct((b, hv, nc, dk, dv) if save_states else (1,), MM_DTYPE)]
-  o, e, s_final, h = jt.triton_call(
+  # Without save_states the kernel never writes h: a one-element placeholder.
+  out_shape = _structs(((b, hv, nc, c, dv), f32), ((b, hv, nc, c, dv), f32),
+                       ((b, hv, dk, dv), f32),
+                       ((b, hv, nc, dk, dv) if save_states else (1,), MM_DTYPE))
+  o, e, s_final, h = _jax_triton().triton_call(
       ny.astype(MM_DTYPE), qg.astype(MM_DTYPE), p.astype(MM_DTYPE), u.astype(f32),
       kg.astype(MM_DTYPE), gc.astype(f32), s0.astype(f32), nc,
       kernel=_fwd_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
@@ -169,16 +168,12 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final):
   Returns (de, dh, ds0): de `[B, HV, Nc, C, V]` f32 (total cotangent of E), dh
   `[B, HV, Nc, K, V]` bf16 (cotangent of the state leaving each chunk), ds0 `[B, HV, K, V]` f32.
   """
-  jt = _jax_triton()
-  b, hv, nc, c, dk = qg.shape
   dv = do.shape[-1]
-  _check(c, dk, dv)
-  bv, launch = _launch(dk, dv)
+  b, hv, nc, c, dk, bv, launch = _dims(qg, dv)
   f32 = jnp.float32
-  out_shape = [jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
-               jax.ShapeDtypeStruct((b, hv, nc, dk, dv), MM_DTYPE),
-               jax.ShapeDtypeStruct((b, hv, dk, dv), f32)]
-  return tuple(jt.triton_call(
+  out_shape = _structs(((b, hv, nc, c, dv), f32), ((b, hv, nc, dk, dv), MM_DTYPE),
+                       ((b, hv, dk, dv), f32))
+  return tuple(_jax_triton().triton_call(
       ny.astype(MM_DTYPE), qg.astype(MM_DTYPE), p.astype(MM_DTYPE), kg.astype(MM_DTYPE),
       gc.astype(f32), do.astype(MM_DTYPE), de_ext.astype(f32), ds_final.astype(f32), nc,
       kernel=_bwd_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),

@@ -1,0 +1,128 @@
+"""Inputs and checks shared by the GPU kernel tests (Mosaic GPU: test_pallas_gpu*.py; Triton:
+test_triton_gpu.py), so both kernel families are held to the same cases."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from helpers import make_inputs, run
+from lineax_attn.ops import gpu_chunks
+from pallas_kernels.gpu import intra_chunk as ic
+
+BF = jnp.bfloat16
+
+
+def state_pass_inputs(seed, b=1, hv=2, nc=3, c=64, dk=64, dv=64):
+  """Random state-pass inputs (ny, qg, p, u, kg, gc, s0) in the kernels' dtypes."""
+  ks = jax.random.split(jax.random.key(seed), 7)
+  n = lambda i, s, sc=1.0: sc * jax.random.normal(ks[i], s, jnp.float32)
+  return dict(
+      ny=n(0, (b, hv, nc, c, dk), 0.1).astype(BF), qg=n(1, (b, hv, nc, c, dk), 0.1).astype(BF),
+      p=n(2, (b, hv, nc, c, c), 0.1).astype(BF), u=n(3, (b, hv, nc, c, dv)),
+      kg=n(4, (b, hv, nc, c, dk), 0.1).astype(BF),
+      gc=jax.nn.sigmoid(n(5, (b, hv, nc, dk))), s0=n(6, (b, hv, dk, dv)))
+
+
+def op_segment_ids(b, t):
+  """Segments of 30 and 50 rows (the second crossing the chunk boundary), then padding (0)."""
+  ids = jnp.concatenate([jnp.full((b, 30), 1), jnp.full((b, 50), 2), jnp.full((b, t - 80), 0)], 1)
+  return ids.astype(jnp.int32)
+
+
+def intra_inputs(seed, *, correlated, b=1, t=128, h=1, hv=2, dk=64, dv=64):
+  """The intra-chunk kernels' inputs (q, k, v bf16; β, G, Gx [B, HV, T] float32).
+
+  correlated: every key within ~0.2 of one direction, β in (0.5, 1), no decay (the inverse's
+  hard case)."""
+  ks = jax.random.split(jax.random.key(seed), 6)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (b, t, h, dk))).astype(BF)
+  noise = jax.random.normal(ks[1], (b, t, h, dk))
+  if correlated:
+    k = unit(jax.random.normal(ks[5], (1, 1, 1, dk)) + 0.2 * noise)
+    beta = 0.5 + 0.5 * jax.nn.sigmoid(jax.random.normal(ks[3], (b, hv, t)))
+    log_g = jnp.zeros((b, hv, t))
+  else:
+    k = unit(noise)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, hv, t)))
+    log_g = -0.5 * jax.nn.softplus(jax.random.normal(ks[4], (b, hv, t)))
+  v = jax.random.normal(ks[2], (b, t, hv, dv)).astype(BF)
+  G = jnp.cumsum(log_g.reshape(b, hv, t // 64, 64), axis=-1)
+  g, gx = G.reshape(b, hv, t), (G[..., -1:] - G).reshape(b, hv, t)
+  return q, k.astype(BF), v, beta, g, gx
+
+
+def packed_segments(t=128):
+  """(ids, cont, keep) [1, T] float32 for segments 1 | 2 | 3 with boundaries at 40 (inside
+  chunk 0) and 64 (a chunk boundary)."""
+  ids = np.concatenate([np.full(40, 1), np.full(24, 2), np.full(t - 64, 3)])[None]
+  c = 64
+  chunks = ids.reshape(1, -1, c)
+  entry = np.concatenate([ids[:, :1], ids[:, c - 1:-1:c]], axis=1)[..., None]
+  cont = (chunks == entry).reshape(1, t)
+  keep = (chunks == chunks[..., -1:]).reshape(1, t)
+  return tuple(jnp.asarray(x, jnp.float32) for x in (ids, cont, keep))
+
+
+def intra_backward_pairs(kernel, case):
+  """(name, got, want) of dq, dk, dv, dβ, dG: `kernel(q, k, v, beta_t, G, segidx, scale)` (the
+  kernels as one differentiable function, `gpu_vjps.intra_kernel`) against autodiff of the
+  exact float32 reference, for cotangents of every output."""
+  q, k, v, beta, g, _ = intra_inputs(3, correlated=False)
+  b, t, h, dk = q.shape
+  hv = v.shape[2]
+  G = g.reshape(b, hv, t // 64, 64)
+  beta_t = jnp.moveaxis(beta, 1, 2)            # the op's [B, T, HV] layout
+  segidx = jnp.asarray(packed_segments()[0], jnp.int32) if case == "packed" else None
+  scale = 64 ** -0.5
+
+  def exact(q, k, v, beta_t, G):
+    segments = None if segidx is None else gpu_chunks.kernel_segments(segidx, 64)
+    return ic.intra_chunk_reference(q, k, v, jnp.moveaxis(beta_t, 1, 2), G.reshape(b, hv, t),
+                                    (G[..., -1:] - G).reshape(b, hv, t), segments, scale=scale)
+
+  fn = lambda q, k, v, beta_t, G: kernel(q, k, v, beta_t, G, segidx, scale)
+  primals = (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), beta_t, G)
+  outs, vjp_exact = jax.vjp(exact, *primals)
+  keys = jax.random.split(jax.random.key(9), len(outs))
+  cts = tuple(jax.random.normal(kk, o.shape).astype(BF).astype(jnp.float32)
+              for kk, o in zip(keys, outs))
+  want = vjp_exact(cts)
+  _, vjp_kernel = jax.vjp(fn, *primals)
+  got = vjp_kernel(tuple(ct.astype(o.dtype) for ct, o in zip(cts, fn(*primals))))
+  return list(zip(("q", "k", "v", "beta", "G"), got, want))
+
+
+def op_forward_pairs(mixer, implementation, b=1):
+  """(name, got, want) of o, final_state and r: the op with `implementation` against the scan.
+
+  T = 100: two chunks, the second padded; GVA (1 q/k head, 2 value heads); a reset at 30, a
+  segment crossing the chunk boundary, trailing padding (segment id 0); an initial state. The
+  oracle is the scan alone: chunk == scan on these features is tests/test_chunk_vs_scan.py's
+  and tests/test_segments.py's."""
+  args, kw = make_inputs(mixer, b=b, t=100, h=1, hv=2, dk=64, dv=64, seed=3)
+  kw.update(segment_ids=op_segment_ids(b, 100), output_final_state=True, return_residual=True)
+  got = run(mixer, args, **kw, implementation=implementation)
+  want = run(mixer, args, **kw, implementation="scan")
+  return list(zip(("o", "final_state", "r"), got, want))
+
+
+def state_pass_backward_pairs(bwd, x, seed=2):
+  """(name, got, want, tol) for a reverse state-pass kernel `bwd(ny, qg, p, kg, gc, do, de_ext,
+  ds_final) -> (de, dh, ds0)` on inputs x (`state_pass_inputs`): dE and d initial_state against
+  autodiff of the unrounded float32 recurrence (bf16 operands: 2e-2), and the state cotangent
+  leaving the last chunk, which is the final-state cotangent itself (bf16: 1e-2)."""
+  from pallas_kernels.gpu import state_passing as sp  # pylint: disable=g-import-not-at-top
+  ks = jax.random.split(jax.random.key(seed), 3)
+  do = jax.random.normal(ks[0], x["u"].shape).astype(BF)
+  de_ext = jax.random.normal(ks[1], x["u"].shape)
+  ds_final = jax.random.normal(ks[2], x["s0"].shape)
+  de, dh, ds0 = bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, de_ext, ds_final)
+  f = lambda u, s0: sp.state_passing_reference(
+      x["ny"], x["qg"], x["p"], u, x["kg"], x["gc"], s0)[:3]
+  _, vjp = jax.vjp(f, x["u"], x["s0"])
+  du, d_s0 = vjp((do.astype(jnp.float32), de_ext, ds_final))
+  return [("dE (= dU)", de, du, 2e-2), ("d initial_state", ds0, d_s0, 2e-2),
+          ("dh of the last chunk", dh[:, :, -1].astype(jnp.float32), ds_final, 1e-2)]
