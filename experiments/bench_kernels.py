@@ -83,6 +83,9 @@ _INTRA = flags.DEFINE_enum("intra", "kernel", ["xla", "kernel"], "pallas_gpu: wh
                            "DeltaNet/GDN intra-chunk part (lineax_attn.ops.pallas_gpu.GpuTuning."
                            "intra: the Mosaic GPU kernel, the library's default, or the XLA "
                            "path).")
+_TRITON_INTRA = flags.DEFINE_enum("triton_intra", "xla", ["xla", "kernel"], "triton: who computes "
+                                  "the DeltaNet/GDN intra-chunk part (GpuTuning.triton_intra: "
+                                  "XLA, the default, or the Triton intra-chunk kernels).")
 _CHANNEL_PAIR = flags.DEFINE_enum("channel_pair", None, ["xla", "kernel_fwd", "kernel"], "pallas_gpu: who "
                                   "computes KDA/GDN-2's per-channel pair matrices (lineax_attn."
                                   "ops.pallas_gpu.GpuTuning.channel_pair; unset: the default).")
@@ -531,12 +534,14 @@ def main(argv):
   start = time.time()
   from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
   # Passed to every pallas_gpu call (a static value: each setting is its own jit trace).
-  tuning = pallas_gpu.GpuTuning(intra=_INTRA.value, remat_intra=_REMAT_INTRA.value)
+  tuning = pallas_gpu.GpuTuning(intra=_INTRA.value, remat_intra=_REMAT_INTRA.value,
+                                triton_intra=_TRITON_INTRA.value)
   if _CHANNEL_PAIR.value:
     tuning = dataclasses.replace(tuning, channel_pair=_CHANNEL_PAIR.value)
   dev = jax.devices()[0]
   meta = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
-          "remat_intra": _REMAT_INTRA.value, "intra": _INTRA.value}
+          "remat_intra": _REMAT_INTRA.value, "intra": _INTRA.value,
+          "triton_intra": _TRITON_INTRA.value}
   impls = list(_IMPLS.value)
   on_gpu = dev.platform == "gpu"
   have = {}
