@@ -17,10 +17,17 @@ stops the sweep cleanly and the table says which cells did not run.
 NIAH (--checkpoint=<workdir of experiments.train>): restores the latest checkpoint with its
 saved config, builds `config.niah` tasks with the model's tokenizer, decodes greedily with the
 recurrent cache and prints the mean RULER score per task x length (`niah.md`, `niah.json`).
+
+Merging (--merge_rows=a/mqar_rows.jsonl,runs/cells/ ...): trains nothing; reads the rows of
+several runs (e.g. the MQAR grid run as cells by `experiments/run_gpu_train.sh mqar_cells`
+over several sessions) and writes the one table, JSON and plot of them all:
+
+    python -m experiments.eval_recall --merge_rows=docs/data/mqar_grid --workdir=runs/grid
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -41,6 +48,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Tables, JSON and plots go here.
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", None, "Workdir of experiments.train: evaluate that LM on NIAH instead.",
     flag_values=FLAGS)
+_MERGE_ROWS = flags.DEFINE_list(
+    "merge_rows", [], "Train nothing: merge these mqar_rows.jsonl files (or directories holding "
+    "them, searched recursively; globs allowed) into one table, JSON and plot in --workdir. "
+    "For a grid run as cells over several device calls or sessions.", flag_values=FLAGS)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -178,6 +189,67 @@ def run_mqar(config, workdir: str | None) -> str:
   return text
 
 
+def _row_files(paths: list[str]) -> list[str]:
+  files = []
+  for pattern in paths:
+    matches = sorted(glob.glob(pattern)) or [pattern]
+    for path in matches:
+      if os.path.isdir(path):
+        files += sorted(glob.glob(os.path.join(path, "**", "mqar_rows.jsonl"), recursive=True))
+      elif os.path.isfile(path):
+        files.append(path)
+      else:
+        raise FileNotFoundError(f"--merge_rows: {path!r} is neither a file nor a directory")
+  if not files:
+    raise FileNotFoundError(f"--merge_rows: no mqar_rows.jsonl under {paths}")
+  return files
+
+
+def merge_rows(files: list[str]) -> list[dict]:
+  """The rows of several `mqar_rows.jsonl` files as one sweep: a (mixer, d_model, T, N, lr) row
+  read later replaces an earlier one (a re-run cell), and each cell's best LR is chosen anew
+  over every LR any file has for it (highest accuracy; the first of a tie)."""
+  by_key = {}
+  for path in files:
+    with open(path) as f:
+      for number, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          row = json.loads(line)
+          key = tuple(row[k] for k in ("mixer", "d_model", "seq_len", "num_pairs", "lr"))
+          float(row["accuracy"])
+        except (ValueError, KeyError, TypeError) as e:
+          raise ValueError(f"{path}:{number}: not an MQAR row ({e})") from e
+        by_key[key] = dict(row, source=path)   # a replaced row keeps its first place
+  rows = list(by_key.values())
+  best = {}
+  for row in rows:
+    cell = tuple(row[k] for k in ("mixer", "d_model", "seq_len", "num_pairs"))
+    if cell not in best or row["accuracy"] > best[cell]["accuracy"]:
+      best[cell] = row
+  chosen = {id(r) for r in best.values()}
+  return [dict(r, best=id(r) in chosen) for r in rows]
+
+
+def run_merge(paths: list[str], workdir: str | None) -> str:
+  from lineax_attn import bench  # pylint: disable=g-import-not-at-top
+  files = _row_files(paths)
+  rows = merge_rows(files)
+  mixers = list(dict.fromkeys(r["mixer"] for r in rows))
+  header = (f"# MQAR test accuracy (best LR per cell), merged from {len(files)} file(s) of "
+            f"rows\n\n")
+  text = header + mqar_table(rows, mixers)
+  if workdir:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "mqar.md"), "w") as f:
+      f.write(text + "\n")
+    bench.write_json(os.path.join(workdir, "mqar.json"), rows, name="merged", complete=True,
+                     sources=files)
+    mqar_plot(rows, os.path.join(workdir, "mqar.png"), "MQAR (merged)")
+  return text
+
+
 # ----------------------------------------------------------------------------------- NIAH
 
 
@@ -249,9 +321,16 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = _CONFIG.value
+  workdir = os.path.abspath(_WORKDIR.value) if _WORKDIR.value else None
+  if _MERGE_ROWS.value:
+    try:
+      print(run_merge(_MERGE_ROWS.value, workdir))
+    except (ValueError, FileNotFoundError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
+    return
   if config is None:
     raise app.UsageError("--config is required, e.g. --config=configs/mqar.py:cpu")
-  workdir = os.path.abspath(_WORKDIR.value) if _WORKDIR.value else None
   try:
     if _CHECKPOINT.value:
       text = run_niah(config, os.path.abspath(_CHECKPOINT.value), workdir)

@@ -75,6 +75,8 @@ mqar_cells)
   done
   wait
   for d in $WD/*/; do echo "$(basename $d): $(grep -h -o '"accuracy": [0-9.]*' $d/mqar_rows.jsonl 2>/dev/null)"; done
+  # One table of every cell of this call (merge with earlier calls' rows the same way, on CPU).
+  python3 -m experiments.eval_recall --merge_rows=$WD --workdir=$WD/merged > $WD/merge.log 2>&1
   tar czf $OUT/mqar_cells.tgz -C /tmp mqar_cells
   ;;
 parallel)

@@ -157,3 +157,28 @@ def test_eval_program_table(tmp_path, monkeypatch):
   assert len(payload["rows"]) == 4 and all(0.0 <= r["accuracy"] <= 1.0 for r in payload["rows"])
   assert os.path.getsize(workdir / "mqar.png") > 0
   assert len((workdir / "mqar_rows.jsonl").read_text().splitlines()) == 4
+  # Merging: these rows and a later file that re-runs one (softmax, N = 2) LR cell and adds a
+  # GDN cell. The re-run row replaces its earlier self, and each cell's best LR is chosen anew.
+  first = [json.loads(x) for x in (workdir / "mqar_rows.jsonl").read_text().splitlines()]
+  rerun = dict(next(r for r in first if r["mixer"] == "softmax" and r["num_pairs"] == 2),
+               accuracy=0.875)
+  extra = tmp_path / "later" / "mqar_rows.jsonl"
+  extra.parent.mkdir()
+  extra.write_text("\n".join(json.dumps(r) for r in (
+      rerun, dict(rerun, mixer="gdn", accuracy=0.5, lr=1e-3),
+      dict(rerun, mixer="gdn", accuracy=0.25, lr=3e-3))) + "\n")
+  merged_dir = tmp_path / "merged"
+  argv = ["eval_recall", f"--merge_rows={workdir / 'mqar_rows.jsonl'},{tmp_path / 'later'}",
+          f"--workdir={merged_dir}"]
+  eval_recall.main(eval_recall.parse_flags(argv))
+  rows = json.loads((merged_dir / "mqar.json").read_text())["rows"]
+  assert len(rows) == 4 + 2     # the re-run replaced its row; GDN added two
+  lines = [x for x in (merged_dir / "mqar.md").read_text().splitlines() if x.startswith("|")]
+  assert lines[0].split("|")[1:-1] == [" d_model ", " T ", " N ", " softmax ", " deltanet ",
+                                       " gdn "]
+  n2 = lines[2].split("|")
+  assert n2[4].strip().startswith("0.875 (") and n2[6].strip().startswith("0.500 (")
+  assert [r["best"] for r in rows if r["mixer"] == "gdn"] == [True, False]
+  with pytest.raises(SystemExit):
+    eval_recall.main(eval_recall.parse_flags(
+        ["eval_recall", f"--merge_rows={tmp_path / 'missing'}", f"--workdir={merged_dir}"]))
