@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from helpers import (MIXERS, assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads,
-                     run)
+                     run, run_jit)
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -56,8 +56,9 @@ def _chunk_inputs(seed, b=1, hv=2, nc=3, c=64, dk=64, dv=64):
 @pytest.mark.parametrize("dk,dv", [(64, 64)] + ([(128, 64)] if ON_GPU else []))
 def test_state_pass_forward_matches_scan(dk, dv):
   x = _chunk_inputs(0, dk=dk, dv=dv)
-  o, e, s, h = sp.state_passing_fwd(**x, save_states=True, interpret=INTERPRET)
-  ro, re, rs, rh = sp.state_passing_reference(**x, round_operands=True)
+  o, e, s, h = jax.jit(lambda x: sp.state_passing_fwd(**x, save_states=True,
+                                                      interpret=INTERPRET))(x)
+  ro, re, rs, rh = jax.jit(lambda x: sp.state_passing_reference(**x, round_operands=True))(x)
   for name, got, want in (("o", o, ro), ("e", e, re), ("s_final", s, rs)):
     assert_close(got, want, 1e-4, name)
   assert h.dtype == sp.MM_DTYPE
@@ -70,12 +71,13 @@ def test_state_pass_backward_matches_autodiff():
   do = jax.random.normal(ks[0], x["u"].shape).astype(sp.MM_DTYPE)
   de_ext = jax.random.normal(ks[1], x["u"].shape)
   ds_final = jax.random.normal(ks[2], x["s0"].shape)
-  de, dh, ds0 = sp.state_passing_bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, de_ext,
-                                     ds_final, interpret=INTERPRET)
+  de, dh, ds0 = jax.jit(lambda x, *cts: sp.state_passing_bwd(
+      x["ny"], x["qg"], x["p"], x["kg"], x["gc"], *cts, interpret=INTERPRET))(
+          x, do, de_ext, ds_final)
   f = lambda u, s0: sp.state_passing_reference(
       x["ny"], x["qg"], x["p"], u, x["kg"], x["gc"], s0)[:3]
-  _, vjp = jax.vjp(f, x["u"], x["s0"])
-  du, d_s0 = vjp((do.astype(jnp.float32), de_ext, ds_final))
+  du, d_s0 = jax.jit(lambda u, s0, cts: jax.vjp(f, u, s0)[1](cts))(
+      x["u"], x["s0"], (do.astype(jnp.float32), de_ext, ds_final))
   assert_close(de, du, FWD_TOL, "dE (= dU)")
   assert_close(ds0, d_s0, FWD_TOL, "d initial_state")
   # The state cotangent leaving the last chunk is the final-state cotangent itself.
@@ -95,8 +97,8 @@ def test_op_forward_matches_scan(mixer):
   # tests/test_segments.py's (a chunk reference here only cost an eager run of the chunk form).
   args, kw = make_inputs(mixer, b=1, t=100, h=1, hv=2, dk=64, dv=64, seed=3)
   kw.update(segment_ids=_segments(1, 100), output_final_state=True, return_residual=True)
-  got = run(mixer, args, **kw, implementation="pallas_gpu")
-  want = run(mixer, args, **kw, implementation="scan")
+  got = run_jit(mixer, args, **kw, implementation="pallas_gpu")
+  want = run_jit(mixer, args, **kw, implementation="scan")
   for name, g, w in zip(("o", "final_state", "r"), got, want):
     assert_close(g, w, FWD_TOL, f"{mixer} {name} vs scan")
 
@@ -150,7 +152,7 @@ def test_each_tuning_traces_separately_under_one_jit(monkeypatch):
   np.testing.assert_array_equal(np.asarray(f(*args, tuning=pallas_gpu.GpuTuning(intra="xla"))),
                                 outs[inverse])    # an equal tuning reuses its trace
   assert len(traces) == 3
-  want = run("gated_delta_rule", args, implementation="scan")[0]
+  want = run_jit("gated_delta_rule", args, implementation="scan")[0]
   for tuning, out in outs.items():
     assert_close(out, want, FWD_TOL, f"o with {tuning} vs scan")
 
@@ -175,8 +177,8 @@ def test_unsupported_shape_falls_back_to_chunk_with_log(caplog):
   args, kw = make_inputs("gated_delta_rule", b=1, t=20, h=1, dk=16, dv=24, seed=7)
   with caplog.at_level(logging.WARNING, logger=pallas_gpu.__name__):
     pallas_gpu._warned.clear()
-    got = run("gated_delta_rule", args, **kw, implementation="pallas_gpu")
-  want = run("gated_delta_rule", args, **kw, implementation="chunk")
+    got = run_jit("gated_delta_rule", args, **kw, implementation="pallas_gpu")
+  want = run_jit("gated_delta_rule", args, **kw, implementation="chunk")
   assert "falls back to implementation='chunk'" in caplog.text
   assert "K=16" in caplog.text
   assert_close(got[0], want[0], 1e-6, "fallback o")
@@ -202,7 +204,9 @@ def test_gradients_under_shard_map_with_varying_axes_check():
                         out_specs=spec, check_vma=True)
   w = jax.random.normal(jax.random.key(9), args[2].shape)
   argnums = tuple(range(len(args)))
-  got = jax.grad(lambda *a: jnp.sum(inner(*a) * w), argnums=argnums)(*sharded)
-  want = jax.grad(lambda *a: jnp.sum(op("scan")(*a) * w), argnums=argnums)(*args)
+  # Jitted: check_vma types the program at trace time either way, and one compile of the
+  # whole gradient costs ~1/4 of eager dispatch's per-primitive compiles.
+  got = jax.jit(jax.grad(lambda *a: jnp.sum(inner(*a) * w), argnums=argnums))(*sharded)
+  want = jax.jit(jax.grad(lambda *a: jnp.sum(op("scan")(*a) * w), argnums=argnums))(*args)
   for name, g, r in zip(("q", "k", "v", "g", "beta"), got, want):
     assert_close(g, r, GRAD_TOL, f"d{name} under shard_map")
