@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from helpers import make_inputs, run
+from helpers import make_inputs, run_jit
 from lineax_attn.ops import gpu_chunks
 from pallas_kernels.gpu import intra_chunk as ic
 
@@ -85,13 +85,18 @@ def intra_backward_pairs(kernel, case):
 
   fn = lambda q, k, v, beta_t, G: kernel(q, k, v, beta_t, G, segidx, scale)
   primals = (q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), beta_t, G)
-  outs, vjp_exact = jax.vjp(exact, *primals)
+  # Each side one jitted program (eager dispatch compiles every primitive on its own).
+  outs = jax.jit(exact)(*primals)
   keys = jax.random.split(jax.random.key(9), len(outs))
   cts = tuple(jax.random.normal(kk, o.shape).astype(BF).astype(jnp.float32)
               for kk, o in zip(keys, outs))
-  want = vjp_exact(cts)
-  _, vjp_kernel = jax.vjp(fn, *primals)
-  got = vjp_kernel(tuple(ct.astype(o.dtype) for ct, o in zip(cts, fn(*primals))))
+  want = jax.jit(lambda p, c: jax.vjp(exact, *p)[1](c))(primals, cts)
+
+  @jax.jit
+  def kernel_vjp(p, c):
+    outs, vjp = jax.vjp(fn, *p)
+    return vjp(tuple(ct.astype(o.dtype) for ct, o in zip(c, outs)))
+  got = kernel_vjp(primals, cts)
   return list(zip(("q", "k", "v", "beta", "G"), got, want))
 
 
@@ -104,8 +109,8 @@ def op_forward_pairs(mixer, implementation, b=1):
   and tests/test_segments.py's."""
   args, kw = make_inputs(mixer, b=b, t=100, h=1, hv=2, dk=64, dv=64, seed=3)
   kw.update(segment_ids=op_segment_ids(b, 100), output_final_state=True, return_residual=True)
-  got = run(mixer, args, **kw, implementation=implementation)
-  want = run(mixer, args, **kw, implementation="scan")
+  got = run_jit(mixer, args, **kw, implementation=implementation)
+  want = run_jit(mixer, args, **kw, implementation="scan")
   return list(zip(("o", "final_state", "r"), got, want))
 
 
@@ -119,10 +124,11 @@ def state_pass_backward_pairs(bwd, x, seed=2):
   do = jax.random.normal(ks[0], x["u"].shape).astype(BF)
   de_ext = jax.random.normal(ks[1], x["u"].shape)
   ds_final = jax.random.normal(ks[2], x["s0"].shape)
-  de, dh, ds0 = bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, de_ext, ds_final)
+  de, dh, ds0 = jax.jit(lambda x, *cts: bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], *cts))(
+      x, do, de_ext, ds_final)
   f = lambda u, s0: sp.state_passing_reference(
       x["ny"], x["qg"], x["p"], u, x["kg"], x["gc"], s0)[:3]
-  _, vjp = jax.vjp(f, x["u"], x["s0"])
-  du, d_s0 = vjp((do.astype(jnp.float32), de_ext, ds_final))
+  du, d_s0 = jax.jit(lambda u, s0, cts: jax.vjp(f, u, s0)[1](cts))(
+      x["u"], x["s0"], (do.astype(jnp.float32), de_ext, ds_final))
   return [("dE (= dU)", de, du, 2e-2), ("d initial_state", ds0, d_s0, 2e-2),
           ("dh of the last chunk", dh[:, :, -1].astype(jnp.float32), ds_final, 1e-2)]

@@ -135,6 +135,11 @@ def test_window_at_least_t_equals_full_causal(extra):
     assert_close(windowed, full, TOL, f"{impl} window=T+{extra}")
 
 
+# Jitted: one compile per segment length (eagerly, every primitive compiled per length).
+_reference_attention = jax.jit(
+    lambda q, k, v: ops.softmax_attention(q, k, v, implementation="reference"))
+
+
 def _per_segment_expected(q, k, v, segment_ids):
   """Runs each segment's real tokens on their own (reference, causal); padding stays 0."""
   expected = np.zeros(q.shape, np.float32)
@@ -144,8 +149,7 @@ def _per_segment_expected(q, k, v, segment_ids):
       pos = np.nonzero((segidx == s) & (ids != 0))[0]
       if pos.size == 0:
         continue
-      o = ops.softmax_attention(q[b:b + 1, pos], k[b:b + 1, pos], v[b:b + 1, pos],
-                                implementation="reference")
+      o = _reference_attention(q[b:b + 1, pos], k[b:b + 1, pos], v[b:b + 1, pos])
       expected[b, pos] = np.asarray(o[0])
   return expected
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -51,25 +52,33 @@ def captured():
 def test_capture_reproduces_layer_output_and_final_state(captured):
   model, tokens, segment_ids, result = captured
   assert sorted(result.layers) == [0, 1]  # the linear layers; the softmax layer has no state
-  _, cache = model.forward(tokens, segment_ids, max_len=tokens.shape[1])
+  # The checks' own computations run jitted, one compile each (eager dispatch compiled every
+  # primitive on its own: 278 compiles, 33 CPU-s).
+  _, cache = nnx.jit(lambda m, x, s: m.forward(x, s, max_len=x.shape[1]))(model, tokens,
+                                                                           segment_ids)
   for i, cap in result.layers.items():
     mixer = model.blocks[i].mixer
     assert cap.kind == ("gdn2", "deltanet")[i]
     assert cap.states.shape == (2, 24, 4, 8, 8) and cap.states.dtype == jnp.float32
     # y rebuilt from the captured tensors (scan reference, then the layer's norm and W_out).
-    assert_close(li.layer_output(mixer, cap), cap.y, TOL, f"layer {i} y from captured tensors")
+    rebuilt = nnx.jit(lambda m, o, z, cap=cap: li.layer_output(
+        m, dataclasses.replace(cap, o=o, z=z)))(mixer, cap.o, cap.z)
+    assert_close(rebuilt, cap.y, TOL, f"layer {i} y from captured tensors")
     # The captured input is the layer's input: re-running the layer gives the captured y.
-    assert_close(mixer(cap.x, segment_ids), cap.y, TOL, f"layer {i} y from captured x")
+    assert_close(nnx.jit(lambda m, x, s: m(x, s))(mixer, cap.x, segment_ids), cap.y, TOL,
+                 f"layer {i} y from captured x")
     op = getattr(ops, li.OP_NAMES[cap.kind])
-    o, final = op(cap.q, cap.k, cap.v, *cap.gates.values(), segment_ids=segment_ids,
-                  output_final_state=True, chunk_size=16, implementation="chunk")
+    o, final = jax.jit(lambda q, k, v, gates, s: op(
+        q, k, v, *gates, segment_ids=s, output_final_state=True, chunk_size=16,
+        implementation="chunk"))(cap.q, cap.k, cap.v, tuple(cap.gates.values()), segment_ids)
     assert_close(cap.final_state, final, TOL, f"layer {i} final state vs the op")
     assert_close(cap.o, o, TOL, f"layer {i} o vs the op")
     assert_close(cap.final_state, cache[i]["state"], TOL, f"layer {i} final state vs the cache")
     # Row 0 resets at token 10: the state after token 9 is the first segment's final state.
-    _, first = op(cap.q[:1, :10], cap.k[:1, :10], cap.v[:1, :10],
-                  *[g[:1, :10] for g in cap.gates.values()], output_final_state=True,
-                  implementation="scan")
+    _, first = jax.jit(lambda q, k, v, gates: op(q, k, v, *gates, output_final_state=True,
+                                                 implementation="scan"))(
+        cap.q[:1, :10], cap.k[:1, :10], cap.v[:1, :10],
+        tuple(g[:1, :10] for g in cap.gates.values()))
     assert_close(cap.states[:1, 9], first, TOL, f"layer {i} state at the segment end")
   assert set(result.layers[0].gates) == {"g", "b", "w"} and result.layers[0].z is not None
   assert set(result.layers[1].gates) == {"beta"} and result.layers[1].decay is None

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from helpers import (MIXERS, assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads,
-                     run)
+                     run, run_jit)
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -49,8 +49,9 @@ _chunk_inputs = kernel_cases.state_pass_inputs
 @pytest.mark.parametrize("dk,dv", [(64, 64)] + ([(128, 64)] if ON_GPU else []))
 def test_state_pass_forward_matches_scan(dk, dv):
   x = _chunk_inputs(0, dk=dk, dv=dv)
-  o, e, s, h = sp.state_passing_fwd(**x, save_states=True, interpret=INTERPRET)
-  ro, re, rs, rh = sp.state_passing_reference(**x, round_operands=True)
+  o, e, s, h = jax.jit(lambda x: sp.state_passing_fwd(**x, save_states=True,
+                                                      interpret=INTERPRET))(x)
+  ro, re, rs, rh = jax.jit(lambda x: sp.state_passing_reference(**x, round_operands=True))(x)
   for name, got, want in (("o", o, ro), ("e", e, re), ("s_final", s, rs)):
     assert_close(got, want, 1e-4, name)
   assert h.dtype == sp.MM_DTYPE
@@ -118,7 +119,7 @@ def test_each_tuning_traces_separately_under_one_jit(monkeypatch):
   np.testing.assert_array_equal(np.asarray(f(*args, tuning=pallas_gpu.GpuTuning(intra="xla"))),
                                 outs[inverse])    # an equal tuning reuses its trace
   assert len(traces) == 3
-  want = run("gated_delta_rule", args, implementation="scan")[0]
+  want = run_jit("gated_delta_rule", args, implementation="scan")[0]
   for tuning, out in outs.items():
     assert_close(out, want, FWD_TOL, f"o with {tuning} vs scan")
 
@@ -143,8 +144,8 @@ def test_unsupported_shape_falls_back_to_chunk_with_log(caplog):
   args, kw = make_inputs("gated_delta_rule", b=1, t=20, h=1, dk=16, dv=24, seed=7)
   with caplog.at_level(logging.WARNING, logger=pallas_gpu.__name__):
     pallas_gpu._warned.clear()
-    got = run("gated_delta_rule", args, **kw, implementation="pallas_gpu")
-  want = run("gated_delta_rule", args, **kw, implementation="chunk")
+    got = run_jit("gated_delta_rule", args, **kw, implementation="pallas_gpu")
+  want = run_jit("gated_delta_rule", args, **kw, implementation="chunk")
   assert "falls back to implementation='chunk'" in caplog.text
   assert "K=16" in caplog.text
   assert_close(got[0], want[0], 1e-6, "fallback o")
@@ -170,7 +171,9 @@ def test_gradients_under_shard_map_with_varying_axes_check():
                         out_specs=spec, check_vma=True)
   w = jax.random.normal(jax.random.key(9), args[2].shape)
   argnums = tuple(range(len(args)))
-  got = jax.grad(lambda *a: jnp.sum(inner(*a) * w), argnums=argnums)(*sharded)
-  want = jax.grad(lambda *a: jnp.sum(op("scan")(*a) * w), argnums=argnums)(*args)
+  # Jitted: check_vma types the program at trace time either way, and one compile of the
+  # whole gradient costs ~1/4 of eager dispatch's per-primitive compiles.
+  got = jax.jit(jax.grad(lambda *a: jnp.sum(inner(*a) * w), argnums=argnums))(*sharded)
+  want = jax.jit(jax.grad(lambda *a: jnp.sum(op("scan")(*a) * w), argnums=argnums))(*args)
   for name, g, r in zip(("q", "k", "v", "g", "beta"), got, want):
     assert_close(g, r, GRAD_TOL, f"d{name} under shard_map")

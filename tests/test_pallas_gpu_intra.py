@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads, run
+from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads, run, run_jit
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -54,8 +54,10 @@ def test_kernel_matches_exact_reference(case):
   args = _kernel_inputs(0, correlated=case == "correlated")
   segments = _packed() if case == "packed" else None
   scale = 64 ** -0.5
-  got = ic.intra_chunk_fwd(*args, segments, scale=scale, interpret=INTERPRET)
-  want = ic.intra_chunk_reference(*args, segments, scale=scale)
+  # Jitted: one compile each (eager dispatch compiles every primitive on its own).
+  got = jax.jit(lambda a, s: ic.intra_chunk_fwd(*a, s, scale=scale, interpret=INTERPRET))(
+      args, segments)
+  want = jax.jit(lambda a, s: ic.intra_chunk_reference(*a, s, scale=scale))(args, segments)
   for name, g, w in zip(NAMES, got, want):
     assert g.shape == w.shape, name
     tol = 2e-2 if (name == "ny" and case == "correlated") else 5e-3
@@ -112,10 +114,10 @@ def test_op_forward_matches_scan(monkeypatch, mixer):
   kernel = ic.intra_chunk_fwd
   monkeypatch.setattr(ic, "intra_chunk_fwd", lambda *a, **k: calls.append(1) or kernel(*a, **k))
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=1)
-  got = run(mixer, args, **kw, output_final_state=True, implementation="pallas_gpu",
-            tuning=KERNEL)
+  got = run_jit(mixer, args, **kw, output_final_state=True, implementation="pallas_gpu",
+                tuning=KERNEL)
   assert calls, "the op did not take the intra-chunk kernel"
-  want = run(mixer, args, **kw, output_final_state=True, implementation="scan")
+  want = run_jit(mixer, args, **kw, output_final_state=True, implementation="scan")
   for name, g, w in zip(("o", "final_state"), got, want):
     assert_close(g, w, 2e-2, f"{mixer} {name}")
 
@@ -143,7 +145,8 @@ def test_op_with_segments_and_padding_matches_scan():
                  output_final_state=True, implementation=impl,
                  tuning=KERNEL if impl == "pallas_gpu" else None)
       return jnp.sum(o * w_o) + jnp.sum(s), (o, s)
-    return jax.grad(f, argnums=tuple(range(len(args))), has_aux=True)(*args)
+    # Jitted: one compile, not one per primitive (helpers.run_jit).
+    return jax.jit(jax.grad(f, argnums=tuple(range(len(args))), has_aux=True))(*args)
 
   got, (o, s) = value_and_grads("pallas_gpu")
   want, (o_ref, s_ref) = value_and_grads("scan")

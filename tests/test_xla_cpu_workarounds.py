@@ -37,11 +37,21 @@ def _fresh_compile_errors(barrier, compiles=8):
   # Oracle: float64 numpy (s = 0, so O = P U).
   p = np.tile((np.float64(x) * np.float64(y)).sum(-1).reshape(2, 64, 16), (1, 1, 4))
   ref = p @ np.float64(u)
+  # A new function object per iteration: jax traces it anew and XLA compiles it afresh (no
+  # jax.clear_caches(): in a long-lived test process that cleared every other test's caches too
+  # and cost ~20 CPU-s). The listener proves each iteration was a backend compile of its own.
+  backend_compiles = []
+  listener = lambda event, *_, **__: backend_compiles.append(event) if (
+      event == "/jax/core/compile/backend_compile_duration") else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
   errors = []
-  for _ in range(compiles):
-    jax.clear_caches()
-    got = np.asarray(jax.jit(lambda *a: _pattern(*a, barrier=barrier))(x, y, u, w), np.float64)
-    errors.append(float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))))
+  try:
+    for i in range(compiles):
+      got = np.asarray(jax.jit(lambda *a: _pattern(*a, barrier=barrier))(x, y, u, w), np.float64)
+      assert len(backend_compiles) == i + 1, "the pattern was not compiled afresh"
+      errors.append(float(np.max(np.abs(got - ref)) / np.max(np.abs(ref))))
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
   return errors
 
 
