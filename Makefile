@@ -39,9 +39,11 @@ venv: $(STAMP)
 
 # Single-threaded XLA CPU: tiny models gain nothing from a thread pool, and on a busy 2-core
 # machine its threads stall each other (measured: 3x slower steps, 2x slower compiles).
+# (XLA has no intra_op_parallelism_threads flag: with dashes it aborts on an unknown flag, without
+# them XLA ignored it, as this target did until 2026-12-01.)
 run: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} \
-	XLA_FLAGS="$${XLA_FLAGS:---xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1}" \
+	XLA_FLAGS="$${XLA_FLAGS:---xla_cpu_multi_thread_eigen=false}" \
 	$(PY) -m experiments.compare --config=configs/mixers.py:tiny --workdir=runs/default
 
 test: $(STAMP)
