@@ -58,26 +58,25 @@ def vary(x, axes: frozenset):
 # ----------------------------------------------------------------------------- state pass
 
 
-def _state_kernels(kernels):
-  """The module with `state_passing_fwd` / `state_passing_bwd` for `kernels`."""
+def kernel_module(kernels, part):
+  """The module of `part` ("state": `state_passing_fwd/bwd`; "intra": `intra_chunk_fwd/bwd`,
+  `supported`) for `kernels` ("mosaic" or "triton": the same contract, the Triton modules
+  imported lazily since they need the optional extra)."""
   if kernels == "mosaic":
-    return sp
+    return sp if part == "state" else ic
   if kernels == "triton":
-    from pallas_kernels.gpu.triton import state_pass as tsp  # the optional extra: lazily
-    return tsp
+    if part == "state":
+      from pallas_kernels.gpu.triton import state_pass as tsp  # pylint: disable=g-import-not-at-top
+      return tsp
+    from pallas_kernels.gpu.triton import intra_chunk as tic  # pylint: disable=g-import-not-at-top
+    return tic
   raise ValueError(f"`kernels` must be 'mosaic' or 'triton', got {kernels!r}.")
 
 
-def _state_fwd_call(kernels, interpret, *args, save_states=False):
-  if kernels == "triton":  # compiled only (jax-triton has no CPU lowering): no interpreter
-    return _state_kernels(kernels).state_passing_fwd(*args, save_states=save_states)
-  return sp.state_passing_fwd(*args, save_states=save_states, interpret=interpret)
-
-
-def _state_bwd_call(kernels, interpret, *args):
-  if kernels == "triton":
-    return _state_kernels(kernels).state_passing_bwd(*args)
-  return sp.state_passing_bwd(*args, interpret=interpret)
+def _interpret_kw(kernels, interpret):
+  """The Mosaic kernels take `interpret=`; the Triton ones run compiled only (jax-triton has no
+  CPU lowering)."""
+  return {} if kernels == "triton" else {"interpret": interpret}
 
 
 def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic"):
@@ -88,7 +87,7 @@ def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic"):
   # per-device cotangents) the kernels' outputs and the cotangents are typed with that union.
   axes = vma(ny, qg, p, u, kg, gc, s0)
   args = [vary(x, axes) for x in (ny, qg, p, u, kg, gc, s0)]
-  _state_kernels(kernels)  # validates `kernels`
+  kernel_module(kernels, "state")  # validates `kernels`
   return _state_pass_vjp(*args, interpret, tuple(sorted(axes)), kernels)
 
 
@@ -96,13 +95,15 @@ def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic"):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels):
   axes = frozenset(axes)
-  outs = _state_fwd_call(kernels, interpret, ny, qg, p, u, kg, gc, s0)
+  outs = kernel_module(kernels, "state").state_passing_fwd(ny, qg, p, u, kg, gc, s0,
+                                                          **_interpret_kw(kernels, interpret))
   return tuple(vary(x, axes) for x in outs)
 
 
 def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels):
   axes = frozenset(axes)
-  outs = _state_fwd_call(kernels, interpret, ny, qg, p, u, kg, gc, s0, save_states=True)
+  outs = kernel_module(kernels, "state").state_passing_fwd(
+      ny, qg, p, u, kg, gc, s0, save_states=True, **_interpret_kw(kernels, interpret))
   o, e, s_final, h = (vary(x, axes) for x in outs)
   return (o, e, s_final), (ny, qg, p, kg, gc, h, e)
 
@@ -115,8 +116,9 @@ def _mm(spec, a, b):
 def _state_pass_bwd(interpret, axes, kernels, res, cts):
   ny, qg, p, kg, gc, h, e = res
   do, de_ext, ds_final = cts
-  de, dh, ds0 = _state_bwd_call(kernels, interpret, ny, qg, p, kg, gc, do.astype(_MM),
-                                de_ext.astype(_F32), ds_final.astype(_F32))
+  de, dh, ds0 = kernel_module(kernels, "state").state_passing_bwd(
+      ny, qg, p, kg, gc, do.astype(_MM), de_ext.astype(_F32), ds_final.astype(_F32),
+      **_interpret_kw(kernels, interpret))
   # h = state entering each chunk, dh = cotangent of the state leaving it.
   d_ny = _mm("...cv,...kv->...ck", de, h)           # E = U + NY·S
   d_qg = _mm("...cv,...kv->...ck", do, h)           # O = QG·S + P·E
@@ -145,27 +147,17 @@ def _kernel_inputs(q, k, v, beta, G, segidx, c):
           flat(G), flat(G[..., -1:] - G), segments)
 
 
-def _intra_kernels(kernels):
-  """The module with `intra_chunk_fwd` / `intra_chunk_bwd` for `kernels` (as `_state_kernels`)."""
-  if kernels == "mosaic":
-    return ic
-  if kernels == "triton":
-    from pallas_kernels.gpu.triton import intra_chunk as tic  # the optional extra: lazily
-    return tic
-  raise ValueError(f"`kernels` must be 'mosaic' or 'triton', got {kernels!r}.")
-
-
 def _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse, kernels):
-  extra = {} if kernels == "triton" else {"interpret": interpret}
-  return _intra_kernels(kernels).intra_chunk_fwd(*_kernel_inputs(q, k, v, beta, G, segidx, c),
-                                                 scale=scale, with_inverse=with_inverse, **extra)
+  return kernel_module(kernels, "intra").intra_chunk_fwd(
+      *_kernel_inputs(q, k, v, beta, G, segidx, c), scale=scale, with_inverse=with_inverse,
+      **_interpret_kw(kernels, interpret))
 
 
 def intra_kernel(q, k, v, beta, G, segidx, scale, c, interpret, kernels="mosaic"):
   """The intra-chunk kernels of DeltaNet / GDN (`kernels`: "mosaic" or "triton") as one
   differentiable function of q, k, v, β `[B, T, HV]` and the chunk gates G; returns the state
   pass's (ny, qg, p, u, kg)."""
-  _intra_kernels(kernels)  # validates `kernels`
+  kernel_module(kernels, "intra")  # validates `kernels`
   return _intra_kernel_vjp(q, k, v, beta, G, segidx, scale, c, interpret, kernels)
 
 
@@ -189,9 +181,9 @@ def _intra_kernel_bwd(scale, c, interpret, kernels, res, cts):
   h, n_rep = q.shape[2], hv // q.shape[2]
   inputs = _kernel_inputs(q, k, v, beta, G, segidx, c)
   segments = inputs[-1]
-  extra = {} if kernels == "triton" else {"interpret": interpret}
-  dq, dk, dv, dbeta, dg_row, dg_col = _intra_kernels(kernels).intra_chunk_bwd(
-      *inputs, m, d_ny.astype(_MM), d_p.astype(_MM), d_u.astype(_MM), scale=scale, **extra)
+  dq, dk, dv, dbeta, dg_row, dg_col = kernel_module(kernels, "intra").intra_chunk_bwd(
+      *inputs, m, d_ny.astype(_MM), d_p.astype(_MM), d_u.astype(_MM), scale=scale,
+      **_interpret_kw(kernels, interpret))
   entry, exit_ = jnp.exp(G), jnp.exp(G[..., -1:] - G)       # [B, HV, Nc, C]
   if segments is not None:
     cont, keep = (x.reshape(b, 1, t // c, c) for x in segments[1:])

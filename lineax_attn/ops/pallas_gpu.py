@@ -60,8 +60,8 @@ from lineax_attn.ops.gpu_chunks import from_chunks, segment_masks, to_chunks
 from lineax_attn.ops.gpu_prepare import prepare_chunks
 from lineax_attn.ops.gpu_tuning import (DEFAULT_TUNING, INTRA_CHOICES, PAIR_CHOICES,
                                         SOLVE_CHOICES, GpuTuning, check_tuning)
-from lineax_attn.ops.gpu_vjps import interpret_params, intra_kernel, state_pass, vma
-from pallas_kernels.gpu import intra_chunk as ic
+from lineax_attn.ops.gpu_vjps import (interpret_params, intra_kernel, kernel_module, state_pass,
+                                      vma)
 from pallas_kernels.gpu import state_passing as sp
 
 __all__ = ["DEFAULT_TUNING", "INTRA_CHOICES", "PAIR_CHOICES", "SOLVE_CHOICES", "GpuTuning",
@@ -136,12 +136,8 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, ker
 
 
 def _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) -> bool:
-  if kernels == "triton":
-    from pallas_kernels.gpu.triton import intra_chunk as tic  # the optional extra: lazily
-    reason = tic.supported(chunk_size, dk, dv)
-  else:
-    reason = ic.supported(chunk_size, dk, dv)
-  return tuning.intra == "kernel" and specs.resolve(mixer).gpu_intra_kernel and reason is None
+  return (tuning.intra == "kernel" and specs.resolve(mixer).gpu_intra_kernel
+          and kernel_module(kernels, "intra").supported(chunk_size, dk, dv) is None)
 
 
 def pallas_gpu_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
