@@ -1,7 +1,8 @@
 #!/bin/bash
 # Device-side runner for the pallas_gpu work: compiled kernel tests, then the kernel benchmark.
 # Usage (repo root, on the GPU machine, wheels carried in .whl/): bash experiments/run_gpu_kernels.sh TEST_TIMEOUT BENCH_TIMEOUT [bench flags...]
-# Env: GPU_TESTS (default: both GPU kernel test files); MOSAIC_GPU_DUMP_PTXAS=1 makes the bench log
+# Env: GPU_TESTS (default: both GPU kernel test files; paths only, split on spaces), GPU_TEST_K
+# (a pytest -k expression, spaces allowed); MOSAIC_GPU_DUMP_PTXAS=1 makes the bench log
 # ptxas's report (registers, spills) of every Mosaic GPU kernel it compiles; bench flag
 # --profile_dir=/tmp/prof (with --breakdown) logs the intra-chunk kernels' time per phase.
 set -u
@@ -16,7 +17,7 @@ mkdir -p /tmp/triton_cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee $OUT/gpu.txt
 date -u +%FT%TZ > $OUT/date.txt
 if [ "$TT" -gt 0 ]; then
-  timeout $TT env -u MOSAIC_GPU_DUMP_PTXAS python3 -m pytest ${GPU_TESTS:-tests/test_pallas_gpu.py tests/test_pallas_gpu_intra.py} -v -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>&1
+  timeout $TT env -u MOSAIC_GPU_DUMP_PTXAS python3 -m pytest ${GPU_TESTS:-tests/test_pallas_gpu.py tests/test_pallas_gpu_intra.py} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -v -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|error" $OUT/test_gpu.log | tail -3
 fi
 if [ "$BT" -gt 0 ]; then

@@ -44,10 +44,9 @@ class GpuTuning:
       less memory) or keeps its residuals (the C×C products and the inverse per chunk: a faster
       backward).
     triton_intra: who computes DeltaNet / GDN's intra-chunk part under implementation="triton"
-      (where `intra` is not read): "xla" (the default: measured on the H200, docs/BENCHMARKS.md
-      "The Triton path") or "kernel" (the Triton intra-chunk kernels of
-      `pallas_kernels.gpu.triton.intra_chunk`; experimental: checked in Triton's interpreter,
-      not yet run compiled on a GPU).
+      (where `intra` is not read): "xla" (the default) or "kernel" (the Triton intra-chunk
+      kernels of `pallas_kernels.gpu.triton.intra_chunk`; faster on the H200, docs/BENCHMARKS.md
+      "The Triton path", but their current inverse has not yet passed the compiled tests).
   """
 
   intra: str = "kernel"

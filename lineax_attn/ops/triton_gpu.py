@@ -9,9 +9,9 @@ selectable on Hopper too. It is the chunk form split as `pallas_gpu` splits it (
   accumulation and solve; differentiated by autodiff) for every mixer by default. For DeltaNet
   and GDN, `GpuTuning(triton_intra="kernel")` takes Triton intra-chunk kernels instead
   (`pallas_kernels.gpu.triton.intra_chunk`, forward and backward, one program per chunk: the
-  C×C products, the float32 blocked inverse of I + L, the pseudo-values), as `pallas_gpu` has
-  Mosaic GPU ones; experimental until they have run compiled (checked so far in Triton's
-  interpreter only);
+  C×C products, the blocked inverse of I + L with tf32 products, the pseudo-values), as
+  `pallas_gpu` has Mosaic GPU ones: faster on the H200 (docs/BENCHMARKS.md), opt-in until
+  their current inverse has passed the compiled tests;
 * **sequential state pass in Triton** (`pallas_kernels.gpu.triton.state_pass`): one program per
   (batch·value head, V-tile) walks the chunks with the float32 state in registers, forward and a
   reverse kernel for the state cotangent, wired as a `jax.custom_vjp` (`gpu_vjps.state_pass`,

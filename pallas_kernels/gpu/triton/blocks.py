@@ -44,3 +44,16 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
   if dv % 16 or dv > 512:
     return f"head dim V={dv} (the Triton kernels need a multiple of 16, at most 512)"
   return None
+
+
+# The delta-rule intra-chunk kernels (`intra_chunk.py`), one program per chunk, timed by
+# `experiments.bench_triton_parts` on the H200 (GDN, B4 T4096 H16 D128, 2026-12-02, with the
+# inverse's earlier form, whose ten products were the same size as today's):
+# * warps: 4. The forward took 0.71 ms at 4 warps and 0.80 at 8 (tf32 products), the backward
+#   1.21 and 1.55: 8 warps' synchronisation cost more than 4 warps' extra registers a thread.
+# * the inverse's products (tl.dot input_precision): "tf32", one tensor-core pass, 0.71 ms;
+#   "tf32x3" (three passes, near float32) took 1.76 and "ieee" (float32 on the CUDA cores)
+#   4.64. The inverse is arranged so that tf32 is enough (`intra_chunk`'s docstring).
+INTRA_WARPS = 4
+INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32")
+INTRA_PRECISION = "tf32"

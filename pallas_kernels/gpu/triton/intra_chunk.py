@@ -9,11 +9,19 @@ of q, k, v straight from `[B, T, H, D]` and writes the state pass's inputs once:
     L = diag(β) (k kᵀ) ⊙ Γ strictly lower         M = (I + L)^{-1}
     Y = M (k ⊙ β e),  U = M (v ⊙ β)               NY = −Y, QG = s q ⊙ e, KG = k ⊙ e^{Gx}
 
-The inverse is the Mosaic kernel's product form over 16 × 16 diagonal blocks (D, its block
-diagonal; F = (I + D)^{-1}(L − D), F⁴ = 0): M = (I − F)(I + F²)(I − D)(I + D²)(I + D⁴)(I + D⁸),
-here in float32 `tl.dot(..., input_precision="ieee")` (exact float32 products; ten 64³ products
-per chunk). M is rounded to bf16 to be applied, as the other paths do; every other product has
-bf16 operands and a float32 accumulator.
+The inverse is built up from 4 × 4 diagonal blocks. With L_b the b × b block diagonal of L,
+(I + L_4)^{-1} = (I − L_4)(I + L_4²) (L_4⁴ = 0), and each merge 4 → 16 → 64 is
+
+    (I + L_b)^{-1} = (I − F)(I + F²)(I + L_{b/4})^{-1},   F = (I + L_{b/4})^{-1}(L_b − L_{b/4}),
+
+with F strictly lower in b/4-blocks inside b-blocks (F⁴ = 0): ten 64³ products per chunk,
+float32 operands, tf32 tensor-core products (`blocks.INTRA_PRECISION` says why and what the
+others cost). Every factor stays near 1 in size (|F| < 1, |F²| < 2 on correlated keys), so tf32's
+10-bit operands cost about 1e-3 of M. (The Mosaic kernel's form, (I + D)^{-1} from the powers
+D², D⁴, D⁸ of the 16 × 16 blocks, needs float32-grade products: on correlated keys D⁸ reaches
+~300 and the sum cancels; with tf32 products its M was 20–60 % wrong, measured on the H200.)
+M is rounded to bf16 to be applied, as the other paths do; every other product has bf16
+operands and a float32 accumulator.
 
 The backward takes the forward's bf16 M (`with_inverse`) and follows the formulas of
 `intra_chunk.intra_chunk_bwd`. Offsets are int64. Imports triton (the `triton` extra);
@@ -32,30 +40,34 @@ import triton.language as tl
 from pallas_kernels.gpu.triton import blocks
 from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _structs
 
-BLOCK = 16   # diagonal block of the inverse
-# 8 warps: a program holds a dozen [64, 64] float32 matrices (Γ, products, the inverse's
-# powers); at 4 warps each is 32 registers a thread, at 8 it is 16.
-_WARPS = 8
+
+@triton.jit
+def _dot32(a, b, PREC: tl.constexpr):
+  return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
-def _dot32(a, b):
-  return tl.dot(a, b, input_precision="ieee")
+def _merge_blocks(inv, lmat, ii, jj, BLK: tl.constexpr, PREC: tl.constexpr):
+  """(I + L_BLK)^{-1} from inv = (I + L_{BLK/4})^{-1}, where L_b keeps L's b × b diagonal blocks.
 
-
-@triton.jit
-def _unit_lower_inverse(lmat, ii, jj, BLK: tl.constexpr):
-  """(I + L)^{-1} for a strictly lower [C, C] float32 L (see the module docstring)."""
+  (I + L_BLK) = (I + L_{BLK/4})(I + F) with F = inv (L_BLK − L_{BLK/4}); F is strictly lower in
+  BLK/4-blocks inside BLK-blocks, so F⁴ = 0 and (I + F)^{-1} = (I − F)(I + F²)."""
   eye = tl.where(ii == jj, 1.0, 0.0)
-  d = tl.where((ii // BLK) == (jj // BLK), lmat, 0.0)
-  e = lmat - d
-  d2 = _dot32(d, d)
-  d4 = _dot32(d2, d2)
-  d8 = _dot32(d4, d4)
-  d_inv = _dot32(_dot32(_dot32(eye - d, eye + d2), eye + d4), eye + d8)
-  f = _dot32(d_inv, e)
-  f2 = _dot32(f, f)
-  return _dot32(_dot32(eye - f, eye + f2), d_inv)
+  e = tl.where(((ii // BLK) == (jj // BLK)) & ((ii // (BLK // 4)) != (jj // (BLK // 4))), lmat,
+               0.0)
+  f = _dot32(inv, e, PREC)
+  return _dot32(_dot32(eye - f, eye + _dot32(f, f, PREC), PREC), inv, PREC)
+
+
+@triton.jit
+def _unit_lower_inverse(lmat, ii, jj, PREC: tl.constexpr):
+  """(I + L)^{-1} for a strictly lower [64, 64] float32 L: 4 × 4 blocks, merged to 16 and 64
+  (the module docstring)."""
+  eye = tl.where(ii == jj, 1.0, 0.0)
+  d = tl.where((ii // 4) == (jj // 4), lmat, 0.0)            # D⁴ = 0 in 4 × 4 blocks
+  inv = _dot32(eye - d, eye + _dot32(d, d, PREC), PREC)
+  inv = _merge_blocks(inv, lmat, ii, jj, 16, PREC)
+  return _merge_blocks(inv, lmat, ii, jj, 64, PREC)
 
 
 @triton.jit
@@ -104,8 +116,8 @@ def _chunk_offsets(t, bhv, ci, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr, keep_ptr, t,
                 scale, ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, m_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                C: tl.constexpr, BLK: tl.constexpr, PACKED: tl.constexpr,
-                WITH_INVERSE: tl.constexpr):
+                C: tl.constexpr, PACKED: tl.constexpr,
+                WITH_INVERSE: tl.constexpr, PREC: tl.constexpr):
   ci = tl.program_id(0)
   bhv = tl.program_id(1)
   q, k, v, beta, entry, gam, ii, jj, row, vec = _chunk_rows(
@@ -115,7 +127,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
     exit_ = exit_ * tl.load(keep_ptr + row)
   p = scale * tl.dot(q, tl.trans(k)) * gam
   lmat = tl.where(ii > jj, beta[:, None] * tl.dot(k, tl.trans(k)) * gam, 0.0)
-  m = _unit_lower_inverse(lmat, ii, jj, BLK).to(tl.bfloat16)
+  m = _unit_lower_inverse(lmat, ii, jj, PREC).to(tl.bfloat16)
   y = tl.dot(m, (k.to(tl.float32) * (beta * entry)[:, None]).to(tl.bfloat16))
   u = tl.dot(m, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16))
   ck, cc, cv = _chunk_offsets(t, bhv, ci, K, V, C)
@@ -191,9 +203,16 @@ def _dims(q, v, segments, beta):
   return (b, t, h, dk, hv, dv, t // blocks.CHUNK, blocks.CHUNK), seg, packed
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "with_inverse"))
-def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_inverse=False):
-  """As `pallas_kernels.gpu.intra_chunk.intra_chunk_fwd` (same arguments and results)."""
+@functools.partial(jax.jit, static_argnames=("scale", "with_inverse", "precision", "num_warps"))
+def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_inverse=False,
+                    precision: str = blocks.INTRA_PRECISION, num_warps: int = blocks.INTRA_WARPS):
+  """As `pallas_kernels.gpu.intra_chunk.intra_chunk_fwd` (same arguments and results).
+
+  precision: `tl.dot`'s input_precision for the inverse's float32 products ("ieee", "tf32x3" or
+  "tf32"); num_warps: the program's warps. Their defaults are `blocks`' (how they were chosen is
+  written there); the others are for `experiments.bench_triton_parts`."""
+  if precision not in blocks.INTRA_PRECISIONS:
+    raise ValueError(f"precision={precision!r}: expected one of {blocks.INTRA_PRECISIONS}")
   (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
   f32 = jnp.float32
   out_shape = _structs(((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, c, dk), MM_DTYPE),
@@ -203,13 +222,15 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_i
   ny, qg, p, u, kg, m = _jax_triton().triton_call(
       q.astype(MM_DTYPE), k.astype(MM_DTYPE), v.astype(MM_DTYPE), beta.astype(f32),
       g.astype(f32), gx.astype(f32), *seg, t, float(scale),
-      kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=_WARPS, num_stages=1,
-      H=h, HV=hv, K=dk, V=dv, C=c, BLK=BLOCK, PACKED=packed, WITH_INVERSE=with_inverse)
+      kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
+      num_stages=1, H=h, HV=hv, K=dk, V=dv, C=c, PACKED=packed,
+      WITH_INVERSE=with_inverse, PREC=precision)
   return (ny, qg, p, u, kg, m) if with_inverse else (ny, qg, p, u, kg)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: float):
+@functools.partial(jax.jit, static_argnames=("scale", "num_warps"))
+def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: float,
+                    num_warps: int = blocks.INTRA_WARPS):
   """As `pallas_kernels.gpu.intra_chunk.intra_chunk_bwd` (same arguments and results)."""
   del gx   # the exit factor's terms are elementwise: the caller's
   (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
@@ -220,5 +241,5 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: fl
       q.astype(MM_DTYPE), k.astype(MM_DTYPE), v.astype(MM_DTYPE), beta.astype(f32),
       g.astype(f32), seg[0], seg[1], m.astype(MM_DTYPE), dny.astype(MM_DTYPE),
       dp.astype(MM_DTYPE), du.astype(MM_DTYPE), t, float(scale),
-      kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=_WARPS, num_stages=1,
+      kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps, num_stages=1,
       H=h, HV=hv, K=dk, V=dv, C=c, PACKED=packed))

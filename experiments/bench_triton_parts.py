@@ -1,0 +1,157 @@
+"""Where `implementation="triton"` GDN spends its time: each Triton kernel alone, beside the XLA
+and Mosaic GPU pieces it can replace, and the whole op with each intra-chunk choice.
+
+The Triton path is two parts (docs/KERNELS_GPU.md, "The Triton path"): the intra-chunk part (XLA
+by default, or the Triton kernels of `pallas_kernels.gpu.triton.intra_chunk` with
+`GpuTuning(triton_intra="kernel")`) and the Triton state pass. This times, at one shape:
+
+* the intra-chunk forward kernel at each inverse precision (`blocks.INTRA_PRECISIONS`) and warp
+  count, with its error against the exact float32 reference (`intra_chunk_reference`), and the
+  backward kernel at each warp count;
+* the XLA intra-chunk part (`prepare_chunks`) and, on Hopper, the Mosaic GPU intra kernels;
+* the Triton and (Hopper) Mosaic GPU state passes, forward and backward;
+* the whole GDN op, forward and forward+backward, with the XLA intra part and with the kernel at
+  each precision.
+
+    python -m experiments.bench_triton_parts --shape=4,4096,16,128 --out_json=/tmp/parts.json
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+
+from experiments import cli
+from lineax_attn import bench, ops
+from lineax_attn.ops import pallas_gpu, triton_gpu
+
+_SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
+_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per row (median reported).")
+_WARPS = flags.DEFINE_list("warps", "4,8", "Warp counts of the intra-chunk kernels to time.")
+_OUT_JSON = flags.DEFINE_string("out_json", "", "Rows as JSON.")
+_OUT_MD = flags.DEFINE_string("out_md", "", "Rows as a markdown table.")
+
+C = 64
+
+
+def log(*a):
+  print(*a, flush=True)
+
+
+def _rel_rms(got, want):
+  got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+  return float(jnp.sqrt(jnp.mean((got - want) ** 2) / jnp.mean(want ** 2)))
+
+
+def _kernel_inputs(q, k, v, g, beta):
+  """The intra-chunk kernels' inputs: q, k, v bf16 [B, T, H, D]; β, G, Gx [B, H, T] float32."""
+  b, t, h, _ = q.shape
+  G = jnp.cumsum(jnp.moveaxis(g, 1, 2).reshape(b, h, t // C, C), axis=-1)
+  return (q, k, v, jnp.moveaxis(beta, 1, 2), G.reshape(b, h, t),
+          (G[..., -1:] - G).reshape(b, h, t))
+
+
+def rows_for(b, t, h, d, iters, warps):
+  from pallas_kernels.gpu import intra_chunk as mosaic_intra
+  from pallas_kernels.gpu import state_passing as mosaic_state
+  from pallas_kernels.gpu.triton import blocks
+  from pallas_kernels.gpu.triton import intra_chunk as tic
+  from pallas_kernels.gpu.triton import state_pass as tsp
+
+  q, k, v, g, beta = bench.mixer_inputs("gated_delta_rule", batch=b, seq_len=t, heads=h,
+                                        v_heads=h, head_dim_k=d, head_dim_v=d,
+                                        dtype=jnp.bfloat16)
+  scale = d ** -0.5
+  rows = []
+
+  def row(name, fn, *args, err=None):
+    try:
+      ms = bench.time_fn(jax.jit(fn), *args, repeats=iters)
+    except Exception as e:  # noqa: BLE001 - one failing variant must not stop the others
+      log(f"[error] {name}: {type(e).__name__}: {str(e)[:300]}")
+      ms = None
+    rows.append({"part": name, "ms": ms, "err": err})
+    log(f"[part] {name}: {ms if ms is None else f'{ms:.3f}'} ms"
+            + ("" if err is None else f"  err {err:.2e}"))
+
+  kin = jax.block_until_ready(_kernel_inputs(q, k, v, g, beta))
+  want = jax.jit(functools.partial(mosaic_intra.intra_chunk_reference, scale=scale))(*kin)
+  for prec, w in itertools.product(blocks.INTRA_PRECISIONS, warps):
+    fwd = functools.partial(tic.intra_chunk_fwd, scale=scale, precision=prec, num_warps=w)
+    try:
+      got = fwd(*kin)
+      err = max(_rel_rms(got[i], want[i]) for i in (0, 3))   # NY and U: the ones M reaches
+    except Exception as e:  # noqa: BLE001
+      log(f"[error] triton intra fwd {prec} w{w}: {type(e).__name__}: {str(e)[:300]}")
+      continue
+    row(f"triton intra fwd, inverse {prec}, {w} warps", fwd, *kin, err=err)
+  m = tic.intra_chunk_fwd(*kin, scale=scale, with_inverse=True)[-1]
+  nc = t // C
+  cts = [jnp.ones((b, h, nc, C, d), jnp.bfloat16), jnp.ones((b, h, nc, C, C), jnp.bfloat16),
+         jnp.ones((b, h, nc, C, d), jnp.bfloat16)]
+  for w in warps:
+    bwd = lambda *a, w=w: tic.intra_chunk_bwd(*a[:6], None, *a[6:], scale=scale, num_warps=w)
+    row(f"triton intra bwd, {w} warps", bwd, *kin, m, *cts)
+
+  def prep(q, k, v, g, beta):
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+    return pallas_gpu.prepare_chunks(q.astype(jnp.float32) * scale, kf, kf * beta[..., None],
+                                     vf * beta[..., None], g, None, c=C)
+  row("XLA intra fwd (prepare_chunks)", prep, q, k, v, g, beta)
+  hopper = pallas_gpu.is_hopper()
+  if hopper:
+    row("Mosaic GPU intra fwd", functools.partial(mosaic_intra.intra_chunk_fwd, scale=scale), *kin)
+    row("Mosaic GPU intra bwd",
+        lambda *a: mosaic_intra.intra_chunk_bwd(*a[:6], None, *a[6:], scale=scale),
+        *kin, m, *cts)
+
+  inputs = jax.block_until_ready(jax.jit(prep)(q, k, v, g, beta))
+  ny, qg, p, u, kg, gc = inputs
+  s0 = jnp.zeros((b, h, d, d), jnp.float32)
+  do = jnp.ones(u.shape, jnp.bfloat16)
+  for name, mod in (("triton", tsp),) + ((("Mosaic GPU", mosaic_state),) if hopper else ()):
+    row(f"{name} state pass fwd", mod.state_passing_fwd, *inputs, s0)
+    row(f"{name} state pass bwd", mod.state_passing_bwd, ny, qg, p, kg, gc, do, u, s0)
+
+  cot = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
+  original = tic.intra_chunk_fwd
+  for intra, prec in [("xla", None)] + [("kernel", p_) for p_ in blocks.INTRA_PRECISIONS]:
+    tuning = pallas_gpu.GpuTuning(triton_intra=intra)
+    op = lambda *a, tuning=tuning: ops.gated_delta_rule(*a, implementation="triton",
+                                                        tuning=tuning)[0]
+    label = "XLA intra" if prec is None else f"intra kernel, inverse {prec}"
+    if prec is not None:   # the op takes the module's function at trace time
+      tic.intra_chunk_fwd = functools.partial(original, precision=prec)
+    try:
+      jax.clear_caches()
+      row(f"whole op ({label}) fwd", op, q, k, v, g, beta)
+      row(f"whole op ({label}) fwd+bwd", bench.forward_backward(op), cot, q, k, v, g, beta)
+    finally:
+      tic.intra_chunk_fwd = original
+  return rows
+
+
+def main(argv):
+  del argv
+  b, t, h, d = (int(x) for x in _SHAPE.value.split(","))
+  reason = triton_gpu.unsupported_reason(dk=d, dv=d, chunk_size=C, varlen=False)
+  if reason:
+    raise app.UsageError(f"the Triton path does not run here: {reason}")
+  rows = rows_for(b, t, h, d, _ITERS.value, [int(w) for w in _WARPS.value])
+  meta = {"shape": [b, t, h, d], "mixer": "gated_delta_rule", "device": jax.devices()[0].device_kind,
+          "jax": jax.__version__}
+  if _OUT_JSON.value:
+    bench.write_json(_OUT_JSON.value, rows, **meta)
+  table = bench.markdown_table(rows, [("part", "part"), ("ms", "ms"), ("err", "err vs exact")])
+  print(table)
+  if _OUT_MD.value:
+    with open(_OUT_MD.value, "w") as f:
+      f.write(table + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.parse_flags)
