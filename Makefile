@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2 --durations=25
 
-.PHONY: run test venv clean
+.PHONY: run test test-all venv clean
 
 # Find a Python >= 3.12: python3.12, python3.13, pyenv's builds (3.12 first: the GPU machine runs 3.12), then python3.
 # Candidates are *run*, not trusted: pyenv's bare shims exit 127 when no version is selected.
@@ -50,6 +50,10 @@ test: $(STAMP)
 	@JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (exit 5); the suite must not be empty." >&2; exit 1; fi; \
 	exit $$rc
+
+# Every test, the `slow` ones too (setup.cfg's addopts deselect them by default).
+test-all:
+	@$(MAKE) --no-print-directory test PYTEST_ARGS="$(PYTEST_ARGS) -m 'slow or not slow'"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
