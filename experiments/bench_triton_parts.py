@@ -142,8 +142,8 @@ def main(argv):
   if reason:
     raise app.UsageError(f"the Triton path does not run here: {reason}")
   rows = rows_for(b, t, h, d, _ITERS.value, [int(w) for w in _WARPS.value])
-  meta = {"shape": [b, t, h, d], "mixer": "gated_delta_rule", "device": jax.devices()[0].device_kind,
-          "jax": jax.__version__}
+  meta = {"shape": [b, t, h, d], "mixer": "gated_delta_rule",
+          "device": jax.devices()[0].device_kind, "jax": jax.__version__}
   if _OUT_JSON.value:
     bench.write_json(_OUT_JSON.value, rows, **meta)
   table = bench.markdown_table(rows, [("part", "part"), ("ms", "ms"), ("err", "err vs exact")])

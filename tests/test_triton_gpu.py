@@ -35,7 +35,7 @@ if _REASON:
 
 import kernel_cases  # noqa: E402
 from lineax_attn import ops  # noqa: E402
-from lineax_attn.ops import gpu_chunks, gpu_vjps, pallas_gpu  # noqa: E402
+from lineax_attn.ops import gpu_chunks, gpu_prepare, gpu_vjps, pallas_gpu  # noqa: E402
 from pallas_kernels.gpu import intra_chunk as ic  # noqa: E402  (the shared reference)
 from pallas_kernels.gpu import state_passing as sp  # noqa: E402  (the shared reference)
 from pallas_kernels.gpu.triton import intra_chunk as tic  # noqa: E402
@@ -209,11 +209,20 @@ def test_intra_kernel_backward_matches_autodiff_of_exact_reference(case):
     assert_close(g_, w, 5e-3, f"d{name} ({case})")
 
 
-@pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule"])
+# Where each mixer's intra kernel is entered: (module, function). The delta-rule kernel's own
+# entry; for per-channel gates the call inside the custom VJP (its backward is XLA's).
+_INTRA_ENTRY = {"gated_delta_rule": (tic, "intra_chunk_fwd"),
+                "delta_rule": (tic, "intra_chunk_fwd"),
+                "kda": (gpu_prepare, "_channel_kernel_call"),
+                "gdn2": (gpu_prepare, "_channel_kernel_call")}
+
+
+@pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule", "kda", "gdn2"])
 def test_op_takes_the_triton_intra_kernel_on_request(monkeypatch, mixer):
+  module, name = _INTRA_ENTRY[mixer]
   calls = []
-  kernel = tic.intra_chunk_fwd
-  monkeypatch.setattr(tic, "intra_chunk_fwd", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  kernel = getattr(module, name)
+  monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=1)
   want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
   for intra in ("kernel", "xla"):
@@ -223,3 +232,46 @@ def test_op_takes_the_triton_intra_kernel_on_request(monkeypatch, mixer):
     assert bool(calls) == (intra == "kernel"), intra
     for i, (g_, w) in enumerate(zip(got, want)):
       assert_close(g_, w, GRAD_TOL, f"{mixer} intra={intra} grad {i}")
+
+
+# ----------------------------------------------------------------------------- channel gates
+
+
+def _channel_inputs(seed, *, dk, dv, t=128, hv=2, tau=1.0):
+  """The channel-gate kernel's inputs as the XLA preparation has them (float32 [B, T, HV, D]),
+  and G summed within chunks of 64. tau < 1 sharpens the decays (strong decay)."""
+  ks = jax.random.split(jax.random.key(seed), 6)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (1, t, hv, dk))) * dk ** -0.5
+  k = unit(jax.random.normal(ks[1], (1, t, hv, dk)))
+  kt = k * jax.nn.sigmoid(jax.random.normal(ks[2], (1, t, hv, dk)))
+  vt = jax.random.normal(ks[3], (1, t, hv, dv)) * jax.nn.sigmoid(
+      jax.random.normal(ks[4], (1, t, hv, dv)))
+  g = jax.nn.log_sigmoid(jax.random.normal(ks[5], (1, t, hv, dk))) / tau
+  G = jnp.cumsum(g.reshape(1, t // 64, 64, hv, dk), axis=2).reshape(1, t, hv, dk)
+  return q, k, kt, vt, g, G
+
+
+@pytest.mark.parametrize("case,dk,dv", [("random", 64, 64), ("random", 128, 128),
+                                        ("strong", 128, 64), ("packed", 64, 128)])
+def test_channel_intra_kernel_matches_exact_reference(case, dk, dv):
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  from lineax_attn.ops import chunked  # pylint: disable=g-import-not-at-top
+  q, k, kt, vt, _, G = _channel_inputs(3, dk=dk, dv=dv, tau=0.1 if case == "strong" else 1.0)
+  same = cont = keep = segments = None
+  if case == "packed":
+    ids = _packed_ids()
+    segments = gpu_chunks.kernel_segments(ids, 64)
+    same, cont, keep = gpu_chunks.segment_masks(ids, 64)
+  got = channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=64)
+  ch = lambda x: gpu_chunks.to_chunks(x, 64)
+  QG, P, Y, U, KG, dc = chunked._intra_chunk(ch(q), ch(k), ch(kt), ch(vt), ch(G), "channel",
+                                             same, cont, keep, matmul="highest", solve="trsm")
+  want = (-Y, QG, P, U, KG, jnp.broadcast_to(dc, got[5].shape))
+  for name, g_, w in zip(("ny", "qg", "p", "u", "kg", "gc"), got, want):
+    g_, w = np.asarray(g_, np.float32), np.asarray(w, np.float32)
+    assert np.all(np.isfinite(g_)), name
+    if name == "gc":   # exact exponentials; zero where a segment starts inside the chunk
+      np.testing.assert_allclose(g_, w, rtol=1e-5, atol=1e-30)
+    else:   # NY goes through M in bf16 and the erase keys: 1e-2 (5.6e-3 in the interpreter)
+      assert_close(g_, w, 1e-2 if name == "ny" else 5e-3, f"{name} ({case})")

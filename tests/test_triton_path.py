@@ -99,3 +99,50 @@ def test_intra_kernel_sizes():
     pytest.skip("triton is not installed")
   from pallas_kernels.gpu.triton import intra_chunk as tic
   assert tic.supported(64, 128, 64) is None and "K=32" in tic.supported(64, 32, 64)
+
+
+def test_channel_intra_kernel_applies_where_it_should():
+  # The Triton channel-gate kernel (KDA, GDN-2) is taken only on the Triton path, on request,
+  # for per-channel gates with an erase key, at sizes it takes.
+  from lineax_attn.ops import gpu_prepare  # pylint: disable=g-import-not-at-top
+  x = jnp.zeros((1, 64, 2, 64))
+  channel, scalar = jnp.zeros((1, 64, 2, 64)), jnp.zeros((1, 64, 2))
+  on = ops.GpuTuning(intra="kernel")
+  applies = lambda g=channel, kt=x, c=64, tuning=on, kernels="triton", q=x: (
+      gpu_prepare.channel_kernel_applies(q, kt, x, g, c=c, tuning=tuning, kernels=kernels))
+  assert applies()
+  assert not applies(kernels="mosaic")          # pallas_gpu keeps its XLA channel path
+  assert not applies(tuning=ops.GpuTuning(intra="xla"))
+  assert not applies(g=scalar) and not applies(g=None) and not applies(kt=None)
+  assert not applies(c=32) and not applies(q=jnp.zeros((1, 64, 2, 32)))
+
+
+def test_channel_intra_kernel_backward_is_the_xla_parts():
+  # The custom VJP's plumbing with the XLA part standing in for the (GPU-only) forward kernel:
+  # forward and every cotangent must equal autodiff of `prepare_chunks` (order and dtypes).
+  from lineax_attn.ops import gpu_prepare  # pylint: disable=g-import-not-at-top
+  args, _ = make_inputs("gdn2", b=1, t=64, h=2, hv=2, dk=16, dv=16, seed=3)
+  q, k, v, g, b, w = args
+  kt, vt = k * b, v * w
+  segidx = jnp.asarray([[0] * 20 + [1] * 44], jnp.int32)
+  tuning = ops.GpuTuning()
+  xla = lambda q, k, kt, vt, g: gpu_prepare.prepare_chunks(q, k, kt, vt, g, segidx, c=32,
+                                                           tuning=tuning)
+  stand_in = lambda q, k, kt, vt, g, segidx, c: gpu_prepare.prepare_chunks(
+      q, k, kt, vt, g, segidx, c=c, tuning=tuning)
+  orig = gpu_prepare._channel_kernel_call
+  gpu_prepare._channel_kernel_call = stand_in
+  try:
+    kernel = lambda q, k, kt, vt, g: gpu_prepare.channel_intra_kernel(q, k, kt, vt, g, segidx,
+                                                                      32, tuning)
+    weights = [jax.random.normal(jax.random.key(i), o.shape) for i, o in
+               enumerate(xla(q, k, kt, vt, g))]
+    loss = lambda f: lambda *a: sum(jnp.sum(o.astype(jnp.float32) * wt)
+                                    for o, wt in zip(f(*a), weights))
+    got = jax.jit(jax.grad(loss(kernel), argnums=range(5)))(q, k, kt, vt, g)
+    want = jax.jit(jax.grad(loss(xla), argnums=range(5)))(q, k, kt, vt, g)
+  finally:
+    gpu_prepare._channel_kernel_call = orig
+  for name, g_, w_ in zip(("q", "k", "kt", "vt", "g"), got, want):
+    assert g_.dtype == w_.dtype, name
+    assert_close(g_, w_, 1e-6, f"d{name}")

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from lineax_attn.ops import chunked
-from lineax_attn.ops.gpu_chunks import segment_masks, to_chunks
+from lineax_attn.ops.gpu_chunks import kernel_segments, segment_masks, to_chunks
 from lineax_attn.ops.gpu_tuning import DEFAULT_TUNING, GpuTuning
 from lineax_attn.ops.gpu_vjps import channel_pairs_kernel, interpret_params, vma
 from pallas_kernels.gpu import channel_pair as cp
@@ -56,3 +56,47 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TU
         else jnp.broadcast_to(decay_chunk, lead + (dk,)))
   return (ny.astype(_MM), QG.astype(_MM), P.astype(_MM), U.astype(_F32), KG.astype(_MM),
           gc.astype(_F32))
+
+
+# ------------------------------------------------------------------------- Triton channel kernel
+
+
+def channel_kernel_applies(q, kt, vt, g, *, c, tuning: GpuTuning, kernels: str) -> bool:
+  """Whether `_core` takes the Triton channel-gate intra kernel for this call: the Triton path
+  with `GpuTuning(triton_intra="kernel")`, per-channel gates with an erase key (KDA, GDN-2),
+  sizes the kernel takes, outside shard_map (its outputs would lack the varying-axes types)."""
+  if kernels != "triton" or tuning.intra != "kernel" or kt is None or g is None or g.ndim != 4:
+    return False
+  from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
+  return (blocks.intra_supported("channel-gate", c, q.shape[-1], vt.shape[-1]) is None
+          and not vma(q, kt, vt))
+
+
+def _channel_kernel_call(q, k, kt, vt, g, segidx, c):
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  b, t, hv, dk = q.shape
+  G = jnp.cumsum(g.astype(_F32).reshape(b, t // c, c, hv, dk), axis=2).reshape(b, t, hv, dk)
+  segments = None if segidx is None else kernel_segments(segidx, c)
+  return channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=c)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def channel_intra_kernel(q, k, kt, vt, g, segidx, c, tuning):
+  """`prepare_chunks` for per-channel gates with the Triton forward kernel
+  (`pallas_kernels.gpu.triton.channel_intra`); the backward recomputes the XLA part and
+  differentiates it (what `remat_intra=True` does for the XLA path)."""
+  return _channel_kernel_call(q, k, kt, vt, g, segidx, c)
+
+
+def _channel_intra_fwd(q, k, kt, vt, g, segidx, c, tuning):
+  return _channel_kernel_call(q, k, kt, vt, g, segidx, c), (q, k, kt, vt, g, segidx)
+
+
+def _channel_intra_bwd(c, tuning, res, cts):
+  q, k, kt, vt, g, segidx = res
+  xla = lambda q, k, kt, vt, g: prepare_chunks(q, k, kt, vt, g, segidx, c=c, tuning=tuning)
+  _, vjp = jax.vjp(xla, q, k, kt, vt, g)
+  return vjp(cts) + (None,)
+
+
+channel_intra_kernel.defvjp(_channel_intra_fwd, _channel_intra_bwd)

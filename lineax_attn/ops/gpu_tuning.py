@@ -43,10 +43,13 @@ class GpuTuning:
     remat_intra: whether the backward recomputes the XLA intra-chunk part (`jax.checkpoint`:
       less memory) or keeps its residuals (the C×C products and the inverse per chunk: a faster
       backward).
-    triton_intra: who computes DeltaNet / GDN's intra-chunk part under implementation="triton"
-      (where `intra` is not read): "xla" (the default) or "kernel" (the Triton intra-chunk
-      kernels of `pallas_kernels.gpu.triton.intra_chunk`; faster on the H200, docs/BENCHMARKS.md
-      "The Triton path", but their current inverse has not yet passed the compiled tests).
+    triton_intra: who computes the intra-chunk part under implementation="triton" (where
+      `intra` is not read): "xla" (the default) or "kernel": for DeltaNet / GDN the Triton
+      kernels of `pallas_kernels.gpu.triton.intra_chunk` (forward and backward; faster on the
+      H200, docs/BENCHMARKS.md "The Triton path", but their current inverse has not yet passed
+      the compiled tests), for KDA / GDN-2 the forward kernel of
+      `pallas_kernels.gpu.triton.channel_intra` (backward: the XLA part's, recomputed; not
+      yet run compiled). Linear attention and simple GLA keep the XLA part.
   """
 
   intra: str = "kernel"

@@ -57,7 +57,8 @@ from lineax_attn.ops import chunked
 from lineax_attn.ops import specs
 from lineax_attn.ops.gpu_chunks import from_chunks, segment_masks, to_chunks
 # Re-exported: `pallas_gpu.X` stays the public spelling of these (api, benchmarks, tests, docs).
-from lineax_attn.ops.gpu_prepare import prepare_chunks
+from lineax_attn.ops.gpu_prepare import (channel_intra_kernel, channel_kernel_applies,
+                                         prepare_chunks)
 from lineax_attn.ops.gpu_tuning import (DEFAULT_TUNING, INTRA_CHOICES, PAIR_CHOICES,
                                         SOLVE_CHOICES, GpuTuning, check_tuning)
 from lineax_attn.ops.gpu_vjps import (interpret_params, intra_kernel, kernel_module, state_pass,
@@ -113,7 +114,11 @@ def supports(call) -> str | None:
 
 def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernels):
   """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
-  ny, qg, p, u, kg, gc = prepare_chunks(q, k, k_erase, v_write, g, segidx, c=c, tuning=tuning)
+  if channel_kernel_applies(q, k_erase, v_write, g, c=c, tuning=tuning, kernels=kernels):
+    ny, qg, p, u, kg, gc = channel_intra_kernel(q, k, k_erase, v_write, g, segidx, c, tuning)
+  else:
+    ny, qg, p, u, kg, gc = prepare_chunks(q, k, k_erase, v_write, g, segidx, c=c,
+                                          tuning=tuning)
   o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels)
   return from_chunks(o), from_chunks(e), s_final
 

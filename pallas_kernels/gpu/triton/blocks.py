@@ -55,5 +55,16 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 #   "tf32x3" (three passes, near float32) took 1.76 and "ieee" (float32 on the CUDA cores)
 #   4.64. The inverse is arranged so that tf32 is enough (`intra_chunk`'s docstring).
 INTRA_WARPS = 4
+INTRA_HEAD_DIMS = (64, 128)   # the intra kernels hold [64, D] tiles in registers
 INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32")
 INTRA_PRECISION = "tf32"
+
+
+def intra_supported(kind: str, chunk: int, dk: int, dv: int) -> str | None:
+  """None if the intra-chunk kernels of `kind` ("delta-rule", "channel-gate") take the sizes."""
+  if chunk != CHUNK:
+    return f"chunk_size={chunk} (the Triton {kind} intra-chunk kernels need {CHUNK})"
+  if dk not in INTRA_HEAD_DIMS or dv not in INTRA_HEAD_DIMS:
+    return (f"head dims K={dk}, V={dv} (the Triton {kind} intra-chunk kernels need "
+            f"{' or '.join(map(str, INTRA_HEAD_DIMS))})")
+  return None

@@ -185,11 +185,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
 
 def supported(chunk: int, dk: int, dv: int) -> str | None:
   """None if these kernels take the sizes (their [C, D] tiles stay in registers), else why."""
-  if chunk != blocks.CHUNK:
-    return f"chunk_size={chunk} (the Triton intra-chunk kernels need {blocks.CHUNK})"
-  if dk not in (64, 128) or dv not in (64, 128):
-    return f"head dims K={dk}, V={dv} (the Triton intra-chunk kernels need 64 or 128)"
-  return None
+  return blocks.intra_supported("delta-rule", chunk, dk, dv)
 
 
 def _dims(q, v, segments, beta):
