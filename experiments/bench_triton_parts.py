@@ -11,7 +11,10 @@ by default, or the Triton kernels of `pallas_kernels.gpu.triton.intra_chunk` wit
 * the XLA intra-chunk part (`prepare_chunks`) and, on Hopper, the Mosaic GPU intra kernels;
 * the Triton and (Hopper) Mosaic GPU state passes, forward and backward;
 * the whole GDN op, forward and forward+backward, with the XLA intra part and with the kernel at
-  each precision.
+  each precision;
+* for KDA / GDN-2 (`--mixers`): the per-channel forward kernel (`channel_intra`) with its error
+  against the exact float32 `_intra_chunk`, the XLA part it replaces, and the whole op with
+  either.
 
     python -m experiments.bench_triton_parts --shape=4,4096,16,128 --out_json=/tmp/parts.json
 """
@@ -27,11 +30,14 @@ import jax.numpy as jnp
 
 from experiments import cli
 from lineax_attn import bench, ops
-from lineax_attn.ops import pallas_gpu, triton_gpu
+from lineax_attn.ops import pallas_gpu, specs, triton_gpu
 
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per row (median reported).")
 _WARPS = flags.DEFINE_list("warps", "4,8", "Warp counts of the intra-chunk kernels to time.")
+_MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule", "gated_delta_rule (the delta-rule "
+                            "kernels and state passes) and/or kda, gdn2 (the per-channel "
+                            "forward kernel and the whole op).")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Rows as JSON.")
 _OUT_MD = flags.DEFINE_string("out_md", "", "Rows as a markdown table.")
 
@@ -55,6 +61,63 @@ def _kernel_inputs(q, k, v, g, beta):
           (G[..., -1:] - G).reshape(b, h, t))
 
 
+def _timer(rows, iters):
+  """row(name, fn, *args, err=None): times jit(fn)(*args) into `rows` and logs it."""
+  def row(name, fn, *args, err=None):
+    try:
+      ms = bench.time_fn(jax.jit(fn), *args, repeats=iters)
+    except Exception as e:  # noqa: BLE001 - one failing variant must not stop the others
+      log(f"[error] {name}: {type(e).__name__}: {str(e)[:300]}")
+      ms = None
+    rows.append({"part": name, "ms": ms, "err": err})
+    log(f"[part] {name}: {ms if ms is None else f'{ms:.3f}'} ms"
+        + ("" if err is None else f"  err {err:.2e}"))
+  return row
+
+
+def _whole_op(row, mixer, args, label, tuning):
+  op = lambda *a: getattr(ops, mixer)(*a, implementation="triton", tuning=tuning)[0]
+  cot = jax.random.normal(jax.random.key(1), args[2].shape, jnp.float32)
+  jax.clear_caches()
+  row(f"{mixer} whole op ({label}) fwd", op, *args)
+  row(f"{mixer} whole op ({label}) fwd+bwd", bench.forward_backward(op), cot, *args)
+
+
+def channel_rows(mixer, b, t, h, d, iters):
+  """KDA / GDN-2: the per-channel forward kernel, the XLA part, the whole op with either."""
+  from lineax_attn.ops import chunked, gpu_chunks
+  from pallas_kernels.gpu.triton import channel_intra
+  args = bench.mixer_inputs(mixer, batch=b, seq_len=t, heads=h, v_heads=h, head_dim_k=d,
+                            head_dim_v=d, dtype=jnp.bfloat16)
+  q, k, v, *gates = args
+  g, erase, write = chunked.canonical_gates(
+      mixer, v, dict(zip(specs.resolve(mixer).gate_names, gates)))
+  f32 = jnp.float32
+  qs, kf = q.astype(f32) * d ** -0.5, k.astype(f32)
+  kt = kf * erase
+  vt = v.astype(f32) * (1.0 if write is None else write)
+  G = jnp.cumsum(g.reshape(b, t // C, C, h, d), axis=2).reshape(b, t, h, d)
+  rows = []
+  row = _timer(rows, iters)
+  fwd = functools.partial(channel_intra.channel_intra_fwd, chunk=C)
+  ch = lambda x: gpu_chunks.to_chunks(x, C)
+  exact = jax.jit(lambda *a: chunked._intra_chunk(*map(ch, a), "channel", None, None, None,
+                                                  matmul="highest", solve="trsm"))
+  _, _, Y, U, _, _ = exact(qs, kf, kt, vt, G)
+  try:
+    got = fwd(qs, kf, kt, vt, G)
+    err = max(_rel_rms(got[0], -Y), _rel_rms(got[3], U))
+  except Exception as e:  # noqa: BLE001
+    log(f"[error] {mixer} channel intra fwd: {type(e).__name__}: {str(e)[:300]}")
+    err = None
+  row(f"{mixer} triton channel intra fwd", fwd, qs, kf, kt, vt, G, err=err)
+  row(f"{mixer} XLA intra fwd (prepare_chunks)",
+      lambda *a: pallas_gpu.prepare_chunks(*a, None, c=C), qs, kf, kt, vt, g)
+  for intra in ("xla", "kernel"):
+    _whole_op(row, mixer, args, f"{intra} intra", pallas_gpu.GpuTuning(triton_intra=intra))
+  return rows
+
+
 def rows_for(b, t, h, d, iters, warps):
   from pallas_kernels.gpu import intra_chunk as mosaic_intra
   from pallas_kernels.gpu import state_passing as mosaic_state
@@ -67,16 +130,7 @@ def rows_for(b, t, h, d, iters, warps):
                                         dtype=jnp.bfloat16)
   scale = d ** -0.5
   rows = []
-
-  def row(name, fn, *args, err=None):
-    try:
-      ms = bench.time_fn(jax.jit(fn), *args, repeats=iters)
-    except Exception as e:  # noqa: BLE001 - one failing variant must not stop the others
-      log(f"[error] {name}: {type(e).__name__}: {str(e)[:300]}")
-      ms = None
-    rows.append({"part": name, "ms": ms, "err": err})
-    log(f"[part] {name}: {ms if ms is None else f'{ms:.3f}'} ms"
-            + ("" if err is None else f"  err {err:.2e}"))
+  row = _timer(rows, iters)
 
   kin = jax.block_until_ready(_kernel_inputs(q, k, v, g, beta))
   want = jax.jit(functools.partial(mosaic_intra.intra_chunk_reference, scale=scale))(*kin)
@@ -141,8 +195,15 @@ def main(argv):
   reason = triton_gpu.unsupported_reason(dk=d, dv=d, chunk_size=C, varlen=False)
   if reason:
     raise app.UsageError(f"the Triton path does not run here: {reason}")
-  rows = rows_for(b, t, h, d, _ITERS.value, [int(w) for w in _WARPS.value])
-  meta = {"shape": [b, t, h, d], "mixer": "gated_delta_rule",
+  rows = []
+  for mixer in _MIXERS.value:
+    if mixer == "gated_delta_rule":
+      rows += rows_for(b, t, h, d, _ITERS.value, [int(w) for w in _WARPS.value])
+    elif mixer in ("kda", "gdn2"):
+      rows += channel_rows(mixer, b, t, h, d, _ITERS.value)
+    else:
+      raise app.UsageError(f"--mixers: {mixer!r} is not one of gated_delta_rule, kda, gdn2")
+  meta = {"shape": [b, t, h, d], "mixers": _MIXERS.value,
           "device": jax.devices()[0].device_kind, "jax": jax.__version__}
   if _OUT_JSON.value:
     bench.write_json(_OUT_JSON.value, rows, **meta)
