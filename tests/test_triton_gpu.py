@@ -252,12 +252,17 @@ def _channel_inputs(seed, *, dk, dv, t=128, hv=2, tau=1.0):
   return q, k, kt, vt, g, G
 
 
+# Decay sharpness per case: strong (τ = 0.1) and weak (τ = 10, for packing: pairs across a
+# segment boundary stay large enough to matter).
+_TAU = {"random": 1.0, "strong": 0.1, "packed": 10.0}
+
+
 @pytest.mark.parametrize("case,dk,dv", [("random", 64, 64), ("random", 128, 128),
                                         ("strong", 128, 64), ("packed", 64, 128)])
 def test_channel_intra_kernel_matches_exact_reference(case, dk, dv):
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   from lineax_attn.ops import chunked  # pylint: disable=g-import-not-at-top
-  q, k, kt, vt, _, G = _channel_inputs(3, dk=dk, dv=dv, tau=0.1 if case == "strong" else 1.0)
+  q, k, kt, vt, _, G = _channel_inputs(3, dk=dk, dv=dv, tau=_TAU[case])
   same = cont = keep = segments = None
   if case == "packed":
     ids = _packed_ids()
@@ -275,3 +280,24 @@ def test_channel_intra_kernel_matches_exact_reference(case, dk, dv):
       np.testing.assert_allclose(g_, w, rtol=1e-5, atol=1e-30)
     else:   # NY goes through M in bf16 and the erase keys: 1e-2 (5.6e-3 in the interpreter)
       assert_close(g_, w, 1e-2 if name == "ny" else 5e-3, f"{name} ({case})")
+
+
+@pytest.mark.parametrize("case,dk,dv", [("random", 64, 64), ("strong", 128, 128),
+                                        ("packed", 64, 128)])
+def test_channel_intra_backward_kernel_matches_exact_reference(case, dk, dv):
+  # The kernel's half of the backward (pairs and solve) against its float32 oracle; the XLA half
+  # (channel_grads) is checked on CPU (tests/test_triton_path.py).
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  q, k, kt, vt, g, G = _channel_inputs(4, dk=dk, dv=dv, tau=_TAU[case])
+  segidx = _packed_ids() if case == "packed" else None
+  segments = None if segidx is None else gpu_chunks.kernel_segments(segidx, 64)
+  *outs, m = channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=64,
+                                             with_inverse=True)
+  ks = jax.random.split(jax.random.key(5), 3)
+  d_ny, d_p, d_u = (jax.random.normal(key, outs[i].shape).astype(outs[i].dtype)
+                    for key, i in zip(ks, (0, 2, 3)))
+  got = channel_intra.channel_intra_bwd(q, k, kt, vt, G, segments, m, d_ny, d_p, d_u, chunk=64)
+  want = gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, d_ny, d_p, d_u,
+                                                      c=64)
+  for name, g_, w in zip(("dq", "dkt", "dk", "d_rk", "dvt"), got, want):
+    assert_close(np.asarray(g_), np.asarray(w), GRAD_TOL, f"{name} ({case})")

@@ -117,32 +117,58 @@ def test_channel_intra_kernel_applies_where_it_should():
   assert not applies(c=32) and not applies(q=jnp.zeros((1, 64, 2, 32)))
 
 
-def test_channel_intra_kernel_backward_is_the_xla_parts():
-  # The custom VJP's plumbing with the XLA part standing in for the (GPU-only) forward kernel:
-  # forward and every cotangent must equal autodiff of `prepare_chunks` (order and dtypes).
+def _exact_channel_preparation(segidx, c):
+  """prepare_chunks' six outputs for per-channel gates in float32 (HIGHEST, exact solve): the
+  oracle of the channel-gate kernels and of their backward's glue."""
+  from lineax_attn.ops import chunked, gpu_chunks, gpu_prepare  # pylint: disable=g-import-not-at-top
+
+  def run(q, k, kt, vt, g):
+    ch = lambda x: gpu_chunks.to_chunks(x, c)
+    same = cont = keep = None
+    if segidx is not None:
+      same, cont, keep = gpu_chunks.segment_masks(segidx, c)
+    qg, p, y, u, kg, dc = chunked._intra_chunk(
+        ch(q), ch(k), ch(kt), ch(vt), ch(gpu_prepare._chunk_gates(g, c)), "channel", same,
+        cont, keep, matmul="highest", solve="trsm")
+    return -y, qg, p, u, kg, jnp.broadcast_to(dc, qg.shape[:3] + (qg.shape[-1],))
+  return run
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_channel_backward_glue_from_exact_pair_grads_equals_autodiff(packed):
+  # channel_grads (the XLA half of the channel-gate backward: QG / KG / gc terms, the entry and
+  # exit factors, dG = Q ⊙ dQ + K̃ ⊙ dK̃ − K ⊙ dK of the pairs, the in-chunk reverse cumsum),
+  # fed with the exact cotangents of the kernel's half (its oracle), must give autodiff of the
+  # whole preparation; and the custom VJP wired around the two halves must too.
   from lineax_attn.ops import gpu_prepare  # pylint: disable=g-import-not-at-top
   args, _ = make_inputs("gdn2", b=1, t=64, h=2, hv=2, dk=16, dv=16, seed=3)
   q, k, v, g, b, w = args
+  g = g / 10.0   # weak decays, so pairs across the segment boundary are not negligible
   kt, vt = k * b, v * w
-  segidx = jnp.asarray([[0] * 20 + [1] * 44], jnp.int32)
-  tuning = ops.GpuTuning()
-  xla = lambda q, k, kt, vt, g: gpu_prepare.prepare_chunks(q, k, kt, vt, g, segidx, c=32,
-                                                           tuning=tuning)
-  stand_in = lambda q, k, kt, vt, g, segidx, c: gpu_prepare.prepare_chunks(
-      q, k, kt, vt, g, segidx, c=c, tuning=tuning)
-  orig = gpu_prepare._channel_kernel_call
-  gpu_prepare._channel_kernel_call = stand_in
-  try:
-    kernel = lambda q, k, kt, vt, g: gpu_prepare.channel_intra_kernel(q, k, kt, vt, g, segidx,
-                                                                      32, tuning)
-    weights = [jax.random.normal(jax.random.key(i), o.shape) for i, o in
-               enumerate(xla(q, k, kt, vt, g))]
-    loss = lambda f: lambda *a: sum(jnp.sum(o.astype(jnp.float32) * wt)
-                                    for o, wt in zip(f(*a), weights))
-    got = jax.jit(jax.grad(loss(kernel), argnums=range(5)))(q, k, kt, vt, g)
-    want = jax.jit(jax.grad(loss(xla), argnums=range(5)))(q, k, kt, vt, g)
-  finally:
-    gpu_prepare._channel_kernel_call = orig
+  segidx = jnp.asarray([[0] * 20 + [1] * 44], jnp.int32) if packed else None
+  c = 32
+  exact = _exact_channel_preparation(segidx, c)
+  outs = exact(q, k, kt, vt, g)
+  cts = tuple(jax.random.normal(jax.random.key(i), o.shape) for i, o in enumerate(outs))
+  _, vjp = jax.vjp(exact, q, k, kt, vt, g)
+  want = vjp(cts)
+  pair_grads = gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, cts[0],
+                                                            cts[2], cts[3], c=c)
+  got = gpu_prepare.channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, c=c)
   for name, g_, w_ in zip(("q", "k", "kt", "vt", "g"), got, want):
-    assert g_.dtype == w_.dtype, name
-    assert_close(g_, w_, 1e-6, f"d{name}")
+    assert_close(g_, w_, 1e-5, f"d{name} (glue)")
+  # The custom VJP around the GPU-only kernels, with their oracles standing in for them.
+  fwd, bwd = gpu_prepare._channel_kernel_call, gpu_prepare._channel_kernel_bwd_call
+  gpu_prepare._channel_kernel_call = lambda q, k, kt, vt, g, segidx, c: exact(
+      q, k, kt, vt, g) + (jnp.zeros(()),)
+  gpu_prepare._channel_kernel_bwd_call = (
+      lambda q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c:
+      gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, d_ny, d_p, d_u, c=c))
+  try:
+    op = lambda *a: gpu_prepare.channel_intra_kernel(*a, segidx, c, ops.GpuTuning())
+    loss = lambda *a: sum(jnp.sum(o * ct) for o, ct in zip(op(*a), cts))
+    got = jax.jit(jax.grad(loss, argnums=range(5)))(q, k, kt, vt, g)
+  finally:
+    gpu_prepare._channel_kernel_call, gpu_prepare._channel_kernel_bwd_call = fwd, bwd
+  for name, g_, w_ in zip(("q", "k", "kt", "vt", "g"), got, want):
+    assert_close(g_, w_, 1e-5, f"d{name} (custom VJP)")

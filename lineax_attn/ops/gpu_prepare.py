@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from lineax_attn.ops import chunked
-from lineax_attn.ops.gpu_chunks import kernel_segments, segment_masks, to_chunks
+from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, segment_masks, to_chunks
 from lineax_attn.ops.gpu_tuning import DEFAULT_TUNING, GpuTuning
 from lineax_attn.ops.gpu_vjps import channel_pairs_kernel, interpret_params, vma
 from pallas_kernels.gpu import channel_pair as cp
@@ -62,7 +62,7 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TU
 
 
 def channel_kernel_applies(q, kt, vt, g, *, c, tuning: GpuTuning, kernels: str) -> bool:
-  """Whether `_core` takes the Triton channel-gate intra kernel for this call: the Triton path
+  """Whether `_core` takes the Triton channel-gate intra kernels for this call: the Triton path
   with `GpuTuning(triton_intra="kernel")`, per-channel gates with an erase key (KDA, GDN-2),
   sizes the kernel takes, outside shard_map (its outputs would lack the varying-axes types)."""
   if kernels != "triton" or tuning.intra != "kernel" or kt is None or g is None or g.ndim != 4:
@@ -72,31 +72,101 @@ def channel_kernel_applies(q, kt, vt, g, *, c, tuning: GpuTuning, kernels: str) 
           and not vma(q, kt, vt))
 
 
+def _chunk_gates(g, c):
+  """In-chunk cumulative log gates, [B, T, HV, K] -> [B, T, HV, K] float32."""
+  b, t, hv, dk = g.shape
+  return jnp.cumsum(g.astype(_F32).reshape(b, t // c, c, hv, dk), axis=2).reshape(b, t, hv, dk)
+
+
 def _channel_kernel_call(q, k, kt, vt, g, segidx, c):
+  """The forward kernel: prepare_chunks' six outputs and M (bf16, the backward's residual)."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
-  b, t, hv, dk = q.shape
-  G = jnp.cumsum(g.astype(_F32).reshape(b, t // c, c, hv, dk), axis=2).reshape(b, t, hv, dk)
   segments = None if segidx is None else kernel_segments(segidx, c)
-  return channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=c)
+  return channel_intra.channel_intra_fwd(q, k, kt, vt, _chunk_gates(g, c), segments, chunk=c,
+                                         with_inverse=True)
+
+
+def _channel_kernel_bwd_call(q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c):
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  segments = None if segidx is None else kernel_segments(segidx, c)
+  return channel_intra.channel_intra_bwd(q, k, kt, vt, _chunk_gates(g, c), segments, m, d_ny,
+                                         d_p, d_u, chunk=c)
+
+
+def channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, d_ny, d_p, d_u, *, c):
+  """The oracle of `channel_intra_bwd` (float32, HIGHEST, exact solve): the cotangents of
+  (NY, P, U) = (−M (K̃ ⊙ e^G), pair(Q), M Ṽ), M = (I + pair(K̃))^{-1}, with respect to Q, K̃
+  and K through the pairs (G held fixed), the key right-hand side R = K̃ ⊙ e^G and Ṽ; chunk-major
+  float32, as the kernel returns them."""
+  G = to_chunks(_chunk_gates(g, c), c)
+  same = cont = None
+  if segidx is not None:
+    same, cont, _ = segment_masks(segidx, c)
+  lower = jnp.tril(jnp.ones((c, c), bool))
+  strict = jnp.tril(jnp.ones((c, c), bool), k=-1)
+  mask = lambda x, m: x * m if same is None else x * m * same
+
+  def parts(Q, Kt, K, R, V):
+    with jax.default_matmul_precision("highest"):
+      P = mask(chunked._channel_pair(Q, K, G, "highest"), lower)
+      L = mask(chunked._channel_pair(Kt, K, G, "highest"), strict)
+      eye = jnp.eye(c, dtype=_F32)
+      sol = jax.lax.linalg.triangular_solve(eye + L, jnp.concatenate([R, V], -1),
+                                            left_side=True, lower=True, unit_diagonal=True)
+    return -sol[..., :R.shape[-1]], P, sol[..., R.shape[-1]:]
+
+  entry = jnp.exp(G) if cont is None else jnp.exp(G) * cont[..., None]
+  f = lambda x: to_chunks(x.astype(_F32), c)
+  primals = (f(q), f(kt), f(k), f(kt) * entry, f(vt))
+  _, vjp = jax.vjp(parts, *primals)
+  d_q, d_kt, d_k, d_r, d_v = vjp((d_ny.astype(_F32), d_p.astype(_F32), d_u.astype(_F32)))
+  return d_q, d_kt, d_k, d_r, d_v
+
+
+def channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, *, c):
+  """The whole backward of the channel-gate intra part from the kernel's pair/solve cotangents
+  (`channel_intra_bwd`'s five) and the outputs' cotangents (d_ny, d_qg, d_p, d_u, d_kg, d_gc):
+  the elementwise terms and dG, in XLA. Returns (dq, dk, dkt, dvt, dg) `[B, T, HV, D]`."""
+  d_qp, d_ktp, d_kp, d_r, d_vt = pair_grads
+  _, d_qg, _, _, d_kg, d_gc = (x.astype(_F32) for x in cts)
+  G = to_chunks(_chunk_gates(g, c), c)                      # [B, HV, Nc, C, K]
+  f = lambda x: to_chunks(x.astype(_F32), c)
+  Q, K, Kt = f(q), f(k), f(kt)
+  entry, exit_ = jnp.exp(G), jnp.exp(G[..., -1:, :] - G)
+  gc = jnp.exp(G[..., -1, :])
+  if segidx is not None:
+    _, cont, keep = segment_masks(segidx, c)
+    entry, exit_ = entry * cont[..., None], exit_ * keep[..., None]
+    gc = gc * cont[..., -1:]
+  d_exit = exit_ * K * d_kg
+  # Pairs depend on G only through A ⊙ e^G and K ⊙ e^{−G}: dG = Q ⊙ dQ + K̃ ⊙ dK̃ − K ⊙ dK there.
+  dG = (Q * d_qp + Kt * d_ktp - K * d_kp + entry * (Q * d_qg + Kt * d_r) - d_exit)
+  dG = dG.at[..., -1, :].add(jnp.sum(d_exit, axis=-2) + gc * d_gc)
+  dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -2), axis=-2), -2)   # G = cumsum(g) within the chunk
+  back = lambda x, like: from_chunks(x).astype(like.dtype)
+  return (back(d_qp + entry * d_qg, q), back(d_kp + exit_ * d_kg, k),
+          back(d_ktp + entry * d_r, kt), back(d_vt, vt), back(dg, g))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def channel_intra_kernel(q, k, kt, vt, g, segidx, c, tuning):
-  """`prepare_chunks` for per-channel gates with the Triton forward kernel
-  (`pallas_kernels.gpu.triton.channel_intra`); the backward recomputes the XLA part and
-  differentiates it (what `remat_intra=True` does for the XLA path)."""
-  return _channel_kernel_call(q, k, kt, vt, g, segidx, c)
+  """`prepare_chunks` for per-channel gates with the Triton kernels
+  (`pallas_kernels.gpu.triton.channel_intra`): forward, and the backward's pairs and solve,
+  the elementwise rest in XLA (`channel_grads`)."""
+  return _channel_kernel_call(q, k, kt, vt, g, segidx, c)[:6]
 
 
 def _channel_intra_fwd(q, k, kt, vt, g, segidx, c, tuning):
-  return _channel_kernel_call(q, k, kt, vt, g, segidx, c), (q, k, kt, vt, g, segidx)
+  *outs, m = _channel_kernel_call(q, k, kt, vt, g, segidx, c)
+  return tuple(outs), (q, k, kt, vt, g, segidx, m)
 
 
 def _channel_intra_bwd(c, tuning, res, cts):
-  q, k, kt, vt, g, segidx = res
-  xla = lambda q, k, kt, vt, g: prepare_chunks(q, k, kt, vt, g, segidx, c=c, tuning=tuning)
-  _, vjp = jax.vjp(xla, q, k, kt, vt, g)
-  return vjp(cts) + (None,)
+  del tuning
+  q, k, kt, vt, g, segidx, m = res
+  d_ny, _, d_p, d_u, _, _ = cts
+  pair_grads = _channel_kernel_bwd_call(q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c)
+  return channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, c=c) + (None,)
 
 
 channel_intra_kernel.defvjp(_channel_intra_fwd, _channel_intra_bwd)

@@ -47,9 +47,9 @@ class GpuTuning:
       `intra` is not read): "xla" (the default) or "kernel": for DeltaNet / GDN the Triton
       kernels of `pallas_kernels.gpu.triton.intra_chunk` (forward and backward; faster on the
       H200, docs/BENCHMARKS.md "The Triton path", but their current inverse has not yet passed
-      the compiled tests), for KDA / GDN-2 the forward kernel of
-      `pallas_kernels.gpu.triton.channel_intra` (backward: the XLA part's, recomputed; not
-      yet run compiled). Linear attention and simple GLA keep the XLA part.
+      the compiled tests), for KDA / GDN-2 those of `pallas_kernels.gpu.triton.channel_intra`
+      (forward and backward; not yet run compiled). Linear attention and simple GLA keep the
+      XLA part.
   """
 
   intra: str = "kernel"

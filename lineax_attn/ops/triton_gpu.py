@@ -12,9 +12,10 @@ selectable on Hopper too. It is the chunk form split as `pallas_gpu` splits it (
   C×C products, the blocked inverse of I + L with tf32 products, the pseudo-values), as
   `pallas_gpu` has Mosaic GPU ones: faster on the H200 (docs/BENCHMARKS.md), opt-in until
   their current inverse has passed the compiled tests. For KDA and GDN-2 the same option takes
-  a Triton forward kernel of the per-channel part (`pallas_kernels.gpu.triton.channel_intra`:
-  anchored sub-chunk pairs, exact diagonal blocks, the same inverse), differentiated through
-  the XLA part (`gpu_prepare.channel_intra_kernel`); interpreter-checked, not yet compiled;
+  Triton kernels of the per-channel part (`pallas_kernels.gpu.triton.channel_intra`: anchored
+  sub-chunk pairs, exact diagonal blocks, the same inverse; forward and backward, the
+  backward's elementwise rest in XLA, `gpu_prepare.channel_intra_kernel`); interpreter-checked,
+  not yet compiled;
 * **sequential state pass in Triton** (`pallas_kernels.gpu.triton.state_pass`): one program per
   (batch·value head, V-tile) walks the chunks with the float32 state in registers, forward and a
   reverse kernel for the state cotangent, wired as a `jax.custom_vjp` (`gpu_vjps.state_pass`,

@@ -1,4 +1,4 @@
-"""Triton kernel of the intra-chunk part for per-channel gates (KDA, GDN-2), forward.
+"""Triton kernels of the intra-chunk part for per-channel gates (KDA, GDN-2), forward and backward.
 
 The delta-rule intra-chunk part with a per-channel cumulative log gate G [C, K] (G_ic = Σ of the
 log decays of rows ≤ i of the chunk, channel c; non-increasing in i, so every exponent below is
@@ -27,9 +27,17 @@ One program per (chunk, batch · value head) reads its rows of q, k, k̃, ṽ an
 `[B, T, HV, D]` (float32, as the XLA preparation has them) and writes the state pass's inputs in
 chunk-major `[B, HV, Nc, C, D]`. L's diagonal blocks and its off-diagonal part are assembled
 through a float32 scratch output (written, a block barrier, read back), since a Triton program
-cannot place a 16 × 16 block inside a 64 × 64 register tile. The backward is the XLA part's
-(`gpu_vjps.channel_intra_kernel` differentiates it by recomputing, as `remat_intra` does).
-Imports triton (the `triton` extra); jax_triton only inside the wrapper.
+cannot place a 16 × 16 block inside a 64 × 64 register tile.
+
+The backward kernel (`channel_intra_bwd`) takes the forward's bf16 M and computes what needs the
+C × C matrices: Y, U again, dR = Mᵀ [dY | dU], dL = −dR [Y | U]ᵀ (strictly lower, same
+segment), and the pairs' cotangents for W ∈ {dP, dL}, anchored as in the forward plus the exact
+diagonal blocks: dA_ic = Σ_j W_ij K_jc e^{G_ic − G_jc}, dK_jc = Σ_i W_ij A_ic e^{G_ic − G_jc}.
+The elementwise rest (QG, KG, gc, the entry and exit factors, and dG, which the pairs give as
+Q ⊙ dQ + K̃ ⊙ dK̃ − K ⊙ dK since they depend on G only through A ⊙ e^G and K ⊙ e^{−G}) is XLA's:
+`lineax_attn.ops.gpu_prepare.channel_grads`, with the kernel half's float32 oracle beside it
+(`channel_pair_solve_vjp_reference`). Imports triton (the `triton` extra); jax_triton only
+inside the wrappers.
 """
 
 from __future__ import annotations
@@ -159,6 +167,127 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     tl.store(m_ptr + cc, m)
 
 
+@triton.jit
+def _diagonal_blocks_bwd(q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, row0, hv, dp_ptr, wl_ptr, cc0,
+                         dq_ptr, dkt_ptr, dk_ptr, ck0, HV: tl.constexpr, K: tl.constexpr,
+                         C: tl.constexpr, SUBC: tl.constexpr, KS: tl.constexpr,
+                         PACKED: tl.constexpr):
+  """Adds the exact diagonal blocks' terms to the pair gradients dQ, dK̃, dK (read, add, store):
+  dA_ic += Σ_j W_ij K_jc E_ijc, dK_jc += Σ_i W_ij A_ic E_ijc, E_ijc = e^{G_ic − G_jc}, j ≤ i."""
+  rs = tl.arange(0, SUBC)
+  ks = tl.arange(0, KS)
+  ii = rs[:, None]
+  jj = rs[None, :]
+  lower = rs[:, None, None] >= rs[None, :, None]
+  for blk in tl.static_range(C // SUBC):
+    rows = row0 + blk * SUBC + rs
+    cc = cc0 + (blk * SUBC + ii) * C + blk * SUBC + jj
+    keep_p = ii >= jj
+    keep_l = ii > jj
+    if PACKED:
+      seg = tl.load(seg_ptr + rows)
+      same = seg[:, None] == seg[None, :]
+      keep_p = keep_p & same
+      keep_l = keep_l & same
+    wp = tl.where(keep_p, tl.load(dp_ptr + cc).to(tl.float32), 0.0)[:, :, None]
+    wl = tl.where(keep_l, tl.load(wl_ptr + cc), 0.0)[:, :, None]
+    for s in tl.static_range(K // KS):
+      cols = s * KS + ks
+      off = (rows * HV + hv)[:, None] * K + cols[None, :]
+      out = ck0 + (blk * SUBC + ii) * K + cols[None, :]
+      ga = tl.load(g_ptr + off)
+      e3 = tl.where(lower, tl.exp(tl.where(lower, ga[:, None, :] - ga[None, :, :], 0.0)), 0.0)
+      ka = tl.load(k_ptr + off)
+      kj = ka[None, :, :] * e3
+      tl.store(dq_ptr + out, tl.load(dq_ptr + out) + tl.sum(wp * kj, axis=1))
+      tl.store(dkt_ptr + out, tl.load(dkt_ptr + out) + tl.sum(wl * kj, axis=1))
+      qe = tl.load(q_ptr + off)[:, None, :] * e3
+      kte = tl.load(kt_ptr + off)[:, None, :] * e3
+      tl.store(dk_ptr + out, tl.load(dk_ptr + out) + tl.sum(wp * qe + wl * kte, axis=0))
+
+
+@triton.jit
+def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, dny_ptr, dp_ptr,
+                du_ptr, t, dq_ptr, dkt_ptr, dk_ptr, drk_ptr, dvt_ptr, wl_ptr,
+                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                SUBC: tl.constexpr, KS: tl.constexpr, PACKED: tl.constexpr):
+  """The pair and solve part of the backward; the elementwise rest is the caller's (XLA)."""
+  ci = tl.program_id(0)
+  bhv = tl.program_id(1)
+  b = bhv // HV
+  hv = bhv % HV
+  rc = tl.arange(0, C)
+  rk = tl.arange(0, K)
+  rv = tl.arange(0, V)
+  row0 = b.to(tl.int64) * t + ci * C
+  rows = row0 + rc
+  ck_in = (rows * HV + hv)[:, None] * K + rk[None, :]
+  q = tl.load(q_ptr + ck_in)
+  k = tl.load(k_ptr + ck_in)
+  kt = tl.load(kt_ptr + ck_in)
+  g = tl.load(g_ptr + ck_in)
+  ii = rc[:, None]
+  jj = rc[None, :]
+  chunk = bhv.to(tl.int64) * (t // C) + ci
+  cc0 = chunk * C * C
+  cc = cc0 + ii * C + jj
+  ck0 = chunk * C * K
+  ck = ck0 + ii * K + rk[None, :]
+  cv = chunk * C * V + ii * V + rv[None, :]
+  entry = tl.exp(g)
+  if PACKED:
+    seg = tl.load(seg_ptr + rows)
+    same = seg[:, None] == seg[None, :]
+    entry = entry * tl.load(cont_ptr + rows)[:, None]
+  # The solve: Y = M R_k, U = M Ṽ (the forward's bf16 M); dR = Mᵀ [dY | dU], dL = −dR [Y | U]ᵀ.
+  m = tl.load(m_ptr + cc)
+  y = tl.dot(m, (kt * entry).to(tl.bfloat16))
+  vt = tl.load(vt_ptr + (rows * HV + hv)[:, None] * V + rv[None, :])
+  u = tl.dot(m, vt.to(tl.bfloat16))
+  mt = tl.trans(m)
+  d_y = (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16)
+  d_rk = tl.dot(mt, d_y)
+  d_rv = tl.dot(mt, tl.load(du_ptr + cv).to(tl.bfloat16))
+  tl.store(drk_ptr + ck, d_rk)
+  tl.store(dvt_ptr + cv, d_rv)
+  d_l = -(tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)))
+          + tl.dot(d_rv.to(tl.bfloat16), tl.trans(u.to(tl.bfloat16))))
+  keep_l = ii > jj
+  keep_p = ii >= jj
+  if PACKED:
+    keep_l = keep_l & same
+    keep_p = keep_p & same
+  w_l = tl.where(keep_l, d_l, 0.0)
+  w_p = tl.where(keep_p, tl.load(dp_ptr + cc).to(tl.float32), 0.0)
+  tl.store(wl_ptr + cc, w_l)            # the diagonal blocks read it back
+  # Off-diagonal pairs, anchored as in the forward.
+  d_q = tl.zeros((C, K), tl.float32)
+  d_kt = tl.zeros((C, K), tl.float32)
+  d_k = tl.zeros((C, K), tl.float32)
+  for blk in tl.static_range(1, C // SUBC):
+    n = blk * SUBC
+    g_n = tl.load(g_ptr + ((row0 + n) * HV + hv) * K + rk)
+    in_p = ((rc >= n) & (rc < n + SUBC))[:, None]
+    before = (rc < n)[:, None]
+    row_f = tl.where(in_p, tl.exp(tl.where(in_p, g - g_n[None, :], 0.0)), 0.0)
+    col_f = tl.where(before, tl.exp(tl.where(before, g_n[None, :] - g, 0.0)), 0.0)
+    block = in_p & (rc < n)[None, :]                           # rows of p, columns before n
+    wp = tl.where(block, w_p, 0.0).to(tl.bfloat16)
+    wl = tl.where(block, w_l, 0.0).to(tl.bfloat16)
+    kc = (k * col_f).to(tl.bfloat16)
+    d_q += row_f * tl.dot(wp, kc)
+    d_kt += row_f * tl.dot(wl, kc)
+    back = tl.dot(tl.trans(wp), (q * row_f).to(tl.bfloat16))
+    back = tl.dot(tl.trans(wl), (kt * row_f).to(tl.bfloat16), back)
+    d_k += col_f * back
+  tl.store(dq_ptr + ck, d_q)
+  tl.store(dkt_ptr + ck, d_kt)
+  tl.store(dk_ptr + ck, d_k)
+  tl.debug_barrier()                    # the stores above, then the diagonal blocks' additions
+  _diagonal_blocks_bwd(q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, row0, hv, dp_ptr, wl_ptr, cc0,
+                       dq_ptr, dkt_ptr, dk_ptr, ck0, HV, K, C, SUBC, KS, PACKED)
+
+
 def supported(chunk: int, dk: int, dv: int) -> str | None:
   """None if this kernel takes the sizes (its [C, D] tiles stay in registers), else why."""
   return blocks.intra_supported("channel-gate", chunk, dk, dv)
@@ -203,3 +332,33 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
       WITH_INVERSE=with_inverse, PREC=precision)
   outs = (ny, qg, p, u, kg, gc)
   return outs + (m,) if with_inverse else outs
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps"))
+def channel_intra_bwd(q, k, kt, vt, G, segments, m, dny, dp, du, *, chunk: int,
+                      num_warps: int = blocks.INTRA_WARPS):
+  """The backward of `channel_intra_fwd`'s NY, P and U through the pairs and the solve.
+
+  Arguments as the forward's, plus its bf16 M and the cotangents dny, dp, du (chunk-major).
+  Returns (dq, dkt, dk, d_rk, dvt), float32 `[B, HV, Nc, C, D]`: dq, dkt, dk the gradients
+  through P and L (pair(Q), pair(K̃); dk from both), d_rk the cotangent of the solve's key
+  right-hand side K̃ ⊙ e^G, dvt that of Ṽ. The elementwise terms (QG, KG, gc, the entry and exit
+  factors) and dG are the caller's: `lineax_attn.ops.gpu_prepare`.
+  """
+  reason = supported(chunk, q.shape[-1], vt.shape[-1])
+  if reason:
+    raise ValueError(f"channel_intra_bwd: {reason}")
+  b, t, hv, dk = q.shape
+  dv = vt.shape[-1]
+  nc, c = t // chunk, chunk
+  f32 = jnp.float32
+  packed = segments is not None
+  seg = tuple(x.astype(f32) for x in segments[:2]) if packed else (G,) * 2
+  out_shape = _structs(*[((b, hv, nc, c, dk), f32)] * 4, ((b, hv, nc, c, dv), f32),
+                       ((b, hv, nc, c, c), f32))
+  *grads, _ = _jax_triton().triton_call(
+      q.astype(f32), k.astype(f32), kt.astype(f32), vt.astype(f32), G.astype(f32), *seg,
+      m.astype(MM_DTYPE), dny.astype(MM_DTYPE), dp.astype(MM_DTYPE), du.astype(f32), t,
+      kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
+      num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, KS=CHANNEL_SLICE, PACKED=packed)
+  return tuple(grads)
