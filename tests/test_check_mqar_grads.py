@@ -8,6 +8,10 @@ import pytest
 from experiments import check_mqar_grads
 
 
+# Slow since issue #15's suite-time cut (33 s): the same property at the layer
+# (tests/test_layers.py::test_bf16_mqar_layer_chunk_grads_match_the_scan[kda]) and the op
+# (test_chunk_vs_scan.py::test_grads_chunk_equal_scan) runs by default; this is the program's.
+@pytest.mark.slow
 def test_kda_training_step_chunk_matches_scan_on_cpu():
   # One layer: the embedding's gradient still flows back through the layer's dq, dk, dv.
   row = check_mqar_grads.check("kda", "float32", vocab=256, seq_len=128, num_pairs=4,
