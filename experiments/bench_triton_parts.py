@@ -83,7 +83,7 @@ def _whole_op(row, mixer, args, label, tuning):
   row(f"{mixer} whole op ({label}) fwd+bwd", bench.forward_backward(op), cot, *args)
 
 
-def channel_rows(mixer, b, t, h, d, iters):
+def channel_rows(mixer, b, t, h, d, iters, warps):
   """KDA / GDN-2: the per-channel forward kernel, the XLA part, the whole op with either."""
   from lineax_attn.ops import chunked, gpu_chunks
   from pallas_kernels.gpu.triton import channel_intra
@@ -110,7 +110,9 @@ def channel_rows(mixer, b, t, h, d, iters):
   except Exception as e:  # noqa: BLE001
     log(f"[error] {mixer} channel intra fwd: {type(e).__name__}: {str(e)[:300]}")
     err = None
-  row(f"{mixer} triton channel intra fwd", fwd, qs, kf, kt, vt, G, err=err)
+  for w in warps:
+    row(f"{mixer} triton channel intra fwd, {w} warps",
+        functools.partial(fwd, num_warps=w), qs, kf, kt, vt, G, err=err)
   row(f"{mixer} XLA intra fwd (prepare_chunks)",
       lambda *a: pallas_gpu.prepare_chunks(*a, None, c=C), qs, kf, kt, vt, g)
   for intra in ("xla", "kernel"):
@@ -200,7 +202,7 @@ def main(argv):
     if mixer == "gated_delta_rule":
       rows += rows_for(b, t, h, d, _ITERS.value, [int(w) for w in _WARPS.value])
     elif mixer in ("kda", "gdn2"):
-      rows += channel_rows(mixer, b, t, h, d, _ITERS.value)
+      rows += channel_rows(mixer, b, t, h, d, _ITERS.value, [int(w) for w in _WARPS.value])
     else:
       raise app.UsageError(f"--mixers: {mixer!r} is not one of gated_delta_rule, kda, gdn2")
   meta = {"shape": [b, t, h, d], "mixers": _MIXERS.value,

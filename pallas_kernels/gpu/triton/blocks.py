@@ -56,6 +56,10 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 #   4.64. The inverse is arranged so that tf32 is enough (`intra_chunk`'s docstring).
 INTRA_WARPS = 4
 INTRA_HEAD_DIMS = (64, 128)   # the intra kernels hold [64, D] tiles in registers
+# The per-channel kernels (`channel_intra.py`) hold four float32 [64, K] tiles (q, k, k̃, G)
+# besides the [64, 64] ones: at K = 128 that is 256 registers a thread at 4 warps, 128 at 8.
+# 8 until a compiled run measures both (`bench_triton_parts --mixers=kda`).
+CHANNEL_WARPS = 8
 INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32")
 INTRA_PRECISION = "tf32"
 

@@ -296,7 +296,7 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 @functools.partial(jax.jit, static_argnames=("chunk", "with_inverse", "precision", "num_warps"))
 def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_inverse=False,
                       precision: str = blocks.INTRA_PRECISION,
-                      num_warps: int = blocks.INTRA_WARPS):
+                      num_warps: int = blocks.CHANNEL_WARPS):
   """The intra-chunk part for per-channel gates (module docstring).
 
   q, k, kt, vt: `[B, T, HV, K]` (vt `[B, T, HV, V]`), the scaled queries, keys, erase keys and
@@ -336,7 +336,7 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps"))
 def channel_intra_bwd(q, k, kt, vt, G, segments, m, dny, dp, du, *, chunk: int,
-                      num_warps: int = blocks.INTRA_WARPS):
+                      num_warps: int = blocks.CHANNEL_WARPS):
   """The backward of `channel_intra_fwd`'s NY, P and U through the pairs and the solve.
 
   Arguments as the forward's, plus its bf16 M and the cotangents dny, dp, du (chunk-major).
