@@ -173,19 +173,14 @@ def rows_for(b, t, h, d, iters, warps):
     row(f"{name} state pass fwd", mod.state_passing_fwd, *inputs, s0)
     row(f"{name} state pass bwd", mod.state_passing_bwd, ny, qg, p, kg, gc, do, u, s0)
 
-  cot = jax.random.normal(jax.random.key(1), v.shape, jnp.float32)
   original = tic.intra_chunk_fwd
   for intra, prec in [("xla", None)] + [("kernel", p_) for p_ in blocks.INTRA_PRECISIONS]:
-    tuning = pallas_gpu.GpuTuning(triton_intra=intra)
-    op = lambda *a, tuning=tuning: ops.gated_delta_rule(*a, implementation="triton",
-                                                        tuning=tuning)[0]
     label = "XLA intra" if prec is None else f"intra kernel, inverse {prec}"
     if prec is not None:   # the op takes the module's function at trace time
       tic.intra_chunk_fwd = functools.partial(original, precision=prec)
     try:
-      jax.clear_caches()
-      row(f"whole op ({label}) fwd", op, q, k, v, g, beta)
-      row(f"whole op ({label}) fwd+bwd", bench.forward_backward(op), cot, q, k, v, g, beta)
+      _whole_op(row, "gated_delta_rule", (q, k, v, g, beta), label,
+                pallas_gpu.GpuTuning(triton_intra=intra))
     finally:
       tic.intra_chunk_fwd = original
   return rows

@@ -165,7 +165,7 @@ def test_channel_backward_glue_from_exact_pair_grads_equals_autodiff(packed):
       lambda q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c:
       gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, d_ny, d_p, d_u, c=c))
   try:
-    op = lambda *a: gpu_prepare.channel_intra_kernel(*a, segidx, c, ops.GpuTuning())
+    op = lambda *a: gpu_prepare.channel_intra_kernel(*a, segidx, c)
     loss = lambda *a: sum(jnp.sum(o * ct) for o, ct in zip(op(*a), cts))
     got = jax.jit(jax.grad(loss, argnums=range(5)))(q, k, kt, vt, g)
   finally:

@@ -78,6 +78,11 @@ def _chunk_gates(g, c):
   return jnp.cumsum(g.astype(_F32).reshape(b, t // c, c, hv, dk), axis=2).reshape(b, t, hv, dk)
 
 
+def _chunked_gates(g, c):
+  """The same in the chunk-major layout [B, HV, Nc, C, K] of the outputs."""
+  return chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))[0]
+
+
 def _channel_kernel_call(q, k, kt, vt, g, segidx, c):
   """The forward kernel: prepare_chunks' six outputs and M (bf16, the backward's residual)."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
@@ -98,7 +103,7 @@ def channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, d_ny, d_p, d_u, *,
   (NY, P, U) = (−M (K̃ ⊙ e^G), pair(Q), M Ṽ), M = (I + pair(K̃))^{-1}, with respect to Q, K̃
   and K through the pairs (G held fixed), the key right-hand side R = K̃ ⊙ e^G and Ṽ; chunk-major
   float32, as the kernel returns them."""
-  G = to_chunks(_chunk_gates(g, c), c)
+  G = _chunked_gates(g, c)
   same = cont = None
   if segidx is not None:
     same, cont, _ = segment_masks(segidx, c)
@@ -129,7 +134,7 @@ def channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, *, c):
   the elementwise terms and dG, in XLA. Returns (dq, dk, dkt, dvt, dg) `[B, T, HV, D]`."""
   d_qp, d_ktp, d_kp, d_r, d_vt = pair_grads
   _, d_qg, _, _, d_kg, d_gc = (x.astype(_F32) for x in cts)
-  G = to_chunks(_chunk_gates(g, c), c)                      # [B, HV, Nc, C, K]
+  G = _chunked_gates(g, c)
   f = lambda x: to_chunks(x.astype(_F32), c)
   Q, K, Kt = f(q), f(k), f(kt)
   entry, exit_ = jnp.exp(G), jnp.exp(G[..., -1:, :] - G)
@@ -148,21 +153,20 @@ def channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, *, c):
           back(d_ktp + entry * d_r, kt), back(d_vt, vt), back(dg, g))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def channel_intra_kernel(q, k, kt, vt, g, segidx, c, tuning):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def channel_intra_kernel(q, k, kt, vt, g, segidx, c):
   """`prepare_chunks` for per-channel gates with the Triton kernels
   (`pallas_kernels.gpu.triton.channel_intra`): forward, and the backward's pairs and solve,
   the elementwise rest in XLA (`channel_grads`)."""
   return _channel_kernel_call(q, k, kt, vt, g, segidx, c)[:6]
 
 
-def _channel_intra_fwd(q, k, kt, vt, g, segidx, c, tuning):
+def _channel_intra_fwd(q, k, kt, vt, g, segidx, c):
   *outs, m = _channel_kernel_call(q, k, kt, vt, g, segidx, c)
   return tuple(outs), (q, k, kt, vt, g, segidx, m)
 
 
-def _channel_intra_bwd(c, tuning, res, cts):
-  del tuning
+def _channel_intra_bwd(c, res, cts):
   q, k, kt, vt, g, segidx, m = res
   d_ny, _, d_p, d_u, _, _ = cts
   pair_grads = _channel_kernel_bwd_call(q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c)

@@ -58,7 +58,58 @@ CHANNEL_SLICE = 16  # channels per step of the exact diagonal blocks ([16, 16, 1
 
 
 @triton.jit
-def _diagonal_blocks(q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, row0, seg_row0, hv, p_ptr, l_ptr,
+def _chunk_tiles(q_ptr, k_ptr, kt_ptr, g_ptr, t, HV: tl.constexpr, K: tl.constexpr,
+                 C: tl.constexpr):
+  """This program's chunk: q, k, k̃, G [C, K] float32 and its indices (time rows, chunk)."""
+  ci = tl.program_id(0)
+  bhv = tl.program_id(1)
+  hv = bhv % HV
+  rc = tl.arange(0, C)
+  rk = tl.arange(0, K)
+  row0 = (bhv // HV).to(tl.int64) * t + ci * C                # first time row of the chunk
+  rows = row0 + rc
+  ck_in = (rows * HV + hv)[:, None] * K + rk[None, :]
+  chunk = bhv.to(tl.int64) * (t // C) + ci
+  return (tl.load(q_ptr + ck_in), tl.load(k_ptr + ck_in), tl.load(kt_ptr + ck_in),
+          tl.load(g_ptr + ck_in), hv, row0, rows, rc, rk, chunk)
+
+
+@triton.jit
+def _pair_masks(seg_ptr, rows, ii, jj, PACKED: tl.constexpr):
+  """Where P (j ≤ i) and L (j < i) may be non-zero: same segment too when packed."""
+  keep_p = ii >= jj
+  keep_l = ii > jj
+  if PACKED:
+    seg = tl.load(seg_ptr + rows)
+    same = seg[:, None] == seg[None, :]
+    keep_p = keep_p & same
+    keep_l = keep_l & same
+  return keep_p, keep_l
+
+
+@triton.jit
+def _anchored_factors(g, g_ptr, row0, hv, rc, rk, blk, HV: tl.constexpr, K: tl.constexpr,
+                      SUBC: tl.constexpr):
+  """Sub-chunk blk's anchoring at its first row n: (rows of blk [C, 1], columns before n
+  [1, C], e^{G_i − G_n} on blk's rows, e^{G_n − G_j} on the rows before n), zero elsewhere."""
+  n = blk * SUBC
+  g_n = tl.load(g_ptr + ((row0 + n) * HV + hv) * K + rk)
+  in_p = ((rc >= n) & (rc < n + SUBC))[:, None]
+  before = (rc < n)[:, None]
+  row_f = tl.where(in_p, tl.exp(tl.where(in_p, g - g_n[None, :], 0.0)), 0.0)
+  col_f = tl.where(before, tl.exp(tl.where(before, g_n[None, :] - g, 0.0)), 0.0)
+  return in_p, (rc < n)[None, :], row_f, col_f
+
+
+@triton.jit
+def _diagonal_decay(g_ptr, off, lower):
+  """E_ijc = e^{G_ic − G_jc} (j ≤ i) of one diagonal block's channel slice, [16, 16, KS]."""
+  ga = tl.load(g_ptr + off)
+  return tl.where(lower, tl.exp(tl.where(lower, ga[:, None, :] - ga[None, :, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _diagonal_blocks(q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, row0, hv, p_ptr, l_ptr,
                      cc0, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
                      SUBC: tl.constexpr, KS: tl.constexpr, PACKED: tl.constexpr):
   """The exact diagonal blocks of P (j ≤ i) and L (j < i), stored to p_ptr and l_ptr."""
@@ -71,22 +122,12 @@ def _diagonal_blocks(q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, row0, seg_row0, hv, p
     lower = rs[:, None, None] >= rs[None, :, None]
     for s in tl.static_range(K // KS):
       off = (rows * HV + hv)[:, None] * K + (s * KS + ks)[None, :]
-      ga = tl.load(g_ptr + off)
-      ka = tl.load(k_ptr + off)
-      diff = ga[:, None, :] - ga[None, :, :]
-      e3 = tl.where(lower, tl.exp(tl.where(lower, diff, 0.0)), 0.0)
-      kj = ka[None, :, :] * e3
+      kj = tl.load(k_ptr + off)[None, :, :] * _diagonal_decay(g_ptr, off, lower)
       dq += tl.sum(tl.load(q_ptr + off)[:, None, :] * kj, axis=2)
       dl += tl.sum(tl.load(kt_ptr + off)[:, None, :] * kj, axis=2)
     ii = rs[:, None]
     jj = rs[None, :]
-    keep_p = ii >= jj
-    keep_l = ii > jj
-    if PACKED:
-      seg = tl.load(seg_ptr + seg_row0 + blk * SUBC + rs)
-      same = seg[:, None] == seg[None, :]
-      keep_p = keep_p & same
-      keep_l = keep_l & same
+    keep_p, keep_l = _pair_masks(seg_ptr, rows, ii, jj, PACKED)
     cc = cc0 + (blk * SUBC + ii) * C + blk * SUBC + jj
     tl.store(p_ptr + cc, tl.where(keep_p, dq, 0.0).to(tl.bfloat16))
     tl.store(l_ptr + cc, tl.where(keep_l, dl, 0.0))
@@ -98,23 +139,11 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, KS: tl.constexpr, PACKED: tl.constexpr,
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr):
-  ci = tl.program_id(0)
-  bhv = tl.program_id(1)
-  b = bhv // HV
-  hv = bhv % HV
-  rc = tl.arange(0, C)
-  rk = tl.arange(0, K)
+  q, k, kt, g, hv, row0, rows, rc, rk, chunk = _chunk_tiles(q_ptr, k_ptr, kt_ptr, g_ptr, t,
+                                                            HV, K, C)
   rv = tl.arange(0, V)
-  row0 = b.to(tl.int64) * t + ci * C                          # first time row of the chunk
-  rows = row0 + rc
-  ck_in = (rows * HV + hv)[:, None] * K + rk[None, :]
-  q = tl.load(q_ptr + ck_in)
-  k = tl.load(k_ptr + ck_in)
-  kt = tl.load(kt_ptr + ck_in)
-  g = tl.load(g_ptr + ck_in)
   ii = rc[:, None]
   jj = rc[None, :]
-  chunk = bhv.to(tl.int64) * (t // C) + ci
   cc0 = chunk * C * C
   cc = cc0 + ii * C + jj
   # Off-diagonal pairs, anchored at each sub-chunk's first row n: rows of sub-chunk p against
@@ -122,25 +151,19 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   p_off = tl.zeros((C, C), tl.float32)
   l_off = tl.zeros((C, C), tl.float32)
   for blk in tl.static_range(1, C // SUBC):
-    n = blk * SUBC
-    g_n = tl.load(g_ptr + ((row0 + n) * HV + hv) * K + rk)
-    in_p = ((rc >= n) & (rc < n + SUBC))[:, None]
-    before = (rc < n)[:, None]
-    row_f = tl.where(in_p, tl.exp(tl.where(in_p, g - g_n[None, :], 0.0)), 0.0)
-    col_f = tl.where(before, tl.exp(tl.where(before, g_n[None, :] - g, 0.0)), 0.0)
+    _, _, row_f, col_f = _anchored_factors(g, g_ptr, row0, hv, rc, rk, blk, HV, K, SUBC)
     kc = tl.trans((k * col_f).to(tl.bfloat16))
     p_off = tl.dot((q * row_f).to(tl.bfloat16), kc, p_off)
     l_off = tl.dot((kt * row_f).to(tl.bfloat16), kc, l_off)
   off_block = (ii // SUBC) != (jj // SUBC)
   if PACKED:
-    seg = tl.load(seg_ptr + rows)
-    same = seg[:, None] == seg[None, :]
-    p_off = tl.where(same, p_off, 0.0)
-    l_off = tl.where(same, l_off, 0.0)
+    keep_p, keep_l = _pair_masks(seg_ptr, rows, ii, jj, PACKED)
+    p_off = tl.where(keep_p, p_off, 0.0)
+    l_off = tl.where(keep_l, l_off, 0.0)
   # p_off and l_off are zero on and above the diagonal blocks; the blocks are stored apart.
   tl.store(p_ptr + cc, p_off.to(tl.bfloat16), mask=off_block)
   tl.store(l_ptr + cc, l_off, mask=off_block)
-  _diagonal_blocks(q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, row0, row0, hv, p_ptr, l_ptr, cc0,
+  _diagonal_blocks(q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, row0, hv, p_ptr, l_ptr, cc0,
                    HV, K, C, SUBC, KS, PACKED)
   tl.debug_barrier()                                          # L's two parts, then read back
   lmat = tl.load(l_ptr + cc)
@@ -182,23 +205,15 @@ def _diagonal_blocks_bwd(q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, row0, hv, dp_ptr,
   for blk in tl.static_range(C // SUBC):
     rows = row0 + blk * SUBC + rs
     cc = cc0 + (blk * SUBC + ii) * C + blk * SUBC + jj
-    keep_p = ii >= jj
-    keep_l = ii > jj
-    if PACKED:
-      seg = tl.load(seg_ptr + rows)
-      same = seg[:, None] == seg[None, :]
-      keep_p = keep_p & same
-      keep_l = keep_l & same
+    keep_p, keep_l = _pair_masks(seg_ptr, rows, ii, jj, PACKED)
     wp = tl.where(keep_p, tl.load(dp_ptr + cc).to(tl.float32), 0.0)[:, :, None]
     wl = tl.where(keep_l, tl.load(wl_ptr + cc), 0.0)[:, :, None]
     for s in tl.static_range(K // KS):
       cols = s * KS + ks
       off = (rows * HV + hv)[:, None] * K + cols[None, :]
       out = ck0 + (blk * SUBC + ii) * K + cols[None, :]
-      ga = tl.load(g_ptr + off)
-      e3 = tl.where(lower, tl.exp(tl.where(lower, ga[:, None, :] - ga[None, :, :], 0.0)), 0.0)
-      ka = tl.load(k_ptr + off)
-      kj = ka[None, :, :] * e3
+      e3 = _diagonal_decay(g_ptr, off, lower)
+      kj = tl.load(k_ptr + off)[None, :, :] * e3
       tl.store(dq_ptr + out, tl.load(dq_ptr + out) + tl.sum(wp * kj, axis=1))
       tl.store(dkt_ptr + out, tl.load(dkt_ptr + out) + tl.sum(wl * kj, axis=1))
       qe = tl.load(q_ptr + off)[:, None, :] * e3
@@ -212,23 +227,11 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, d
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, KS: tl.constexpr, PACKED: tl.constexpr):
   """The pair and solve part of the backward; the elementwise rest is the caller's (XLA)."""
-  ci = tl.program_id(0)
-  bhv = tl.program_id(1)
-  b = bhv // HV
-  hv = bhv % HV
-  rc = tl.arange(0, C)
-  rk = tl.arange(0, K)
+  q, k, kt, g, hv, row0, rows, rc, rk, chunk = _chunk_tiles(q_ptr, k_ptr, kt_ptr, g_ptr, t,
+                                                            HV, K, C)
   rv = tl.arange(0, V)
-  row0 = b.to(tl.int64) * t + ci * C
-  rows = row0 + rc
-  ck_in = (rows * HV + hv)[:, None] * K + rk[None, :]
-  q = tl.load(q_ptr + ck_in)
-  k = tl.load(k_ptr + ck_in)
-  kt = tl.load(kt_ptr + ck_in)
-  g = tl.load(g_ptr + ck_in)
   ii = rc[:, None]
   jj = rc[None, :]
-  chunk = bhv.to(tl.int64) * (t // C) + ci
   cc0 = chunk * C * C
   cc = cc0 + ii * C + jj
   ck0 = chunk * C * K
@@ -236,8 +239,6 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, d
   cv = chunk * C * V + ii * V + rv[None, :]
   entry = tl.exp(g)
   if PACKED:
-    seg = tl.load(seg_ptr + rows)
-    same = seg[:, None] == seg[None, :]
     entry = entry * tl.load(cont_ptr + rows)[:, None]
   # The solve: Y = M R_k, U = M Ṽ (the forward's bf16 M); dR = Mᵀ [dY | dU], dL = −dR [Y | U]ᵀ.
   m = tl.load(m_ptr + cc)
@@ -252,11 +253,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, d
   tl.store(dvt_ptr + cv, d_rv)
   d_l = -(tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)))
           + tl.dot(d_rv.to(tl.bfloat16), tl.trans(u.to(tl.bfloat16))))
-  keep_l = ii > jj
-  keep_p = ii >= jj
-  if PACKED:
-    keep_l = keep_l & same
-    keep_p = keep_p & same
+  keep_p, keep_l = _pair_masks(seg_ptr, rows, ii, jj, PACKED)
   w_l = tl.where(keep_l, d_l, 0.0)
   w_p = tl.where(keep_p, tl.load(dp_ptr + cc).to(tl.float32), 0.0)
   tl.store(wl_ptr + cc, w_l)            # the diagonal blocks read it back
@@ -265,13 +262,9 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, d
   d_kt = tl.zeros((C, K), tl.float32)
   d_k = tl.zeros((C, K), tl.float32)
   for blk in tl.static_range(1, C // SUBC):
-    n = blk * SUBC
-    g_n = tl.load(g_ptr + ((row0 + n) * HV + hv) * K + rk)
-    in_p = ((rc >= n) & (rc < n + SUBC))[:, None]
-    before = (rc < n)[:, None]
-    row_f = tl.where(in_p, tl.exp(tl.where(in_p, g - g_n[None, :], 0.0)), 0.0)
-    col_f = tl.where(before, tl.exp(tl.where(before, g_n[None, :] - g, 0.0)), 0.0)
-    block = in_p & (rc < n)[None, :]                           # rows of p, columns before n
+    in_p, cols_before, row_f, col_f = _anchored_factors(g, g_ptr, row0, hv, rc, rk, blk, HV, K,
+                                                        SUBC)
+    block = in_p & cols_before                                 # rows of p, columns before n
     wp = tl.where(block, w_p, 0.0).to(tl.bfloat16)
     wl = tl.where(block, w_l, 0.0).to(tl.bfloat16)
     kc = (k * col_f).to(tl.bfloat16)
