@@ -101,18 +101,25 @@ def test_op_gradients_match_scan(mixer):
 
 
 # The per-channel gates' one-chunk case is where XLA CPU once miscompiled (tests/test_jit_edges.py);
-# GDN shares every other path of theirs (tests/test_triton_gpu.py's op tests).
+# GDN shares every other path of theirs (tests/test_triton_gpu.py's op tests). With the intra
+# kernels (triton_intra="kernel") every mixer that has one: padding to one chunk, tail rows.
+_EDGE_CASES = ([(m, "xla") for m in ("kda", "gdn2")]
+               + [(m, "kernel") for m in ("kda", "gdn2", "gated_delta_rule", "delta_rule")])
+
+
 @pytest.mark.parametrize("t", [1, 63, 64, 65, 128])
-@pytest.mark.parametrize("mixer", ["kda", "gdn2"])
-def test_jitted_forward_at_the_edges_of_t(mixer, t):
+@pytest.mark.parametrize("mixer,intra", _EDGE_CASES)
+def test_jitted_forward_at_the_edges_of_t(mixer, intra, t):
   args, _ = make_inputs(mixer, b=2, t=t, h=2, dk=64, dv=64, seed=5, with_state=False)
   want = run(mixer, args, implementation="scan")[0]
+  tuning = ops.GpuTuning(triton_intra=intra)
   for outputs in ("o", "o+state", "o+residual"):
     # A new function object each time: a fresh trace and compile (the class of bug
     # tests/test_jit_edges.py hunts), without clearing every other test's caches.
     kw = dict(output_final_state=outputs == "o+state", return_residual=outputs == "o+residual")
-    got = jax.jit(lambda *a, kw=kw: run(mixer, a, implementation="triton", **kw)[0])(*args)
-    assert_close(got, want, FWD_TOL, f"{mixer} T={t} {outputs}")
+    got = jax.jit(lambda *a, kw=kw: run(mixer, a, implementation="triton", tuning=tuning,
+                                        **kw)[0])(*args)
+    assert_close(got, want, FWD_TOL, f"{mixer} intra={intra} T={t} {outputs}")
 
 
 @pytest.mark.parametrize("mixer", ["kda", "gdn2", "gated_delta_rule"])
