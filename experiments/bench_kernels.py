@@ -83,9 +83,10 @@ _INTRA = flags.DEFINE_enum("intra", "kernel", ["xla", "kernel"], "pallas_gpu: wh
                            "DeltaNet/GDN intra-chunk part (lineax_attn.ops.pallas_gpu.GpuTuning."
                            "intra: the Mosaic GPU kernel, the library's default, or the XLA "
                            "path).")
-_TRITON_INTRA = flags.DEFINE_enum("triton_intra", "xla", ["xla", "kernel"], "triton: who computes "
-                                  "the DeltaNet/GDN intra-chunk part (GpuTuning.triton_intra: "
-                                  "XLA, the default, or the Triton intra-chunk kernels).")
+_TRITON_INTRA = flags.DEFINE_enum("triton_intra", "auto", ["auto", "xla", "kernel"],
+                                  "triton: who computes the intra-chunk part "
+                                  "(GpuTuning.triton_intra: auto = kernels for DeltaNet/GDN, "
+                                  "XLA for KDA/GDN-2; or the Triton kernels / XLA for all).")
 _CHANNEL_PAIR = flags.DEFINE_enum("channel_pair", None, ["xla", "kernel_fwd", "kernel"], "pallas_gpu: who "
                                   "computes KDA/GDN-2's per-channel pair matrices (lineax_attn."
                                   "ops.pallas_gpu.GpuTuning.channel_pair; unset: the default).")

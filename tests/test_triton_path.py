@@ -85,11 +85,23 @@ def test_kernel_module_needs_the_extra():
 
 
 def test_triton_intra_is_a_checked_tuning_field():
-  # The triton path reads `triton_intra` (default "xla", the measured path), never `intra`.
-  assert ops.GpuTuning().triton_intra == "xla" and ops.GpuTuning().intra == "kernel"
+  # The triton path reads `triton_intra` (default "auto"), never `intra`.
+  assert ops.GpuTuning().triton_intra == "auto" and ops.GpuTuning().intra == "kernel"
   assert ops.GpuTuning.parse("triton_intra=kernel").triton_intra == "kernel"
   with pytest.raises(ValueError, match="triton_intra"):
     ops.GpuTuning(triton_intra="fast")
+
+
+@pytest.mark.parametrize("mixer,auto", [("linear_attention", "xla"), ("delta_rule", "kernel"),
+                                        ("gated_delta_rule", "kernel"), ("kda", "xla"),
+                                        ("gdn2", "xla")])
+def test_auto_intra_takes_the_kernels_measured_faster(mixer, auto):
+  # "auto": the Triton intra kernels for the scalar-gate delta rule (faster than XLA's part on
+  # the H200), XLA's part for the per-channel mixers (their kernels are slower there); an
+  # explicit choice is taken as given.
+  assert triton_gpu.intra_choice(mixer, ops.GpuTuning()) == auto
+  for choice in ("kernel", "xla"):
+    assert triton_gpu.intra_choice(mixer, ops.GpuTuning(triton_intra=choice)) == choice
 
 
 def test_intra_kernel_sizes():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 INTRA_CHOICES = ("kernel", "xla")
+TRITON_INTRA_CHOICES = ("auto", "kernel", "xla")
 PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
@@ -44,12 +45,13 @@ class GpuTuning:
       less memory) or keeps its residuals (the C×C products and the inverse per chunk: a faster
       backward).
     triton_intra: who computes the intra-chunk part under implementation="triton" (where
-      `intra` is not read): "xla" (the default) or "kernel": for DeltaNet / GDN the Triton
-      kernels of `pallas_kernels.gpu.triton.intra_chunk` (forward and backward; faster on the
-      H200, docs/BENCHMARKS.md "The Triton path", but their current inverse has not yet passed
-      the compiled tests), for KDA / GDN-2 those of `pallas_kernels.gpu.triton.channel_intra`
-      (forward and backward; not yet run compiled). Linear attention and simple GLA keep the
-      XLA part.
+      `intra` is not read): "kernel" takes the Triton kernels, for DeltaNet / GDN those of
+      `pallas_kernels.gpu.triton.intra_chunk`, for KDA / GDN-2 those of
+      `pallas_kernels.gpu.triton.channel_intra` (both forward and backward); "xla" the XLA part;
+      "auto" (the default) whichever measured faster on the H200 (docs/BENCHMARKS.md "The
+      Triton path, third stage"): the kernels for DeltaNet / GDN (GDN fwd+bwd 3.01 ms against
+      XLA's 4.88), the XLA part for KDA / GDN-2 (their kernels' forward takes 4.9 ms against
+      XLA's 2.9). Linear attention and simple GLA always take the XLA part.
   """
 
   intra: str = "kernel"
@@ -57,12 +59,12 @@ class GpuTuning:
   channel_pair: str = "xla"
   pair_diag: str = "columns"
   remat_intra: bool = True
-  triton_intra: str = "xla"
+  triton_intra: str = "auto"
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
                           ("channel_pair", PAIR_CHOICES), ("pair_diag", PAIR_DIAG_CHOICES),
-                          ("triton_intra", INTRA_CHOICES)):
+                          ("triton_intra", TRITON_INTRA_CHOICES)):
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")

@@ -5,17 +5,16 @@ sm_86, sm_89), where the Mosaic GPU kernels of `pallas_gpu` (wgmma, TMA: sm_90) 
 selectable on Hopper too. It is the chunk form split as `pallas_gpu` splits it (docs/MATH.md
 §3.2, docs/KERNELS_GPU.md):
 
-* **intra-chunk part in XLA** (`gpu_prepare.prepare_chunks`: bf16 products, float32
-  accumulation and solve; differentiated by autodiff) for every mixer by default. For DeltaNet
-  and GDN, `GpuTuning(triton_intra="kernel")` takes Triton intra-chunk kernels instead
+* **intra-chunk part**: for DeltaNet and GDN the Triton intra-chunk kernels by default
   (`pallas_kernels.gpu.triton.intra_chunk`, forward and backward, one program per chunk: the
   C×C products, the blocked inverse of I + L with tf32 products, the pseudo-values), as
-  `pallas_gpu` has Mosaic GPU ones: faster on the H200 (docs/BENCHMARKS.md), opt-in until
-  their current inverse has passed the compiled tests. For KDA and GDN-2 the same option takes
-  Triton kernels of the per-channel part (`pallas_kernels.gpu.triton.channel_intra`: anchored
-  sub-chunk pairs, exact diagonal blocks, the same inverse; forward and backward, the
-  backward's elementwise rest in XLA, `gpu_prepare.channel_intra_kernel`); interpreter-checked,
-  not yet compiled;
+  `pallas_gpu` has Mosaic GPU ones; for the other mixers the XLA part (`gpu_prepare.
+  prepare_chunks`: bf16 products, float32 accumulation and solve; differentiated by autodiff).
+  KDA and GDN-2 have Triton kernels of their per-channel part too
+  (`pallas_kernels.gpu.triton.channel_intra`: anchored sub-chunk pairs, exact diagonal blocks,
+  the same inverse; forward and backward, the backward's elementwise rest in XLA,
+  `gpu_prepare.channel_intra_kernel`); they pass the compiled tests but are slower than XLA's
+  part on the H200, so they are opt-in (`GpuTuning(triton_intra="kernel")`; `intra_choice`);
 * **sequential state pass in Triton** (`pallas_kernels.gpu.triton.state_pass`): one program per
   (batch·value head, V-tile) walks the chunks with the float32 state in registers, forward and a
   reverse kernel for the state cotangent, wired as a `jax.custom_vjp` (`gpu_vjps.state_pass`,
@@ -27,8 +26,8 @@ the `triton` extra (`pip install lineax_attn[triton]`: jax-triton 0.3.1 and trit
 CUDA GPU; chunk_size 64; head dims in `pallas_kernels.gpu.triton.blocks`. Anything else
 (`cu_seqlens` varlen, no GPU, no extra) falls back to `chunk` with one log line per reason.
 
-tuning: a `pallas_gpu.GpuTuning`: `triton_intra` picks DeltaNet / GDN's intra-chunk path
-("xla", "kernel"; `intra` is pallas_gpu's and not read here); `solve`, `remat_intra` and
+tuning: a `pallas_gpu.GpuTuning`: `triton_intra` picks the intra-chunk path ("auto",
+"kernel", "xla"; `intra` is pallas_gpu's and not read here); `solve`, `remat_intra` and
 `channel_pair` steer the XLA intra-chunk part as for `pallas_gpu`.
 """
 
@@ -39,11 +38,12 @@ import importlib.util
 
 import jax
 
-from lineax_attn.ops import api
+from lineax_attn.ops import api, specs
 from lineax_attn.ops.gpu_tuning import GpuTuning, check_tuning
 from pallas_kernels.gpu.triton import blocks
 
-__all__ = ["GpuTuning", "available", "supports", "triton_delta_family", "unsupported_reason"]
+__all__ = ["GpuTuning", "available", "intra_choice", "supports", "triton_delta_family",
+           "unsupported_reason"]
 
 _warned: set[str] = api.fallback_logged("triton")
 
@@ -88,12 +88,23 @@ def supports(call) -> str | None:
   return unsupported_reason(dk=d.dk, dv=d.dv, chunk_size=call.chunk_size, varlen=call.varlen)
 
 
+def intra_choice(mixer: str, tuning: GpuTuning) -> str:
+  """Who computes `mixer`'s intra-chunk part on this path: "kernel" or "xla".
+
+  `triton_intra="auto"` resolves to the faster on the H200 (docs/BENCHMARKS.md "The Triton
+  path, third stage"): the Triton kernels for the scalar-gate delta rule (DeltaNet, GDN), the
+  XLA part for the per-channel mixers (KDA, GDN-2), whose Triton kernels are still slower."""
+  if tuning.triton_intra != "auto":
+    return tuning.triton_intra
+  return "kernel" if specs.resolve(mixer).gpu_intra_kernel else "xla"
+
+
 def triton_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
                         output_final_state=False, tuning=None):
   """The `triton` implementation (see `api.run_mixer` for the contract)."""
   tuning = check_tuning(tuning)
   # `intra` is pallas_gpu's choice; this path reads `triton_intra` (see GpuTuning).
-  tuning = dataclasses.replace(tuning, intra=tuning.triton_intra)
+  tuning = dataclasses.replace(tuning, intra=intra_choice(mixer, tuning))
   reason = unsupported_reason(dk=q.shape[-1], dv=v.shape[-1], chunk_size=chunk_size,
                               varlen=layout.is_varlen)
   if reason:  # called directly, past the dispatch: refuse rather than run wrong

@@ -47,18 +47,20 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 
 
 # The delta-rule intra-chunk kernels (`intra_chunk.py`), one program per chunk, timed by
-# `experiments.bench_triton_parts` on the H200 (GDN, B4 T4096 H16 D128, 2026-12-02, with the
-# inverse's earlier form, whose ten products were the same size as today's):
-# * warps: 4. The forward took 0.71 ms at 4 warps and 0.80 at 8 (tf32 products), the backward
-#   1.21 and 1.55: 8 warps' synchronisation cost more than 4 warps' extra registers a thread.
-# * the inverse's products (tl.dot input_precision): "tf32", one tensor-core pass, 0.71 ms;
-#   "tf32x3" (three passes, near float32) took 1.76 and "ieee" (float32 on the CUDA cores)
-#   4.64. The inverse is arranged so that tf32 is enough (`intra_chunk`'s docstring).
+# `experiments.bench_triton_parts` on the H200 (GDN, B4 T4096 H16 D128, 2026-12-02, today's
+# 4 -> 16 -> 64 inverse):
+# * warps: 4. The forward took 0.74 ms at 4 warps and 0.88 at 8 (tf32 products), the backward
+#   1.16 and 1.60: 8 warps' synchronisation cost more than 4 warps' extra registers a thread.
+# * the inverse's products (tl.dot input_precision): "tf32", one tensor-core pass, 0.74 ms;
+#   "tf32x3" (three passes, near float32) took 1.72 and "ieee" (float32 on the CUDA cores)
+#   4.60, all three at the same error (1.9e-3). The inverse is arranged so that tf32 is enough
+#   (`intra_chunk`'s docstring).
 INTRA_WARPS = 4
 INTRA_HEAD_DIMS = (64, 128)   # the intra kernels hold [64, D] tiles in registers
 # The per-channel kernels (`channel_intra.py`) hold four float32 [64, K] tiles (q, k, k̃, G)
 # besides the [64, 64] ones: at K = 128 that is 256 registers a thread at 4 warps, 128 at 8.
-# 8 until a compiled run measures both (`bench_triton_parts --mixers=kda`).
+# 8: the KDA forward took 4.89 ms at 8 warps and 5.34 at 4 (H200, B4 T4096 H16 K128,
+# 2026-12-02), both slower than XLA's part (2.88): docs/KERNELS_GPU.md says why and what next.
 CHANNEL_WARPS = 8
 INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32")
 INTRA_PRECISION = "tf32"
