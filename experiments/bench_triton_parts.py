@@ -1,20 +1,21 @@
 """Where `implementation="triton"` GDN spends its time: each Triton kernel alone, beside the XLA
 and Mosaic GPU pieces it can replace, and the whole op with each intra-chunk choice.
 
-The Triton path is two parts (docs/KERNELS_GPU.md, "The Triton path"): the intra-chunk part (XLA
-by default, or the Triton kernels of `pallas_kernels.gpu.triton.intra_chunk` with
-`GpuTuning(triton_intra="kernel")`) and the Triton state pass. This times, at one shape:
+The Triton path is two parts (docs/KERNELS_GPU.md, "The Triton path"): the intra-chunk part (for
+DeltaNet / GDN the Triton kernels of `pallas_kernels.gpu.triton.intra_chunk` by default, else
+XLA's; `GpuTuning.triton_intra`) and the Triton state pass. This times, at one shape:
 
 * the intra-chunk forward kernel at each inverse precision (`blocks.INTRA_PRECISIONS`) and warp
   count, with its error against the exact float32 reference (`intra_chunk_reference`), and the
   backward kernel at each warp count;
 * the XLA intra-chunk part (`prepare_chunks`) and, on Hopper, the Mosaic GPU intra kernels;
-* the Triton and (Hopper) Mosaic GPU state passes, forward and backward;
+* the Triton and (Hopper) Mosaic GPU state passes, forward and backward, and the Triton one at
+  other block sizes (`--state_launches`: BLOCK_V, warps, pipeline stages);
 * the whole GDN op, forward and forward+backward, with the XLA intra part and with the kernel at
   each precision;
 * for KDA / GDN-2 (`--mixers`): the per-channel forward kernel (`channel_intra`) with its error
-  against the exact float32 `_intra_chunk`, the XLA part it replaces, and the whole op with
-  either.
+  against the exact float32 `_intra_chunk`, its backward kernel half, the XLA part they
+  replace, and the whole op with either.
 
     python -m experiments.bench_triton_parts --shape=4,4096,16,128 --out_json=/tmp/parts.json
 """
@@ -35,6 +36,9 @@ from lineax_attn.ops import pallas_gpu, specs, triton_gpu
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per row (median reported).")
 _WARPS = flags.DEFINE_list("warps", "4,8", "Warp counts of the intra-chunk kernels to time.")
+_STATE_LAUNCHES = flags.DEFINE_list(
+    "state_launches", "64:4:2,32:4:2,64:8:2,64:4:3,128:8:2",
+    "Triton state-pass launches to time besides `blocks`' own, as BLOCK_V:warps:stages.")
 _MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule", "gated_delta_rule (the delta-rule "
                             "kernels and state passes) and/or kda, gdn2 (the per-channel "
                             "forward kernel and the whole op).")
@@ -113,6 +117,15 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
   for w in warps:
     row(f"{mixer} triton channel intra fwd, {w} warps",
         functools.partial(fwd, num_warps=w), qs, kf, kt, vt, G, err=err)
+  m = fwd(qs, kf, kt, vt, G, with_inverse=True)[-1]
+  nc = t // C
+  cts = [jnp.ones((b, h, nc, C, d), jnp.bfloat16), jnp.ones((b, h, nc, C, C), jnp.bfloat16),
+         jnp.ones((b, h, nc, C, d), jnp.float32)]
+  for w in warps:
+    row(f"{mixer} triton channel intra bwd (kernel half), {w} warps",
+        lambda *a, w=w: channel_intra.channel_intra_bwd(*a[:5], None, *a[5:], chunk=C,
+                                                        num_warps=w),
+        qs, kf, kt, vt, G, m, *cts)
   row(f"{mixer} XLA intra fwd (prepare_chunks)",
       lambda *a: pallas_gpu.prepare_chunks(*a, None, c=C), qs, kf, kt, vt, g)
   for intra in ("xla", "kernel"):
@@ -172,6 +185,12 @@ def rows_for(b, t, h, d, iters, warps):
   for name, mod in (("triton", tsp),) + ((("Mosaic GPU", mosaic_state),) if hopper else ()):
     row(f"{name} state pass fwd", mod.state_passing_fwd, *inputs, s0)
     row(f"{name} state pass bwd", mod.state_passing_bwd, ny, qg, p, kg, gc, do, u, s0)
+  for spec in _STATE_LAUNCHES.value:   # the block-size table's alternatives
+    launch = tuple(int(x) for x in spec.split(":"))
+    row(f"triton state pass fwd, BV:warps:stages {spec}",
+        functools.partial(tsp.state_passing_fwd, launch=launch), *inputs, s0)
+    row(f"triton state pass bwd, BV:warps:stages {spec}",
+        functools.partial(tsp.state_passing_bwd, launch=launch), ny, qg, p, kg, gc, do, u, s0)
 
   original = tic.intra_chunk_fwd
   for intra, prec in [("xla", None)] + [("kernel", p_) for p_ in blocks.INTRA_PRECISIONS]:

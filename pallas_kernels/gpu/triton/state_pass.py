@@ -128,26 +128,35 @@ def _structs(*shapes_dtypes):
   return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes_dtypes]
 
 
-def _dims(qg, dv):
-  """(B, HV, Nc, C, K, BLOCK_V, launch options) of a call; ValueError for sizes not taken."""
+def _dims(qg, dv, launch_overrides):
+  """(B, HV, Nc, C, K, BLOCK_V, launch options) of a call; ValueError for sizes not taken.
+
+  launch_overrides: None, or (block_v, num_warps, num_stages) with None for "the table's":
+  `blocks` fixes them per size; benchmarks pass others to time the alternatives."""
   b, hv, nc, c, dk = qg.shape
   reason = blocks.supported(c, dk, dv)
   if reason:
     raise ValueError(f"pallas_kernels.gpu.triton: {reason}.")
-  launch = dict(num_warps=blocks.num_warps(dk), num_stages=blocks.num_stages(dk))
-  return b, hv, nc, c, dk, blocks.block_v(dk, dv), launch
+  bv, warps, stages = launch_overrides or (None, None, None)
+  bv = blocks.block_v(dk, dv) if bv is None else bv
+  if bv not in (16, 32, 64, 128) or dv % bv:
+    raise ValueError(f"block_v={bv}: expected 16, 32, 64 or 128 dividing V={dv}")
+  launch = dict(num_warps=blocks.num_warps(dk) if warps is None else warps,
+                num_stages=blocks.num_stages(dk) if stages is None else stages)
+  return b, hv, nc, c, dk, bv, launch
 
 
-@functools.partial(jax.jit, static_argnames=("save_states",))
-def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False):
+@functools.partial(jax.jit, static_argnames=("save_states", "launch"))
+def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, launch=None):
   """Forward state pass; arguments and results as `pallas_kernels.gpu.state_passing`'s.
 
   ny, qg, kg `[B, HV, Nc, C, K]` bf16; p `[B, HV, Nc, C, C]` bf16; u `[B, HV, Nc, C, V]` f32;
   gc `[B, HV, Nc, K]` f32; s0 `[B, HV, K, V]` f32. Returns (o, e, s_final[, h]): o, e float32
   like u, s_final like s0, h `[B, HV, Nc, K, V]` bf16 (the state entering each chunk).
+  launch: None (the sizes of `blocks`) or (block_v, num_warps, num_stages), None entries kept.
   """
   dv = u.shape[-1]
-  b, hv, nc, c, dk, bv, launch = _dims(qg, dv)
+  b, hv, nc, c, dk, bv, launch = _dims(qg, dv, launch)
   f32 = jnp.float32
   # Without save_states the kernel never writes h: a one-element placeholder.
   out_shape = _structs(((b, hv, nc, c, dv), f32), ((b, hv, nc, c, dv), f32),
@@ -161,15 +170,16 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False):
   return (o, e, s_final, h) if save_states else (o, e, s_final)
 
 
-@jax.jit
-def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final):
+@functools.partial(jax.jit, static_argnames=("launch",))
+def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, launch=None):
   """Reverse state pass; arguments and results as `pallas_kernels.gpu.state_passing`'s.
 
   Returns (de, dh, ds0): de `[B, HV, Nc, C, V]` f32 (total cotangent of E), dh
   `[B, HV, Nc, K, V]` bf16 (cotangent of the state leaving each chunk), ds0 `[B, HV, K, V]` f32.
+  launch: as `state_passing_fwd`'s.
   """
   dv = do.shape[-1]
-  b, hv, nc, c, dk, bv, launch = _dims(qg, dv)
+  b, hv, nc, c, dk, bv, launch = _dims(qg, dv, launch)
   f32 = jnp.float32
   out_shape = _structs(((b, hv, nc, c, dv), f32), ((b, hv, nc, dk, dv), MM_DTYPE),
                        ((b, hv, dk, dv), f32))
