@@ -57,11 +57,19 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 #   (`intra_chunk`'s docstring).
 INTRA_WARPS = 4
 INTRA_HEAD_DIMS = (64, 128)   # the intra kernels hold [64, D] tiles in registers
-# The per-channel kernels (`channel_intra.py`) hold four float32 [64, K] tiles (q, k, k̃, G)
-# besides the [64, 64] ones: at K = 128 that is 256 registers a thread at 4 warps, 128 at 8.
-# 8: the KDA forward took 4.89 ms at 8 warps and 5.34 at 4 (H200, B4 T4096 H16 K128,
-# 2026-12-02), both slower than XLA's part (2.88): docs/KERNELS_GPU.md says why and what next.
+# The per-channel kernels (`channel_intra.py`) walk K in slices of CHANNEL_BK channels, so that
+# no program holds a whole float32 [64, K] tile. Their first version held q, k, k̃ and G as four
+# [64, K] float32 tiles and took 4.89 ms for the KDA forward at 8 warps, 5.34 at 4, where XLA's
+# part takes 2.88 (H200, B4 T4096 H16 K128, 2026-12-02). ptxas (triton 3.6, sm_90a, compiled
+# off GPU) confirms the spills: at 8 warps and K = V = 128 both of its kernels used 255
+# registers a thread and spilled 692 bytes (forward) and 2118 (backward); 780 and 2856 packed.
+# Sliced, at 8 warps: BK = 16 spills nothing in either kernel (K = V = 128 packed or not, K = V = 64;
+# 231-244 registers forward, 150-188 backward); BK = 32 still spilled 8-20 bytes a kernel and
+# BK = 64 ~600-900. At 4 warps BK = 16 keeps the forward spill-free (236-254) but the backward
+# spills 4-56 bytes. So 8 warps and BK = 16. Speed not re-timed since the slicing (no GPU at the
+# rewrite): time 4 and 8 warps with `experiments.bench_triton_parts` (its --warps: 4,8).
 CHANNEL_WARPS = 8
+CHANNEL_BK = 16
 INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32")
 INTRA_PRECISION = "tf32"
 
