@@ -1,0 +1,161 @@
+"""Registers, spills and shared memory of every Triton kernel of `implementation="triton"`,
+compiled for a GPU architecture on any machine: no GPU needed, only the `triton` extra.
+
+Triton compiles a kernel to PTX for a named target without a device, and the `ptxas` it ships
+reports what the kernel costs a thread. A kernel that spills (stores registers to local memory
+inside its loops) runs at a fraction of its speed, so this is the first check of a kernel
+change, before a GPU is at hand. Each kernel is compiled as its JAX wrapper launches it (the
+block sizes, warps and pipeline stages of `pallas_kernels.gpu.triton.blocks`), at every head
+dim asked for, with and without packed segments:
+
+    python -m experiments.triton_ptxas --head_dims=64,128 --arch=90
+    python -m experiments.triton_ptxas --arch=80 --kernels=state_pass   # A100
+
+Prints a markdown table (kernel, K, V, packed, warps, stages, registers, spill stores / loads in
+bytes, shared memory); `--out_md` writes it too. Exits 1 if any kernel spills with
+`--fail_on_spill`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from absl import app, flags
+
+from experiments import cli
+
+_HEAD_DIMS = flags.DEFINE_list("head_dims", "64,128", "Head dims (K = V) to compile at.")
+_ARCH = flags.DEFINE_enum("arch", "90", ["80", "86", "89", "90"],
+                          "Compute capability to compile for (90 = Hopper, as sm_90a).")
+_KERNELS = flags.DEFINE_list("kernels", "state_pass,intra_chunk,channel_intra",
+                             "Modules of pallas_kernels/gpu/triton to compile.")
+_OUT_MD = flags.DEFINE_string("out_md", "", "Also write the table here.")
+_FAIL_ON_SPILL = flags.DEFINE_bool("fail_on_spill", False, "Exit 1 if any kernel spills.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """One kernel as its wrapper launches it."""
+  module: str
+  kernel: str
+  constexprs: dict
+  bf16_pointers: frozenset   # pointer arguments the wrapper passes as bf16; the rest float32
+  num_warps: int
+  num_stages: int
+
+
+def launches(dk: int, dv: int, packed: bool) -> list[Launch]:
+  """The launches of the three kernel modules at head dims (dk, dv), as their wrappers make
+  them (pallas_kernels/gpu/triton/*.py: the `triton_call`s)."""
+  from pallas_kernels.gpu.triton import blocks  # noqa: PLC0415 (no triton needed for blocks)
+  c = blocks.CHUNK
+  state = dict(C=c, K=dk, V=dv, BV=blocks.block_v(dk, dv))
+  state_launch = dict(num_warps=blocks.num_warps(dk), num_stages=blocks.num_stages(dk))
+  intra = dict(H=16, HV=16, K=dk, V=dv, C=c, PACKED=packed, WITH_INVERSE=True,
+               PREC=blocks.INTRA_PRECISION)
+  channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, KS=16, PACKED=packed, WITH_INVERSE=True,
+                 PREC=blocks.INTRA_PRECISION, BK=getattr(blocks, "CHANNEL_BK", 16))
+  f = frozenset
+  return [
+      Launch("state_pass", "_fwd_kernel", dict(state, SAVE_STATES=True),
+             f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "h_ptr"}), **state_launch),
+      Launch("state_pass", "_bwd_kernel", state,
+             f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "do_ptr", "dh_ptr"}), **state_launch),
+      Launch("intra_chunk", "_fwd_kernel", intra,
+             f({"q_ptr", "k_ptr", "v_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}),
+             blocks.INTRA_WARPS, 1),
+      Launch("intra_chunk", "_bwd_kernel", intra,
+             f({"q_ptr", "k_ptr", "v_ptr", "m_ptr", "dny_ptr", "dp_ptr", "du_ptr"}),
+             blocks.INTRA_WARPS, 1),
+      Launch("channel_intra", "_fwd_kernel", channel,
+             f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}), blocks.CHANNEL_WARPS, 1),
+      Launch("channel_intra", "_bwd_kernel", channel,
+             f({"m_ptr", "dny_ptr", "dp_ptr"}), blocks.CHANNEL_WARPS, 1),
+  ]
+
+
+def _signature(fn, constexprs, bf16_pointers):
+  """Triton's signature of `fn`: constexprs as given, `t`/`nc` int32, `scale` float32, every
+  other argument a pointer (bf16 or float32)."""
+  sig, consts = {}, {}
+  for name in inspect.signature(fn).parameters:
+    if name in constexprs:
+      sig[name], consts[name] = "constexpr", constexprs[name]
+    elif name in ("t", "nc"):
+      sig[name] = "i32"
+    elif name == "scale":
+      sig[name] = "fp32"
+    else:
+      sig[name] = "*bf16" if name in bf16_pointers else "*fp32"
+  return sig, consts
+
+
+def compile_report(launch: Launch, arch: int) -> dict:
+  """Compiles one launch for `arch` and returns ptxas's registers and spills."""
+  import triton  # noqa: PLC0415 (the optional extra)
+  from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+  module = importlib.import_module(f"pallas_kernels.gpu.triton.{launch.module}")
+  kernel = getattr(module, launch.kernel)
+  sig, consts = _signature(kernel.fn, launch.constexprs, launch.bf16_pointers)
+  compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts),
+                            target=GPUTarget("cuda", arch, 32),
+                            options=dict(num_warps=launch.num_warps,
+                                         num_stages=launch.num_stages))
+  ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+  gpu_name = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+  with tempfile.TemporaryDirectory() as tmp:
+    ptx = os.path.join(tmp, "kernel.ptx")
+    with open(ptx, "w") as f:
+      f.write(compiled.asm["ptx"])
+    out = subprocess.run([ptxas, "-v", "--gpu-name", gpu_name, ptx, "-o", os.devnull],
+                         capture_output=True, text=True, check=True).stderr
+  regs = re.search(r"Used (\d+) registers", out)
+  spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+  return dict(registers=int(regs.group(1)) if regs else None,
+              spill_stores=int(spill.group(1)) if spill else None,
+              spill_loads=int(spill.group(2)) if spill else None,
+              shared=compiled.metadata.shared)
+
+
+def main(argv):
+  del argv
+  if importlib.util.find_spec("triton") is None:
+    raise app.UsageError("triton is not installed: pip install -e '.[triton]' (no GPU needed)")
+  arch = int(_ARCH.value)
+  rows = []
+  for d in (int(x) for x in _HEAD_DIMS.value):
+    for packed in (False, True):
+      for launch in launches(d, d, packed):
+        if launch.module not in _KERNELS.value:
+          continue
+        if "PACKED" not in launch.constexprs and packed:
+          continue   # the state pass has no segment variant
+        r = compile_report(launch, arch)
+        rows.append((f"{launch.module}.{launch.kernel}", d, d, packed, launch.num_warps,
+                     launch.num_stages, r))
+        print(f"[ptxas] {rows[-1][0]} K{d} V{d} packed={packed}: {r}", flush=True)
+  lines = [f"sm_{arch}: registers a thread, spills in bytes (stores / loads), shared in bytes",
+           "", "| kernel | K | V | packed | warps | stages | registers | spills | shared |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for name, dk, dv, packed, warps, stages, r in rows:
+    lines.append(f"| {name} | {dk} | {dv} | {packed} | {warps} | {stages} | {r['registers']} | "
+                 f"{r['spill_stores']} / {r['spill_loads']} | {r['shared']} |")
+  table = "\n".join(lines)
+  print(table)
+  if _OUT_MD.value:
+    with open(_OUT_MD.value, "w") as f:
+      f.write(table + "\n")
+  if _FAIL_ON_SPILL.value and any(r["spill_stores"] for *_, r in rows):
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.parse_flags)
