@@ -57,7 +57,7 @@ def launches(dk: int, dv: int, packed: bool) -> list[Launch]:
   them (pallas_kernels/gpu/triton/*.py: the `triton_call`s)."""
   from pallas_kernels.gpu.triton import blocks  # noqa: PLC0415 (no triton needed for blocks)
   c = blocks.CHUNK
-  state = dict(C=c, K=dk, V=dv, BV=blocks.block_v(dk, dv))
+  state = dict(C=c, K=dk, V=dv, BV=blocks.block_v(dk, dv), STAGES=blocks.num_stages(dk))
   state_launch = dict(num_warps=blocks.num_warps(dk), num_stages=blocks.num_stages(dk))
   intra = dict(H=16, HV=16, K=dk, V=dv, C=c, PACKED=packed, WITH_INVERSE=True,
                PREC=blocks.INTRA_PRECISION)

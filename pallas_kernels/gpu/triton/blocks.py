@@ -30,8 +30,13 @@ def num_warps(dk: int) -> int:
 
 
 def num_stages(dk: int) -> int:
-  """Software-pipelining depth of the chunk loop's loads (2: the next chunk loads while this one
-  computes; K = 256 has no shared memory for a second copy of its tiles)."""
+  """Software-pipelining depth of the state pass's chunk loop (2: the next chunk loads while
+  this one computes; K = 256 has no shared memory for a second copy of its tiles). Until
+  2026-12-02 the loop was not pipelined at all (triton 3.6 ignored the launch's num_stages for
+  it; `state_pass` now asks with `tl.range`), so the H200 timings before then are of 1 stage;
+  2 is not yet timed (`bench_triton_parts --state_launches`). Shared memory at K = V = 128,
+  BLOCK_V = 64, 2 stages: 107 / 115 KB (forward / reverse) on sm_90a, 91 / 66 KB on sm_80, so
+  it fits sm_86 / sm_89's 99 KB a block too."""
   return 2 if dk <= 128 else 1
 
 

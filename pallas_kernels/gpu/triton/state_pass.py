@@ -10,8 +10,11 @@ language for any NVIDIA GPU from sm_80 (A100, L40, RTX) and called from JAX by
 
 One program owns one (batch·value-head, V-tile) and walks the chunks in order; every product is
 a `tl.dot` with bf16 operands (S and E rounded to bf16 as operands, as the Mosaic kernels do)
-and a float32 accumulator. The loop's loads do not depend on the state, so Triton's software
-pipelining (`num_stages`) fetches chunk c + 1 while chunk c computes.
+and a float32 accumulator. The loop's loads do not depend on the state, so the chunk loop is
+software-pipelined (`tl.range(..., num_stages=STAGES)`: chunk c + 1's tiles are fetched by
+async copies while chunk c computes). The loop asks for it itself: triton 3.6 did not pipeline
+this loop from the launch's `num_stages` alone (its TTGIR had no async copy at 1, 2 or 3
+stages; with `tl.range` it has four).
 
 Offsets are int64 (a B·T·H·D past 2^31 elements stays exact); the chunk count is a run-time
 argument, so one compiled kernel serves every sequence length.
@@ -41,7 +44,7 @@ MM_DTYPE = jnp.bfloat16
 def _fwd_kernel(ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, gc_ptr, s0_ptr, nc,
                 o_ptr, e_ptr, sf_ptr, h_ptr,
                 C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                SAVE_STATES: tl.constexpr):
+                SAVE_STATES: tl.constexpr, STAGES: tl.constexpr):
   iv = tl.program_id(0)
   bh = tl.program_id(1).to(tl.int64)
   rc = tl.arange(0, C)
@@ -52,7 +55,7 @@ def _fwd_kernel(ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, gc_ptr, s0_ptr, nc,
   cv = rc[:, None] * V + rv[None, :]          # a [C, BV] tile of a [C, V] chunk
   kv = rk[:, None] * V + rv[None, :]          # a [K, BV] tile of a [K, V] state
   s = tl.load(s0_ptr + bh * K * V + kv)
-  for ci in range(nc):
+  for ci in tl.range(0, nc, num_stages=STAGES):
     chunk = bh * nc + ci                      # index of this (b, h, chunk) in the Nc axis
     ny = tl.load(ny_ptr + chunk * C * K + ck)
     qg = tl.load(qg_ptr + chunk * C * K + ck)
@@ -77,7 +80,8 @@ def _fwd_kernel(ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, gc_ptr, s0_ptr, nc,
 @triton.jit
 def _bwd_kernel(ny_ptr, qg_ptr, p_ptr, kg_ptr, gc_ptr, do_ptr, dx_ptr, dsf_ptr, nc,
                 de_ptr, dh_ptr, ds0_ptr,
-                C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+                C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                STAGES: tl.constexpr):
   iv = tl.program_id(0)
   bh = tl.program_id(1).to(tl.int64)
   rc = tl.arange(0, C)
@@ -88,7 +92,7 @@ def _bwd_kernel(ny_ptr, qg_ptr, p_ptr, kg_ptr, gc_ptr, do_ptr, dx_ptr, dsf_ptr, 
   cv = rc[:, None] * V + rv[None, :]
   kv = rk[:, None] * V + rv[None, :]
   ds = tl.load(dsf_ptr + bh * K * V + kv)     # cotangent of the state leaving the last chunk
-  for j in range(nc):
+  for j in tl.range(0, nc, num_stages=STAGES):
     chunk = bh * nc + (nc - 1 - j)
     ny = tl.load(ny_ptr + chunk * C * K + ck)
     qg = tl.load(qg_ptr + chunk * C * K + ck)
@@ -166,7 +170,7 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, launch=Non
       ny.astype(MM_DTYPE), qg.astype(MM_DTYPE), p.astype(MM_DTYPE), u.astype(f32),
       kg.astype(MM_DTYPE), gc.astype(f32), s0.astype(f32), nc,
       kernel=_fwd_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
-      C=c, K=dk, V=dv, BV=bv, SAVE_STATES=save_states, **launch)
+      C=c, K=dk, V=dv, BV=bv, SAVE_STATES=save_states, STAGES=launch["num_stages"], **launch)
   return (o, e, s_final, h) if save_states else (o, e, s_final)
 
 
@@ -187,4 +191,4 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, launch=None):
       ny.astype(MM_DTYPE), qg.astype(MM_DTYPE), p.astype(MM_DTYPE), kg.astype(MM_DTYPE),
       gc.astype(f32), do.astype(MM_DTYPE), de_ext.astype(f32), ds_final.astype(f32), nc,
       kernel=_bwd_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
-      C=c, K=dk, V=dv, BV=bv, **launch))
+      C=c, K=dk, V=dv, BV=bv, STAGES=launch["num_stages"], **launch))
