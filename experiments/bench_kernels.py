@@ -90,6 +90,9 @@ _TRITON_INTRA = flags.DEFINE_enum("triton_intra", "auto", ["auto", "xla", "kerne
 _CHANNEL_PAIR = flags.DEFINE_enum("channel_pair", None, ["xla", "kernel_fwd", "kernel"], "pallas_gpu: who "
                                   "computes KDA/GDN-2's per-channel pair matrices (lineax_attn."
                                   "ops.pallas_gpu.GpuTuning.channel_pair; unset: the default).")
+_CHANNEL_INTRA = flags.DEFINE_enum("channel_intra", "xla", ["xla", "triton"], "pallas_gpu: who "
+                                   "computes KDA/GDN-2's intra-chunk part (GpuTuning."
+                                   "channel_intra: XLA, or the Triton channel kernels).")
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", "", "With --breakdown: also run each intra-chunk kernel once under Mosaic GPU's "
     "in-kernel profiler, write its traces here and log the time per named phase "
@@ -536,13 +539,14 @@ def main(argv):
   from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
   # Passed to every pallas_gpu call (a static value: each setting is its own jit trace).
   tuning = pallas_gpu.GpuTuning(intra=_INTRA.value, remat_intra=_REMAT_INTRA.value,
-                                triton_intra=_TRITON_INTRA.value)
+                                triton_intra=_TRITON_INTRA.value,
+                                channel_intra=_CHANNEL_INTRA.value)
   if _CHANNEL_PAIR.value:
     tuning = dataclasses.replace(tuning, channel_pair=_CHANNEL_PAIR.value)
   dev = jax.devices()[0]
   meta = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
           "remat_intra": _REMAT_INTRA.value, "intra": _INTRA.value,
-          "triton_intra": _TRITON_INTRA.value}
+          "triton_intra": _TRITON_INTRA.value, "channel_intra": _CHANNEL_INTRA.value}
   impls = list(_IMPLS.value)
   on_gpu = dev.platform == "gpu"
   have = {}

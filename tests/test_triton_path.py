@@ -123,7 +123,16 @@ def test_channel_intra_kernel_applies_where_it_should():
   applies = lambda g=channel, kt=x, c=64, tuning=on, kernels="triton", q=x: (
       gpu_prepare.channel_kernel_applies(q, kt, x, g, c=c, tuning=tuning, kernels=kernels))
   assert applies()
-  assert not applies(kernels="mosaic")          # pallas_gpu keeps its XLA channel path
+  assert not applies(kernels="mosaic")          # pallas_gpu keeps its XLA channel path ...
+  # ... unless it asks for the Triton kernels (channel_intra), which the triton path does not
+  # read (it gets its resolved triton_intra as `intra`).
+  borrow = ops.GpuTuning(intra="xla", channel_intra="triton")
+  assert not applies(tuning=borrow)
+  if not triton_gpu.available():                # and which need the extra and a CUDA GPU
+    with pytest.raises(ValueError, match="needs the triton extra"):
+      applies(tuning=borrow, kernels="mosaic")
+  with pytest.raises(ValueError, match="channel_intra"):
+    ops.GpuTuning(channel_intra="kernel")
   assert not applies(tuning=ops.GpuTuning(intra="xla"))
   assert not applies(g=scalar) and not applies(g=None) and not applies(kt=None)
   assert not applies(c=32) and not applies(q=jnp.zeros((1, 64, 2, 32)))

@@ -62,11 +62,19 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TU
 
 
 def channel_kernel_applies(q, kt, vt, g, *, c, tuning: GpuTuning, kernels: str) -> bool:
-  """Whether `_core` takes the Triton channel-gate intra kernels for this call: the Triton path
-  with `GpuTuning(triton_intra="kernel")`, per-channel gates with an erase key (KDA, GDN-2),
-  sizes the kernel takes, outside shard_map (its outputs would lack the varying-axes types)."""
-  if kernels != "triton" or tuning.intra != "kernel" or kt is None or g is None or g.ndim != 4:
+  """Whether `_core` takes the Triton channel-gate intra kernels for this call: asked for (the
+  Triton path with its resolved `intra="kernel"`, or pallas_gpu with
+  `channel_intra="triton"`), per-channel gates with an erase key (KDA, GDN-2), sizes the kernel
+  takes, outside shard_map (its outputs would lack the varying-axes types)."""
+  asked = tuning.intra == "kernel" if kernels == "triton" else tuning.channel_intra == "triton"
+  if not asked or kt is None or g is None or g.ndim != 4:
     return False
+  if kernels != "triton":   # pallas_gpu borrowing the Triton kernels: say clearly if it cannot
+    from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+    if not triton_gpu.available():
+      raise ValueError("GpuTuning(channel_intra='triton') needs the triton extra "
+                       f"(missing: {', '.join(triton_gpu.missing_packages()) or 'none'}) and a "
+                       f"CUDA GPU (backend: {jax.default_backend()}); use channel_intra='xla'.")
   from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
   return (blocks.intra_supported("channel-gate", c, q.shape[-1], vt.shape[-1]) is None
           and not vma(q, kt, vt))

@@ -11,6 +11,7 @@ import dataclasses
 
 INTRA_CHOICES = ("kernel", "xla")
 TRITON_INTRA_CHOICES = ("auto", "kernel", "xla")
+CHANNEL_INTRA_CHOICES = ("xla", "triton")
 PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
@@ -52,6 +53,10 @@ class GpuTuning:
       Triton path, third stage"): the kernels for DeltaNet / GDN (GDN fwd+bwd 3.01 ms against
       XLA's 4.88), the XLA part for KDA / GDN-2 (their kernels' forward takes 4.9 ms against
       XLA's 2.9). Linear attention and simple GLA always take the XLA part.
+    channel_intra: who computes KDA / GDN-2's intra-chunk part under implementation="pallas_gpu":
+      "xla" (the default; `channel_pair` steers it) or "triton", the Triton kernels of
+      `pallas_kernels.gpu.triton.channel_intra` (forward and backward; they run on Hopper too
+      and need the `triton` extra). Opt-in until timed against XLA's part on the H200.
   """
 
   intra: str = "kernel"
@@ -60,11 +65,13 @@ class GpuTuning:
   pair_diag: str = "columns"
   remat_intra: bool = True
   triton_intra: str = "auto"
+  channel_intra: str = "xla"
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
                           ("channel_pair", PAIR_CHOICES), ("pair_diag", PAIR_DIAG_CHOICES),
-                          ("triton_intra", TRITON_INTRA_CHOICES)):
+                          ("triton_intra", TRITON_INTRA_CHOICES),
+                          ("channel_intra", CHANNEL_INTRA_CHOICES)):
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")
