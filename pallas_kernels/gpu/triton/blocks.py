@@ -60,8 +60,20 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 #   "tf32x3" (three passes, near float32) took 1.72 and "ieee" (float32 on the CUDA cores)
 #   4.60, all three at the same error (1.9e-3). The inverse is arranged so that tf32 is enough
 #   (`intra_chunk`'s docstring).
+# * slices (`intra_chunk`'s docstring): as whole [64, D] tiles both kernels spilled at K = V =
+#   128 (ptxas, triton 3.6, sm_90a, off GPU; 255 registers in every case): forward 2164 bytes
+#   of spill stores at 4 warps, 1060 at 8, 3964 packed at 4; backward 2100 at 4, 1756 at 8,
+#   3072 packed at 4; at K = V = 64, 784 / 1580 bytes at 4 warps. Sliced with INTRA_BK = 16,
+#   nothing spills at K = V = 64 or 128, packed or not, 4 or 8 warps: 4 warps 203-230
+#   registers forward, 234-252 backward; 8 warps 172-211 and 191-199. BK = 32 spilled
+#   40-48 bytes in the 4-warp backward at K = V = 64 and needed 242-255 registers. 4 warps
+#   kept: at these counts both give 8 resident warps an SM by registers (two 4-warp
+#   programs or one 8-warp), and 4 warps timed faster before the slicing. Speed not re-timed
+#   since the slicing (no GPU at the rewrite): time 4 and 8 warps with
+#   `experiments.bench_triton_parts`.
 INTRA_WARPS = 4
-INTRA_HEAD_DIMS = (64, 128)   # the intra kernels hold [64, D] tiles in registers
+INTRA_BK = 16
+INTRA_HEAD_DIMS = (64, 128)   # the sizes the intra kernels were checked (and ptxas'd) at
 # The per-channel kernels (`channel_intra.py`) walk K in slices of CHANNEL_BK channels, so that
 # no program holds a whole float32 [64, K] tile. Their first version held q, k, k̃ and G as four
 # [64, K] float32 tiles and took 4.89 ms for the KDA forward at 8 warps, 5.34 at 4, where XLA's

@@ -26,6 +26,16 @@ operands and a float32 accumulator.
 The backward takes the forward's bf16 M (`with_inverse`) and follows the formulas of
 `intra_chunk.intra_chunk_bwd`. Offsets are int64. Imports triton (the `triton` extra);
 jax_triton only inside the wrappers (`state_pass._jax_triton`).
+
+Channel slices: no program holds a whole float32 [C, K] or [C, V] tile (as one tile, at K = V =
+128 both kernels spilled ~1-4 KB a thread). K and V are walked in slices of BK columns
+(`blocks.INTRA_BK`), loaded as bf16 [C, BK] slices. Forward: one K loop accumulates q kᵀ and
+k kᵀ and stores QG, KG; then P, L and M; then NY = −M (k ⊙ β e) per K slice and U = M (v ⊙ β)
+per V slice. Backward: a K loop makes Y and dR_k = Mᵀ dY per slice and accumulates
+−dL += dR_k Yᵀ and Σ dR_k ⊙ k; a V loop the same with U, dR_v (and stores dV); a K loop k kᵀ;
+then dB, dβ and W's k kᵀ half; a K loop stores dq, dk per slice (dR_k made again); a last
+K loop q kᵀ for W's other half, with dA and Γ made again (each kept live over the loops
+spilled at 4 warps). Only the order of the float32 sums differs from a whole-tile form.
 """
 
 from __future__ import annotations
@@ -71,120 +81,188 @@ def _unit_lower_inverse(lmat, ii, jj, PREC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_rows(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, t, bhv, ci,
-                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                C: tl.constexpr, PACKED: tl.constexpr):
-  """Loads one chunk: q, k [C, K] and v [C, V] bf16, β, G, the entry factor e [C] and Γ."""
+def _chunk_index(t, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 C: tl.constexpr):
+  """This program's chunk rows [C], its time rows, the int64 bases of its q/k rows, v rows and
+  [B, HV, T] vectors, and its chunk of the chunk-major outputs."""
+  ci = tl.program_id(0)
+  bhv = tl.program_id(1)
   b = bhv // HV
   hv = bhv % HV
-  kh = hv // (HV // H)
   rc = tl.arange(0, C)
-  rk = tl.arange(0, K)
-  rv = tl.arange(0, V)
-  row = b.to(tl.int64) * t + ci * C + rc                 # time rows of this batch element
-  qk_off = (row * H + kh)[:, None] * K + rk[None, :]
-  q = tl.load(q_ptr + qk_off)
-  k = tl.load(k_ptr + qk_off)
-  v = tl.load(v_ptr + (row * HV + hv)[:, None] * V + rv[None, :])
-  vec = bhv.to(tl.int64) * t + ci * C + rc
-  beta = tl.load(beta_ptr + vec)
-  g = tl.load(g_ptr + vec)
-  ii = rc[:, None]
-  jj = rc[None, :]
-  lower = ii >= jj
-  gam = tl.where(lower, tl.exp(tl.where(lower, g[:, None] - g[None, :], 0.0)), 0.0)
-  entry = tl.exp(g)
-  if PACKED:
-    seg = tl.load(seg_ptr + row)
-    gam = tl.where(seg[:, None] == seg[None, :], gam, 0.0)
-    entry = entry * tl.load(cont_ptr + row)
-  return q, k, v, beta, entry, gam, ii, jj, row, vec
+  row0 = b.to(tl.int64) * t + ci * C                    # first time row of this chunk
+  qk_base = (row0 * H + hv // (HV // H)) * K
+  v_base = (row0 * HV + hv) * V
+  vec0 = bhv.to(tl.int64) * t + ci * C
+  chunk = bhv.to(tl.int64) * (t // C) + ci
+  return rc, row0 + rc, qk_base, v_base, vec0, chunk
 
 
 @triton.jit
-def _chunk_offsets(t, bhv, ci, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
-  """Offsets of this chunk's [C, K], [C, C] and [C, V] tiles in chunk-major [B, HV, Nc, C, D]."""
-  chunk = bhv.to(tl.int64) * (t // C) + ci
-  rc = tl.arange(0, C)
-  ck = chunk * C * K + rc[:, None] * K + tl.arange(0, K)[None, :]
-  cc = chunk * C * C + rc[:, None] * C + rc[None, :]
-  cv = chunk * C * V + rc[:, None] * V + tl.arange(0, V)[None, :]
-  return ck, cc, cv
+def _gamma(g, seg_ptr, rows, ii, jj, PACKED: tl.constexpr):
+  """Γ [C, C] (i ≥ j, same segment when packed) from G [C]."""
+  lower = ii >= jj
+  gam = tl.where(lower, tl.exp(tl.where(lower, g[:, None] - g[None, :], 0.0)), 0.0)
+  if PACKED:
+    seg = tl.load(seg_ptr + rows)
+    gam = tl.where(seg[:, None] == seg[None, :], gam, 0.0)
+  return gam
+
+
+@triton.jit
+def _entry(g, cont_ptr, rows, PACKED: tl.constexpr):
+  """The entry factor e [C] (zero on rows whose segment started inside the chunk)."""
+  entry = tl.exp(g)
+  if PACKED:
+    entry = entry * tl.load(cont_ptr + rows)
+  return entry
 
 
 @triton.jit
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr, keep_ptr, t,
                 scale, ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, m_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                C: tl.constexpr, PACKED: tl.constexpr,
+                C: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr):
-  ci = tl.program_id(0)
-  bhv = tl.program_id(1)
-  q, k, v, beta, entry, gam, ii, jj, row, vec = _chunk_rows(
-      q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, t, bhv, ci, H, HV, K, V, C, PACKED)
-  exit_ = tl.exp(tl.load(gx_ptr + vec))
+  tl.static_assert((K % BK == 0) and (V % BK == 0))
+  rc, rows, qk_base, v_base, vec0, chunk = _chunk_index(t, H, HV, K, V, C)
+  rb = tl.arange(0, BK)
+  ii = rc[:, None]
+  jj = rc[None, :]
+  beta = tl.load(beta_ptr + vec0 + rc)
+  g = tl.load(g_ptr + vec0 + rc)
+  entry = _entry(g, cont_ptr, rows, PACKED)
+  exit_ = tl.exp(tl.load(gx_ptr + vec0 + rc))
   if PACKED:
-    exit_ = exit_ * tl.load(keep_ptr + row)
-  p = scale * tl.dot(q, tl.trans(k)) * gam
-  lmat = tl.where(ii > jj, beta[:, None] * tl.dot(k, tl.trans(k)) * gam, 0.0)
+    exit_ = exit_ * tl.load(keep_ptr + rows)
+  # q kᵀ and k kᵀ over the K slices; QG and KG need neither, so they are stored on the way.
+  qk = tl.zeros((C, C), tl.float32)
+  kk = tl.zeros((C, C), tl.float32)
+  for s in range(K // BK):
+    cols = s * BK + rb
+    src = qk_base + ii * (H * K) + cols[None, :]
+    q = tl.load(q_ptr + src)
+    k = tl.load(k_ptr + src)
+    qk = tl.dot(q, tl.trans(k), qk)
+    kk = tl.dot(k, tl.trans(k), kk)
+    dst = chunk * C * K + ii * K + cols[None, :]
+    tl.store(qg_ptr + dst, (scale * q.to(tl.float32) * entry[:, None]).to(tl.bfloat16))
+    tl.store(kg_ptr + dst, (k.to(tl.float32) * exit_[:, None]).to(tl.bfloat16))
+  gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
+  cc = chunk * C * C + ii * C + jj
+  tl.store(p_ptr + cc, (scale * qk * gam).to(tl.bfloat16))
+  lmat = tl.where(ii > jj, beta[:, None] * kk * gam, 0.0)
   m = _unit_lower_inverse(lmat, ii, jj, PREC).to(tl.bfloat16)
-  y = tl.dot(m, (k.to(tl.float32) * (beta * entry)[:, None]).to(tl.bfloat16))
-  u = tl.dot(m, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16))
-  ck, cc, cv = _chunk_offsets(t, bhv, ci, K, V, C)
-  tl.store(ny_ptr + ck, (-y).to(tl.bfloat16))
-  tl.store(qg_ptr + ck, (scale * q.to(tl.float32) * entry[:, None]).to(tl.bfloat16))
-  tl.store(kg_ptr + ck, (k.to(tl.float32) * exit_[:, None]).to(tl.bfloat16))
-  tl.store(p_ptr + cc, p.to(tl.bfloat16))
-  tl.store(u_ptr + cv, u)
   if WITH_INVERSE:
     tl.store(m_ptr + cc, m)
+  # NY = −M (k ⊙ β e) in K slices, U = M (v ⊙ β) in V slices.
+  for s in range(K // BK):
+    cols = s * BK + rb
+    k = tl.load(k_ptr + qk_base + ii * (H * K) + cols[None, :])
+    y = tl.dot(m, (k.to(tl.float32) * (beta * entry)[:, None]).to(tl.bfloat16))
+    tl.store(ny_ptr + chunk * C * K + ii * K + cols[None, :], (-y).to(tl.bfloat16))
+  for s in range(V // BK):
+    cols = s * BK + rb
+    v = tl.load(v_ptr + v_base + ii * (HV * V) + cols[None, :])
+    u = tl.dot(m, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16))
+    tl.store(u_ptr + chunk * C * V + ii * V + cols[None, :], u)
 
 
 @triton.jit
 def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, dny_ptr, dp_ptr,
                 du_ptr, t, scale, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dgr_ptr, dgc_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                C: tl.constexpr, PACKED: tl.constexpr):
-  ci = tl.program_id(0)
-  bhv = tl.program_id(1)
-  q, k, v, beta, entry, gam, ii, jj, row, vec = _chunk_rows(
-      q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, t, bhv, ci, H, HV, K, V, C, PACKED)
-  ck, cc, cv = _chunk_offsets(t, bhv, ci, K, V, C)
+                C: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr):
+  tl.static_assert((K % BK == 0) and (V % BK == 0))
+  rc, rows, qk_base, v_base, vec0, chunk = _chunk_index(t, H, HV, K, V, C)
+  q_ptr += qk_base           # int64 bases in the pointers, so that tile offsets are int32
+  # (the forward kept int64 tile offsets: ptxas gave it more registers with these shifts)
+  k_ptr += qk_base
+  v_ptr += v_base
+  m_ptr += chunk * C * C
+  dp_ptr += chunk * C * C
+  dny_ptr += chunk * C * K
+  dq_ptr += chunk * C * K
+  dk_ptr += chunk * C * K
+  du_ptr += chunk * C * V
+  dv_ptr += chunk * C * V
+  rb = tl.arange(0, BK)
+  ii = rc[:, None]
+  jj = rc[None, :]
+  beta = tl.load(beta_ptr + vec0 + rc)
+  g = tl.load(g_ptr + vec0 + rc)
+  entry = _entry(g, cont_ptr, rows, PACKED)
+  cc = ii * C + jj
   m = tl.load(m_ptr + cc)                                 # bf16, as the forward applied it
-  kf = k.to(tl.float32)
-  vf = v.to(tl.float32)
-  y = tl.dot(m, (kf * (beta * entry)[:, None]).to(tl.bfloat16))
-  u = tl.dot(m, (vf * beta[:, None]).to(tl.bfloat16))
   mt = tl.trans(m)
-  d_y = (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16)   # dY = −dNY (exact)
-  d_rk = tl.dot(mt, d_y)                                   # dR = Mᵀ [dY | dU]
-  d_rv = tl.dot(mt, tl.load(du_ptr + cv))
-  d_l = -(tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)))
-          + tl.dot(d_rv.to(tl.bfloat16), tl.trans(u.to(tl.bfloat16))))
-  qk = tl.dot(q, tl.trans(k))
-  kk = tl.dot(k, tl.trans(k))
+  # dR = Mᵀ [dY | dU] with Y = M (k ⊙ β e), U = M (v ⊙ β) made again, a slice at a time:
+  # −dL = dR_k Yᵀ + dR_v Uᵀ accumulates over the slices, and so do the row sums Σ dR_k ⊙ k,
+  # Σ dR_v ⊙ v of dβ; dV = β dR_v is stored per slice.
+  d_l = tl.zeros((C, C), tl.float32)
+  rk_dot = tl.zeros((C,), tl.float32)
+  rv_dot = tl.zeros((C,), tl.float32)
+  for s in range(K // BK):
+    cols = s * BK + rb
+    k = tl.load(k_ptr + ii * (H * K) + cols[None, :])
+    y = tl.dot(m, (k.to(tl.float32) * (beta * entry)[:, None]).to(tl.bfloat16))
+    d_y = (-tl.load(dny_ptr + ii * K + cols[None, :]).to(tl.float32)
+           ).to(tl.bfloat16)                              # dY = −dNY (exact)
+    d_rk = tl.dot(mt, d_y)
+    d_l = tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)), d_l)
+    rk_dot += tl.sum(d_rk * k.to(tl.float32), axis=1)
+  for s in range(V // BK):
+    cols = s * BK + rb
+    cv = ii * V + cols[None, :]
+    v = tl.load(v_ptr + ii * (HV * V) + cols[None, :])
+    u = tl.dot(m, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16))
+    d_rv = tl.dot(mt, tl.load(du_ptr + cv))
+    d_l = tl.dot(d_rv.to(tl.bfloat16), tl.trans(u.to(tl.bfloat16)), d_l)
+    tl.store(dv_ptr + cv, beta[:, None] * d_rv)
+    rv_dot += tl.sum(d_rv * v.to(tl.float32), axis=1)
+  d_l = -d_l
+  # k kᵀ in a loop of its own: accumulated beside dL above, the two tiles spilled at 4 warps.
+  kk = tl.zeros((C, C), tl.float32)
+  for s in range(K // BK):
+    k = tl.load(k_ptr + ii * (H * K) + (s * BK + rb)[None, :])
+    kk = tl.dot(k, tl.trans(k), kk)
+  gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
   strict = ii > jj
-  d_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam
   d_b = tl.where(strict, d_l * beta[:, None] * gam, 0.0)
-  w = d_a * qk + d_b * kk
+  d_beta = tl.sum(tl.where(strict, d_l * kk * gam, 0.0), axis=1) + entry * rk_dot + rv_dot
+  tl.store(dbeta_ptr + vec0 + rc, d_beta)
+  w_b = d_b * kk                                          # W = dA ⊙ q kᵀ + dB ⊙ k kᵀ: its k kᵀ half
+  w_row = tl.sum(w_b, axis=1)
+  w_col = tl.sum(w_b, axis=0)
+  d_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam
   d_a16 = d_a.to(tl.bfloat16)
-  dq = tl.dot(d_a16, k)
-  dk = tl.dot(tl.trans(d_a16), q)
-  dk = tl.dot((d_b + tl.trans(d_b)).to(tl.bfloat16), k, dk)
-  dk += (beta * entry)[:, None] * d_rk
-  tl.store(dq_ptr + ck, dq)
-  tl.store(dk_ptr + ck, dk)
-  tl.store(dv_ptr + cv, beta[:, None] * d_rv)
-  rk_dot = tl.sum(d_rk * kf, axis=1)
-  d_beta = (tl.sum(tl.where(strict, d_l * kk * gam, 0.0), axis=1) + entry * rk_dot
-            + tl.sum(d_rv * vf, axis=1))
-  tl.store(dbeta_ptr + vec, d_beta)
-  tl.store(dgr_ptr + vec, entry * beta * rk_dot + tl.sum(w, axis=1))
-  tl.store(dgc_ptr + vec, tl.sum(w, axis=0))
+  d_bs = (d_b + tl.trans(d_b)).to(tl.bfloat16)
+  # dq = dA k, dk = dAᵀ q + (dB + dBᵀ) k + β e ⊙ dR_k (dR_k made again), per slice; then q kᵀ
+  # over the slices for W's other half.
+  for s in range(K // BK):
+    cols = s * BK + rb
+    src = ii * (H * K) + cols[None, :]
+    ck = ii * K + cols[None, :]
+    q = tl.load(q_ptr + src)
+    k = tl.load(k_ptr + src)
+    tl.store(dq_ptr + ck, tl.dot(d_a16, k))
+    dk = tl.dot(tl.trans(d_a16), q)
+    dk = tl.dot(d_bs, k, dk)
+    d_rk = tl.dot(mt, (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16))
+    tl.store(dk_ptr + ck, dk + (beta * entry)[:, None] * d_rk)
+  qk = tl.zeros((C, C), tl.float32)
+  for s in range(K // BK):
+    src = ii * (H * K) + (s * BK + rb)[None, :]
+    qk = tl.dot(tl.load(q_ptr + src), tl.trans(tl.load(k_ptr + src)), qk)
+  # dA again from memory and Γ again from G (held over the loops, their float32 tiles spilled).
+  g = tl.load(g_ptr + vec0 + rc)
+  gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
+  w_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam * qk
+  tl.store(dgr_ptr + vec0 + rc, entry * beta * rk_dot + (tl.sum(w_a, axis=1) + w_row))
+  tl.store(dgc_ptr + vec0 + rc, tl.sum(w_a, axis=0) + w_col)
 
 
 def supported(chunk: int, dk: int, dv: int) -> str | None:
-  """None if these kernels take the sizes (their [C, D] tiles stay in registers), else why."""
+  """None if these kernels take the sizes (those checked: `blocks.INTRA_HEAD_DIMS`), else why."""
   return blocks.intra_supported("delta-rule", chunk, dk, dv)
 
 
@@ -210,6 +288,7 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_i
   if precision not in blocks.INTRA_PRECISIONS:
     raise ValueError(f"precision={precision!r}: expected one of {blocks.INTRA_PRECISIONS}")
   (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
+  bk = blocks.INTRA_BK
   f32 = jnp.float32
   out_shape = _structs(((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, c, dk), MM_DTYPE),
                        ((b, hv, nc, c, c), MM_DTYPE), ((b, hv, nc, c, dv), f32),
@@ -220,7 +299,7 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_i
       g.astype(f32), gx.astype(f32), *seg, t, float(scale),
       kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, H=h, HV=hv, K=dk, V=dv, C=c, PACKED=packed,
-      WITH_INVERSE=with_inverse, PREC=precision)
+      BK=bk, WITH_INVERSE=with_inverse, PREC=precision)
   return (ny, qg, p, u, kg, m) if with_inverse else (ny, qg, p, u, kg)
 
 
@@ -230,6 +309,7 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: fl
   """As `pallas_kernels.gpu.intra_chunk.intra_chunk_bwd` (same arguments and results)."""
   del gx   # the exit factor's terms are elementwise: the caller's
   (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
+  bk = blocks.INTRA_BK
   f32 = jnp.float32
   out_shape = _structs(((b, hv, nc, c, dk), f32), ((b, hv, nc, c, dk), f32),
                        ((b, hv, nc, c, dv), f32), *[((b, hv, t), f32)] * 3)
@@ -238,4 +318,4 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: fl
       g.astype(f32), seg[0], seg[1], m.astype(MM_DTYPE), dny.astype(MM_DTYPE),
       dp.astype(MM_DTYPE), du.astype(MM_DTYPE), t, float(scale),
       kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps, num_stages=1,
-      H=h, HV=hv, K=dk, V=dv, C=c, PACKED=packed))
+      H=h, HV=hv, K=dk, V=dv, C=c, BK=bk, PACKED=packed))
