@@ -60,8 +60,8 @@ def launches(dk: int, dv: int, packed: bool) -> list[Launch]:
   state = dict(C=c, K=dk, V=dv, BV=blocks.block_v(dk, dv), STAGES=blocks.num_stages(dk))
   state_launch = dict(num_warps=blocks.num_warps(dk), num_stages=blocks.num_stages(dk))
   intra = dict(H=16, HV=16, K=dk, V=dv, C=c, PACKED=packed, WITH_INVERSE=True,
-               PREC=blocks.INTRA_PRECISION)
-  channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, KS=16, PACKED=packed, WITH_INVERSE=True,
+               PREC=blocks.INTRA_PRECISION, BK=blocks.INTRA_BK)
+  channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, PACKED=packed, WITH_INVERSE=True,
                  PREC=blocks.INTRA_PRECISION, BK=getattr(blocks, "CHANNEL_BK", 16))
   f = frozenset
   return [
