@@ -88,6 +88,14 @@ def _rows(ptr, rows, hv, cols, HV: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV: tl.constexpr,
+                    K: tl.constexpr):
+  """One channel slice of q, k, k̃ and G, [C, BK] float32 each."""
+  return (_rows(q_ptr, rows, hv, cols, HV, K), _rows(k_ptr, rows, hv, cols, HV, K),
+          _rows(kt_ptr, rows, hv, cols, HV, K), _rows(g_ptr, rows, hv, cols, HV, K))
+
+
+@triton.jit
 def _pair_masks(seg_ptr, rows, ii, jj, PACKED: tl.constexpr):
   """Where P (j ≤ i) and L (j < i) may be non-zero: same segment too when packed."""
   keep_p = ii >= jj
@@ -165,10 +173,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   l_acc = tl.zeros((C, C), tl.float32)
   for s in range(K // BK):
     cols = s * BK + rb
-    q = _rows(q_ptr, rows, hv, cols, HV, K)
-    k = _rows(k_ptr, rows, hv, cols, HV, K)
-    kt = _rows(kt_ptr, rows, hv, cols, HV, K)
-    g = _rows(g_ptr, rows, hv, cols, HV, K)
+    q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K)
     p_acc, l_acc = _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc,
                                 HV, K, C, SUBC)
     g_last = tl.load(g_ptr + last * K + cols)
@@ -251,10 +256,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, d
     seg = tl.load(seg_ptr + rows)
   for s in range(K // BK):
     cols = s * BK + rb
-    q = _rows(q_ptr, rows, hv, cols, HV, K)
-    k = _rows(k_ptr, rows, hv, cols, HV, K)
-    kt = _rows(kt_ptr, rows, hv, cols, HV, K)
-    g = _rows(g_ptr, rows, hv, cols, HV, K)
+    q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K)
     d_q = tl.zeros((C, BK), tl.float32)
     d_kt = tl.zeros((C, BK), tl.float32)
     d_k = tl.zeros((C, BK), tl.float32)

@@ -119,6 +119,16 @@ def _entry(g, cont_ptr, rows, PACKED: tl.constexpr):
 
 
 @triton.jit
+def _row_factors(beta_ptr, g_ptr, cont_ptr, vec0, rc, rows, BK: tl.constexpr,
+                 PACKED: tl.constexpr):
+  """Slice columns, the [C, C] index grids, and the chunk's β, G and entry factor [C]."""
+  beta = tl.load(beta_ptr + vec0 + rc)
+  g = tl.load(g_ptr + vec0 + rc)
+  return (tl.arange(0, BK), rc[:, None], rc[None, :], beta, g,
+          _entry(g, cont_ptr, rows, PACKED))
+
+
+@triton.jit
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr, keep_ptr, t,
                 scale, ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, m_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -126,12 +136,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0))
   rc, rows, qk_base, v_base, vec0, chunk = _chunk_index(t, H, HV, K, V, C)
-  rb = tl.arange(0, BK)
-  ii = rc[:, None]
-  jj = rc[None, :]
-  beta = tl.load(beta_ptr + vec0 + rc)
-  g = tl.load(g_ptr + vec0 + rc)
-  entry = _entry(g, cont_ptr, rows, PACKED)
+  rb, ii, jj, beta, g, entry = _row_factors(beta_ptr, g_ptr, cont_ptr, vec0, rc, rows, BK,
+                                            PACKED)
   exit_ = tl.exp(tl.load(gx_ptr + vec0 + rc))
   if PACKED:
     exit_ = exit_ * tl.load(keep_ptr + rows)
@@ -186,12 +192,8 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
   dk_ptr += chunk * C * K
   du_ptr += chunk * C * V
   dv_ptr += chunk * C * V
-  rb = tl.arange(0, BK)
-  ii = rc[:, None]
-  jj = rc[None, :]
-  beta = tl.load(beta_ptr + vec0 + rc)
-  g = tl.load(g_ptr + vec0 + rc)
-  entry = _entry(g, cont_ptr, rows, PACKED)
+  rb, ii, jj, beta, g, entry = _row_factors(beta_ptr, g_ptr, cont_ptr, vec0, rc, rows, BK,
+                                            PACKED)
   cc = ii * C + jj
   m = tl.load(m_ptr + cc)                                 # bf16, as the forward applied it
   mt = tl.trans(m)
