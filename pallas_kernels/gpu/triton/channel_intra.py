@@ -88,6 +88,16 @@ def _rows(ptr, rows, hv, cols, HV: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV: tl.constexpr, K: tl.constexpr,
+                 PACKED: tl.constexpr):
+  """Y = M (K̃ ⊙ e^G) on one channel slice (e^G zeroed where the segment began in the chunk)."""
+  entry = tl.exp(_rows(g_ptr, rows, hv, cols, HV, K))
+  if PACKED:
+    entry = entry * cont
+  return tl.dot(m, (_rows(kt_ptr, rows, hv, cols, HV, K) * entry).to(tl.bfloat16))
+
+
+@triton.jit
 def _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV: tl.constexpr,
                     K: tl.constexpr):
   """One channel slice of q, k, k̃ and G, [C, BK] float32 each."""
@@ -164,6 +174,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   jj = rc[None, :]
   cc = chunk * C * C + ii * C + jj
   last = (row0 + C - 1) * HV + hv                              # the chunk's last row, head hv
+  cont = 1.0                                                  # read only when PACKED
   if PACKED:
     cont = tl.load(cont_ptr + rows)[:, None]
     keep = tl.load(keep_ptr + rows)[:, None]
@@ -194,10 +205,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   # NY = −M (K̃ ⊙ e^G) and U = M Ṽ, a slice at a time.
   for s in range(K // BK):
     cols = s * BK + rb
-    entry = tl.exp(_rows(g_ptr, rows, hv, cols, HV, K))
-    if PACKED:
-      entry = entry * cont
-    y = tl.dot(m, (_rows(kt_ptr, rows, hv, cols, HV, K) * entry).to(tl.bfloat16))
+    y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED)
     tl.store(ny_ptr + chunk * C * K + ii * K + cols[None, :], (-y).to(tl.bfloat16))
   for s in range(V // BK):
     cols = s * BK + rb
@@ -220,6 +228,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, d
   jj = rc[None, :]
   cc0 = chunk * C * C
   cc = cc0 + ii * C + jj
+  cont = 1.0                                                  # read only when PACKED
   if PACKED:
     cont = tl.load(cont_ptr + rows)[:, None]
   # The solve: Y = M R_k, U = M Ṽ (the forward's bf16 M); dR = Mᵀ [dY | dU], dL = −dR [Y | U]ᵀ,
@@ -229,10 +238,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, d
   neg_dl = tl.zeros((C, C), tl.float32)
   for s in range(K // BK):
     cols = s * BK + rb
-    entry = tl.exp(_rows(g_ptr, rows, hv, cols, HV, K))
-    if PACKED:
-      entry = entry * cont
-    y = tl.dot(m, (_rows(kt_ptr, rows, hv, cols, HV, K) * entry).to(tl.bfloat16))
+    y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED)
     ck = chunk * C * K + ii * K + cols[None, :]
     d_y = (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16)
     d_rk = tl.dot(mt, d_y)
