@@ -62,7 +62,7 @@ def launches(dk: int, dv: int, packed: bool) -> list[Launch]:
   intra = dict(H=16, HV=16, K=dk, V=dv, C=c, PACKED=packed, WITH_INVERSE=True,
                PREC=blocks.INTRA_PRECISION, BK=blocks.INTRA_BK)
   channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, PACKED=packed, WITH_INVERSE=True,
-                 PREC=blocks.INTRA_PRECISION, BK=getattr(blocks, "CHANNEL_BK", 16))
+                 PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK)
   f = frozenset
   return [
       Launch("state_pass", "_fwd_kernel", dict(state, SAVE_STATES=True),
