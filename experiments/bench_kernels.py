@@ -85,14 +85,15 @@ _INTRA = flags.DEFINE_enum("intra", "kernel", ["xla", "kernel"], "pallas_gpu: wh
                            "path).")
 _TRITON_INTRA = flags.DEFINE_enum("triton_intra", "auto", ["auto", "xla", "kernel"],
                                   "triton: who computes the intra-chunk part "
-                                  "(GpuTuning.triton_intra: auto = kernels for DeltaNet/GDN, "
-                                  "XLA for KDA/GDN-2; or the Triton kernels / XLA for all).")
+                                  "(GpuTuning.triton_intra: auto = the kernels wherever they "
+                                  "exist; or the Triton kernels / XLA for all).")
 _CHANNEL_PAIR = flags.DEFINE_enum("channel_pair", None, ["xla", "kernel_fwd", "kernel"], "pallas_gpu: who "
                                   "computes KDA/GDN-2's per-channel pair matrices (lineax_attn."
                                   "ops.pallas_gpu.GpuTuning.channel_pair; unset: the default).")
-_CHANNEL_INTRA = flags.DEFINE_enum("channel_intra", "xla", ["xla", "triton"], "pallas_gpu: who "
-                                   "computes KDA/GDN-2's intra-chunk part (GpuTuning."
-                                   "channel_intra: XLA, or the Triton channel kernels).")
+_CHANNEL_INTRA = flags.DEFINE_enum("channel_intra", "auto", ["auto", "xla", "triton"],
+                                   "pallas_gpu: who computes KDA/GDN-2's intra-chunk part "
+                                   "(GpuTuning.channel_intra: auto = the Triton channel kernels "
+                                   "where the extra runs, else XLA).")
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", "", "With --breakdown: also run each intra-chunk kernel once under Mosaic GPU's "
     "in-kernel profiler, write its traces here and log the time per named phase "

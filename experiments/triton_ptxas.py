@@ -52,23 +52,26 @@ class Launch:
   num_stages: int
 
 
-def launches(dk: int, dv: int, packed: bool) -> list[Launch]:
+def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
   """The launches of the three kernel modules at head dims (dk, dv), as their wrappers make
-  them (pallas_kernels/gpu/triton/*.py: the `triton_call`s)."""
+  them on a Hopper GPU or another (pallas_kernels/gpu/triton/*.py: the `triton_call`s)."""
   from pallas_kernels.gpu.triton import blocks  # noqa: PLC0415 (no triton needed for blocks)
   c = blocks.CHUNK
-  state = dict(C=c, K=dk, V=dv, BV=blocks.block_v(dk, dv), STAGES=blocks.num_stages(dk))
-  state_launch = dict(num_warps=blocks.num_warps(dk), num_stages=blocks.num_stages(dk))
+  fwd_stages = blocks.num_stages(dk, reverse=False, hopper=hopper)
+  bwd_stages = blocks.num_stages(dk, reverse=True, hopper=hopper)
+  state = dict(C=c, K=dk, V=dv, BV=blocks.block_v(dk, dv))
   intra = dict(H=16, HV=16, K=dk, V=dv, C=c, PACKED=packed, WITH_INVERSE=True,
                PREC=blocks.INTRA_PRECISION, BK=blocks.INTRA_BK)
   channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, PACKED=packed, WITH_INVERSE=True,
                  PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK)
   f = frozenset
   return [
-      Launch("state_pass", "_fwd_kernel", dict(state, SAVE_STATES=True),
-             f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "h_ptr"}), **state_launch),
-      Launch("state_pass", "_bwd_kernel", state,
-             f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "do_ptr", "dh_ptr"}), **state_launch),
+      Launch("state_pass", "_fwd_kernel", dict(state, SAVE_STATES=True, STAGES=fwd_stages),
+             f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "h_ptr"}), blocks.num_warps(dk),
+             fwd_stages),
+      Launch("state_pass", "_bwd_kernel", dict(state, STAGES=bwd_stages),
+             f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "do_ptr", "dh_ptr"}), blocks.num_warps(dk),
+             bwd_stages),
       Launch("intra_chunk", "_fwd_kernel", intra,
              f({"q_ptr", "k_ptr", "v_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}),
              blocks.INTRA_WARPS, 1),
@@ -133,7 +136,7 @@ def main(argv):
   rows = []
   for d in (int(x) for x in _HEAD_DIMS.value):
     for packed in (False, True):
-      for launch in launches(d, d, packed):
+      for launch in launches(d, d, packed, hopper=arch == 90):
         if launch.module not in _KERNELS.value:
           continue
         if "PACKED" not in launch.constexprs and packed:

@@ -241,6 +241,36 @@ def test_op_takes_the_triton_intra_kernel_on_request(monkeypatch, mixer):
       assert_close(g_, w, GRAD_TOL, f"{mixer} intra={intra} grad {i}")
 
 
+@pytest.mark.parametrize("mixer", ["kda", "gdn2"])
+def test_pallas_gpu_borrows_the_triton_channel_kernels(monkeypatch, mixer):
+  # On Hopper with the extra, pallas_gpu takes the Triton KDA / GDN-2 intra kernels by default
+  # (channel_intra="auto") and on request ("triton"); "xla" keeps XLA's part. Each against the
+  # scan: output, final state and every gradient.
+  if not pallas_gpu.is_hopper():
+    pytest.skip("pallas_gpu needs a Hopper GPU")
+  module, name = _INTRA_ENTRY[mixer]
+  calls = []
+  kernel = getattr(module, name)
+  monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=2)
+  s0 = kw["initial_state"]
+  want_o, want_s = run(mixer, args, initial_state=s0, output_final_state=True,
+                       implementation="scan")
+  want = output_and_state_grads(mixer, args, s0, "scan")
+  for choice in ("auto", "triton", "xla"):
+    tuning = ops.GpuTuning(channel_intra=choice)
+    calls.clear()
+    o, s = jax.jit(lambda *a, tuning=tuning: run(
+        mixer, a[:-1], initial_state=a[-1], output_final_state=True,
+        implementation="pallas_gpu", tuning=tuning))(*args, s0)
+    assert bool(calls) == (choice != "xla"), choice
+    assert_close(o, want_o, FWD_TOL, f"{mixer} channel_intra={choice} o")
+    assert_close(s, want_s, FWD_TOL, f"{mixer} channel_intra={choice} final state")
+    got = output_and_state_grads(mixer, args, s0, "pallas_gpu", tuning=tuning)
+    for i, (g_, w) in enumerate(zip(got, want)):
+      assert_close(g_, w, GRAD_TOL, f"{mixer} channel_intra={choice} grad {i}")
+
+
 # ----------------------------------------------------------------------------- channel gates
 
 

@@ -26,6 +26,10 @@ def test_block_sizes_are_fixed_per_head_dims():
   # of at most 128 x 64 elements per 4-warp program.
   assert [blocks.block_v(dk, 128) for dk in (16, 64, 128, 256)] == [64, 64, 64, 32]
   assert blocks.block_v(64, 48) == 16 and blocks.block_v(128, 96) == 32
+  # Pipelining depth of the state pass (timed on the H200; shared memory elsewhere): 3 only
+  # for Hopper's forward, 2 for its reverse and off Hopper, 1 at K = 256.
+  assert [blocks.num_stages(dk, hopper=True) for dk in (64, 128, 256)] == [3, 3, 1]
+  assert [blocks.num_stages(dk, reverse=True, hopper=True) for dk in (64, 128, 256)] == [2, 2, 1]
   assert [blocks.num_stages(dk) for dk in (64, 128, 256)] == [2, 2, 1]
   with pytest.raises(ValueError, match="dv=40"):
     blocks.block_v(64, 40)
@@ -92,13 +96,13 @@ def test_triton_intra_is_a_checked_tuning_field():
     ops.GpuTuning(triton_intra="fast")
 
 
-@pytest.mark.parametrize("mixer,auto", [("linear_attention", "xla"), ("delta_rule", "kernel"),
-                                        ("gated_delta_rule", "kernel"), ("kda", "xla"),
-                                        ("gdn2", "xla")])
+@pytest.mark.parametrize("mixer,auto", [("linear_attention", "xla"), ("simple_gla", "xla"),
+                                        ("delta_rule", "kernel"), ("gated_delta_rule", "kernel"),
+                                        ("kda", "kernel"), ("gdn2", "kernel")])
 def test_auto_intra_takes_the_kernels_measured_faster(mixer, auto):
-  # "auto": the Triton intra kernels for the scalar-gate delta rule (faster than XLA's part on
-  # the H200), XLA's part for the per-channel mixers (their kernels are slower there); an
-  # explicit choice is taken as given.
+  # "auto": the Triton intra kernels wherever they exist (the scalar-gate delta rule and the
+  # per-channel mixers: all faster than XLA's part on the H200), XLA's part for the mixers
+  # without a delta edit; an explicit choice is taken as given.
   assert triton_gpu.intra_choice(mixer, ops.GpuTuning()) == auto
   for choice in ("kernel", "xla"):
     assert triton_gpu.intra_choice(mixer, ops.GpuTuning(triton_intra=choice)) == choice
@@ -123,12 +127,14 @@ def test_channel_intra_kernel_applies_where_it_should():
   applies = lambda g=channel, kt=x, c=64, tuning=on, kernels="triton", q=x: (
       gpu_prepare.channel_kernel_applies(q, kt, x, g, c=c, tuning=tuning, kernels=kernels))
   assert applies()
-  assert not applies(kernels="mosaic")          # pallas_gpu keeps its XLA channel path ...
-  # ... unless it asks for the Triton kernels (channel_intra), which the triton path does not
-  # read (it gets its resolved triton_intra as `intra`).
+  # pallas_gpu keeps its XLA channel path when asked to ...
+  assert not applies(tuning=ops.GpuTuning(intra="kernel", channel_intra="xla"), kernels="mosaic")
+  # ... and by default ("auto") borrows the Triton kernels exactly where the extra runs.
+  assert applies(kernels="mosaic") == triton_gpu.available()
+  # The triton path does not read channel_intra (it gets its resolved triton_intra as `intra`).
   borrow = ops.GpuTuning(intra="xla", channel_intra="triton")
   assert not applies(tuning=borrow)
-  if not triton_gpu.available():                # and which need the extra and a CUDA GPU
+  if not triton_gpu.available():                # asked for outright, they need the extra
     with pytest.raises(ValueError, match="needs the triton extra"):
       applies(tuning=borrow, kernels="mosaic")
   with pytest.raises(ValueError, match="channel_intra"):

@@ -63,15 +63,17 @@ def prepare_chunks(q, k, kt, vt, g, segidx, *, c, tuning: GpuTuning = DEFAULT_TU
 
 def channel_kernel_applies(q, kt, vt, g, *, c, tuning: GpuTuning, kernels: str) -> bool:
   """Whether `_core` takes the Triton channel-gate intra kernels for this call: asked for (the
-  Triton path with its resolved `intra="kernel"`, or pallas_gpu with
-  `channel_intra="triton"`), per-channel gates with an erase key (KDA, GDN-2), sizes the kernel
-  takes, outside shard_map (its outputs would lack the varying-axes types)."""
-  asked = tuning.intra == "kernel" if kernels == "triton" else tuning.channel_intra == "triton"
+  Triton path with its resolved `intra="kernel"`; pallas_gpu with `channel_intra="triton"`, or
+  "auto" where the triton extra runs), per-channel gates with an erase key (KDA, GDN-2), sizes
+  the kernel takes, outside shard_map (its outputs would lack the varying-axes types)."""
+  asked = tuning.intra == "kernel" if kernels == "triton" else tuning.channel_intra != "xla"
   if not asked or kt is None or g is None or g.ndim != 4:
     return False
   if kernels != "triton":   # pallas_gpu borrowing the Triton kernels: say clearly if it cannot
     from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
     if not triton_gpu.available():
+      if tuning.channel_intra == "auto":
+        return False
       raise ValueError("GpuTuning(channel_intra='triton') needs the triton extra "
                        f"(missing: {', '.join(triton_gpu.missing_packages()) or 'none'}) and a "
                        f"CUDA GPU (backend: {jax.default_backend()}); use channel_intra='xla'.")

@@ -11,7 +11,7 @@ import dataclasses
 
 INTRA_CHOICES = ("kernel", "xla")
 TRITON_INTRA_CHOICES = ("auto", "kernel", "xla")
-CHANNEL_INTRA_CHOICES = ("xla", "triton")
+CHANNEL_INTRA_CHOICES = ("auto", "xla", "triton")
 PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
@@ -49,14 +49,17 @@ class GpuTuning:
       `intra` is not read): "kernel" takes the Triton kernels, for DeltaNet / GDN those of
       `pallas_kernels.gpu.triton.intra_chunk`, for KDA / GDN-2 those of
       `pallas_kernels.gpu.triton.channel_intra` (both forward and backward); "xla" the XLA part;
-      "auto" (the default) whichever measured faster on the H200 (docs/BENCHMARKS.md "The
-      Triton path, third stage"): the kernels for DeltaNet / GDN (GDN fwd+bwd 3.01 ms against
-      XLA's 4.88), the XLA part for KDA / GDN-2 (their kernels' forward takes 4.9 ms against
-      XLA's 2.9). Linear attention and simple GLA always take the XLA part.
+      "auto" (the default) the kernels wherever they exist, measured faster than XLA's part on
+      the H200 for all four (docs/BENCHMARKS.md "The Triton path, fourth stage": GDN fwd+bwd
+      2.8 ms against 5.1, KDA 8.0 against 11.3). Linear attention and simple GLA always take
+      the XLA part.
     channel_intra: who computes KDA / GDN-2's intra-chunk part under implementation="pallas_gpu":
-      "xla" (the default; `channel_pair` steers it) or "triton", the Triton kernels of
-      `pallas_kernels.gpu.triton.channel_intra` (forward and backward; they run on Hopper too
-      and need the `triton` extra). Opt-in until timed against XLA's part on the H200.
+      "triton", the Triton kernels of `pallas_kernels.gpu.triton.channel_intra` (forward and
+      backward; they run on Hopper too and need the `triton` extra: a ValueError without it);
+      "xla" the XLA part (`channel_pair` steers it); "auto" (the default) the Triton kernels
+      where the extra is installed and JAX runs on CUDA, else XLA's part. On the H200 KDA
+      fwd+bwd took 8.0 ms with the Triton kernels against 11.0-11.3 with XLA's part
+      (docs/BENCHMARKS.md "The Triton path, fourth stage").
   """
 
   intra: str = "kernel"
@@ -65,7 +68,7 @@ class GpuTuning:
   pair_diag: str = "columns"
   remat_intra: bool = True
   triton_intra: str = "auto"
-  channel_intra: str = "xla"
+  channel_intra: str = "auto"
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),

@@ -5,16 +5,15 @@ sm_86, sm_89), where the Mosaic GPU kernels of `pallas_gpu` (wgmma, TMA: sm_90) 
 selectable on Hopper too. It is the chunk form split as `pallas_gpu` splits it (docs/MATH.md
 §3.2, docs/KERNELS_GPU.md):
 
-* **intra-chunk part**: for DeltaNet and GDN the Triton intra-chunk kernels by default
-  (`pallas_kernels.gpu.triton.intra_chunk`, forward and backward, one program per chunk: the
-  C×C products, the blocked inverse of I + L with tf32 products, the pseudo-values), as
-  `pallas_gpu` has Mosaic GPU ones; for the other mixers the XLA part (`gpu_prepare.
-  prepare_chunks`: bf16 products, float32 accumulation and solve; differentiated by autodiff).
-  KDA and GDN-2 have Triton kernels of their per-channel part too
-  (`pallas_kernels.gpu.triton.channel_intra`: anchored sub-chunk pairs, exact diagonal blocks,
+* **intra-chunk part**: Triton kernels by default wherever they exist (`intra_choice`): for
+  DeltaNet and GDN `pallas_kernels.gpu.triton.intra_chunk` (forward and backward, one program
+  per chunk: the C×C products, the blocked inverse of I + L with tf32 products, the
+  pseudo-values), as `pallas_gpu` has Mosaic GPU ones; for KDA and GDN-2
+  `pallas_kernels.gpu.triton.channel_intra` (anchored sub-chunk pairs, exact diagonal blocks,
   the same inverse; forward and backward, the backward's elementwise rest in XLA,
-  `gpu_prepare.channel_intra_kernel`); they pass the compiled tests but are slower than XLA's
-  part on the H200, so they are opt-in (`GpuTuning(triton_intra="kernel")`; `intra_choice`);
+  `gpu_prepare.channel_intra_kernel`). Linear attention and simple GLA take the XLA part
+  (`gpu_prepare.prepare_chunks`: bf16 products, float32 accumulation and solve; differentiated
+  by autodiff), as does any mixer with `GpuTuning(triton_intra="xla")`;
 * **sequential state pass in Triton** (`pallas_kernels.gpu.triton.state_pass`): one program per
   (batch·value head, V-tile) walks the chunks with the float32 state in registers, forward and a
   reverse kernel for the state cotangent, wired as a `jax.custom_vjp` (`gpu_vjps.state_pass`,
@@ -42,8 +41,8 @@ from lineax_attn.ops import api, specs
 from lineax_attn.ops.gpu_tuning import GpuTuning, check_tuning
 from pallas_kernels.gpu.triton import blocks
 
-__all__ = ["GpuTuning", "available", "intra_choice", "supports", "triton_delta_family",
-           "unsupported_reason"]
+__all__ = ["GpuTuning", "available", "has_intra_kernels", "intra_choice", "supports",
+           "triton_delta_family", "unsupported_reason"]
 
 _warned: set[str] = api.fallback_logged("triton")
 
@@ -88,15 +87,26 @@ def supports(call) -> str | None:
   return unsupported_reason(dk=d.dk, dv=d.dv, chunk_size=call.chunk_size, varlen=call.varlen)
 
 
+def has_intra_kernels(mixer) -> bool:
+  """Whether the Triton path has intra-chunk kernels for `mixer`: the delta-rule ones
+  (`intra_chunk`: DeltaNet, GDN) or the per-channel ones (`channel_intra`: a decay per key
+  channel with an erase key, KDA and GDN-2)."""
+  spec = specs.resolve(mixer)
+  t = spec.template
+  channel = t.decay is not None and t.erase is not None and spec.gate(t.decay).axis == "k"
+  return spec.gpu_intra_kernel or channel
+
+
 def intra_choice(mixer: str, tuning: GpuTuning) -> str:
   """Who computes `mixer`'s intra-chunk part on this path: "kernel" or "xla".
 
-  `triton_intra="auto"` resolves to the faster on the H200 (docs/BENCHMARKS.md "The Triton
-  path, third stage"): the Triton kernels for the scalar-gate delta rule (DeltaNet, GDN), the
-  XLA part for the per-channel mixers (KDA, GDN-2), whose Triton kernels are still slower."""
+  `triton_intra="auto"` takes the kernels wherever they exist (`has_intra_kernels`): on the
+  H200 they beat XLA's part for every such mixer (docs/BENCHMARKS.md "The Triton path, fourth
+  stage": GDN fwd+bwd 2.8 ms against 5.1, KDA 8.0 against 11.3). Linear attention and simple
+  GLA have none and take XLA's part."""
   if tuning.triton_intra != "auto":
     return tuning.triton_intra
-  return "kernel" if specs.resolve(mixer).gpu_intra_kernel else "xla"
+  return "kernel" if has_intra_kernels(mixer) else "xla"
 
 
 def triton_delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,

@@ -29,15 +29,21 @@ def num_warps(dk: int) -> int:
   return 4
 
 
-def num_stages(dk: int) -> int:
-  """Software-pipelining depth of the state pass's chunk loop (2: the next chunk loads while
-  this one computes; K = 256 has no shared memory for a second copy of its tiles). Until
-  2026-12-02 the loop was not pipelined at all (triton 3.6 ignored the launch's num_stages for
-  it; `state_pass` now asks with `tl.range`), so the H200 timings before then are of 1 stage;
-  2 is not yet timed (`bench_triton_parts --state_launches`). Shared memory at K = V = 128,
-  BLOCK_V = 64, 2 stages: 107 / 115 KB (forward / reverse) on sm_90a, 91 / 66 KB on sm_80, so
-  it fits sm_86 / sm_89's 99 KB a block too."""
-  return 2 if dk <= 128 else 1
+def num_stages(dk: int, *, reverse: bool = False, hopper: bool = False) -> int:
+  """Software-pipelining depth of the state pass's chunk loop (`state_pass` asks for it with
+  `tl.range`; triton 3.6 ignored the launch's num_stages for this loop, so H200 timings before
+  2026-12-02 are of 1 stage).
+
+  Timed on the H200 (GDN, B4 T4096 H16 K = V = 128, BLOCK_V 64, 4 warps, 2026-12-02,
+  `bench_triton_parts --state_launches`): forward 0.46-0.56 ms at 2 stages, **0.32 at 3**
+  (Mosaic's: 0.33); the reverse 0.41-0.43 at 2, and at 3 it asks 249 KB of shared memory,
+  over Hopper's 227 KB. Off Hopper 2 stages everywhere: at 2 the tiles take 107 / 115 KB
+  (forward / reverse) on sm_90a and 91 / 66 KB on sm_80 (ptxas), which fits sm_86 / sm_89's
+  99 KB a block; 3 would not, and it is untimed on those GPUs. K = 256 has no shared memory
+  for a second copy of its tiles: 1."""
+  if dk > 128:
+    return 1
+  return 3 if hopper and not reverse else 2
 
 
 def supported(chunk: int, dk: int, dv: int) -> str | None:
@@ -83,9 +89,11 @@ INTRA_HEAD_DIMS = (64, 128)   # the sizes the intra kernels were checked (and pt
 # Sliced, at 8 warps: BK = 16 spills nothing in either kernel (K = V = 128 packed or not, K = V = 64;
 # 231-244 registers forward, 150-188 backward); BK = 32 still spilled 8-20 bytes a kernel and
 # BK = 64 ~600-900. At 4 warps BK = 16 keeps the forward spill-free (236-254) but the backward
-# spills 4-56 bytes. So 8 warps and BK = 16. Speed not re-timed since the slicing (no GPU at the
-# rewrite): time 4 and 8 warps with `experiments.bench_triton_parts` (its --warps: 4,8).
-CHANNEL_WARPS = 8
+# spills 4-56 bytes. Timed sliced on the H200 (KDA, B4 T4096 H16 K128, 2026-12-02,
+# `bench_triton_parts --mixers=kda`): forward 2.46 ms at 4 warps, 3.22 at 8; the backward's
+# kernel half 3.15 at 4, 5.21 at 8 (XLA's forward part: 2.85). So 4 warps: twice the programs
+# resident an SM outweigh the backward's few spilled bytes.
+CHANNEL_WARPS = 4
 CHANNEL_BK = 16
 INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32")
 INTRA_PRECISION = "tf32"

@@ -132,7 +132,12 @@ def _structs(*shapes_dtypes):
   return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes_dtypes]
 
 
-def _dims(qg, dv, launch_overrides):
+def _on_hopper() -> bool:
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  return str(cc).startswith("9.")
+
+
+def _dims(qg, dv, launch_overrides, *, reverse):
   """(B, HV, Nc, C, K, BLOCK_V, launch options) of a call; ValueError for sizes not taken.
 
   launch_overrides: None, or (block_v, num_warps, num_stages) with None for "the table's":
@@ -146,7 +151,8 @@ def _dims(qg, dv, launch_overrides):
   if bv not in (16, 32, 64, 128) or dv % bv:
     raise ValueError(f"block_v={bv}: expected 16, 32, 64 or 128 dividing V={dv}")
   launch = dict(num_warps=blocks.num_warps(dk) if warps is None else warps,
-                num_stages=blocks.num_stages(dk) if stages is None else stages)
+                num_stages=(blocks.num_stages(dk, reverse=reverse, hopper=_on_hopper())
+                            if stages is None else stages))
   return b, hv, nc, c, dk, bv, launch
 
 
@@ -160,7 +166,7 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, launch=Non
   launch: None (the sizes of `blocks`) or (block_v, num_warps, num_stages), None entries kept.
   """
   dv = u.shape[-1]
-  b, hv, nc, c, dk, bv, launch = _dims(qg, dv, launch)
+  b, hv, nc, c, dk, bv, launch = _dims(qg, dv, launch, reverse=False)
   f32 = jnp.float32
   # Without save_states the kernel never writes h: a one-element placeholder.
   out_shape = _structs(((b, hv, nc, c, dv), f32), ((b, hv, nc, c, dv), f32),
@@ -183,7 +189,7 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, launch=None):
   launch: as `state_passing_fwd`'s.
   """
   dv = do.shape[-1]
-  b, hv, nc, c, dk, bv, launch = _dims(qg, dv, launch)
+  b, hv, nc, c, dk, bv, launch = _dims(qg, dv, launch, reverse=True)
   f32 = jnp.float32
   out_shape = _structs(((b, hv, nc, c, dv), f32), ((b, hv, nc, dk, dv), MM_DTYPE),
                        ((b, hv, dk, dv), f32))
