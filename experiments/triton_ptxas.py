@@ -57,20 +57,20 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
   them on a Hopper GPU or another (pallas_kernels/gpu/triton/*.py: the `triton_call`s)."""
   from pallas_kernels.gpu.triton import blocks  # noqa: PLC0415 (no triton needed for blocks)
   c = blocks.CHUNK
-  fwd_stages = blocks.num_stages(dk, reverse=False, hopper=hopper)
-  bwd_stages = blocks.num_stages(dk, reverse=True, hopper=hopper)
-  state = dict(C=c, K=dk, V=dv, BV=blocks.block_v(dk, dv))
+  fwd_bv, fwd_warps, fwd_stages = blocks.state_launch(dk, dv, reverse=False, hopper=hopper)
+  bwd_bv, bwd_warps, bwd_stages = blocks.state_launch(dk, dv, reverse=True, hopper=hopper)
+  state = dict(C=c, K=dk, V=dv)
   intra = dict(H=16, HV=16, K=dk, V=dv, C=c, PACKED=packed, WITH_INVERSE=True,
                PREC=blocks.INTRA_PRECISION, BK=blocks.INTRA_BK)
   channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, PACKED=packed, WITH_INVERSE=True,
                  PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK)
   f = frozenset
   return [
-      Launch("state_pass", "_fwd_kernel", dict(state, SAVE_STATES=True, STAGES=fwd_stages),
-             f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "h_ptr"}), blocks.num_warps(dk),
-             fwd_stages),
-      Launch("state_pass", "_bwd_kernel", dict(state, STAGES=bwd_stages),
-             f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "do_ptr", "dh_ptr"}), blocks.num_warps(dk),
+      Launch("state_pass", "_fwd_kernel",
+             dict(state, BV=fwd_bv, SAVE_STATES=True, STAGES=fwd_stages),
+             f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "h_ptr"}), fwd_warps, fwd_stages),
+      Launch("state_pass", "_bwd_kernel", dict(state, BV=bwd_bv, STAGES=bwd_stages),
+             f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "do_ptr", "dh_ptr"}), bwd_warps,
              bwd_stages),
       Launch("intra_chunk", "_fwd_kernel", intra,
              f({"q_ptr", "k_ptr", "v_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}),
@@ -108,7 +108,13 @@ def compile_report(launch: Launch, arch: int) -> dict:
   module = importlib.import_module(f"pallas_kernels.gpu.triton.{launch.module}")
   kernel = getattr(module, launch.kernel)
   sig, consts = _signature(kernel.fn, launch.constexprs, launch.bf16_pointers)
-  compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts),
+  # jax-triton tells Triton that every array argument is 16-byte aligned (`tt.divisibility`),
+  # which lets it vectorise loads; without it the report is of other code (more registers and
+  # spills than what runs, seen on 2026-12-02).
+  aligned = {(i,): [["tt.divisibility", 16]]
+             for i, kind in enumerate(sig.values()) if kind.startswith("*")}
+  source = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=aligned)
+  compiled = triton.compile(source,
                             target=GPUTarget("cuda", arch, 32),
                             options=dict(num_warps=launch.num_warps,
                                          num_stages=launch.num_stages))

@@ -22,17 +22,19 @@ from pallas_kernels.gpu.triton import blocks
 
 
 def test_block_sizes_are_fixed_per_head_dims():
-  # Hand-derived from the register budget in blocks' docstring: a [K, BLOCK_V] float32 state
-  # of at most 128 x 64 elements per 4-warp program.
-  assert [blocks.block_v(dk, 128) for dk in (16, 64, 128, 256)] == [64, 64, 64, 32]
-  assert blocks.block_v(64, 48) == 16 and blocks.block_v(128, 96) == 32
-  # Pipelining depth of the state pass (timed on the H200; shared memory elsewhere): 3 only
-  # for Hopper's forward, 2 for its reverse and off Hopper, 1 at K = 256.
-  assert [blocks.num_stages(dk, hopper=True) for dk in (64, 128, 256)] == [3, 3, 1]
-  assert [blocks.num_stages(dk, reverse=True, hopper=True) for dk in (64, 128, 256)] == [2, 2, 1]
-  assert [blocks.num_stages(dk) for dk in (64, 128, 256)] == [2, 2, 1]
+  # (BLOCK_V, warps, stages) of the state pass, as blocks' docstring derives them: Hopper's
+  # timed on the H200 (3 stages forward, 2 reverse), other GPUs' and K = 256's chosen by
+  # ptxas (spill-free); BLOCK_V the largest of the cap that divides V.
+  launch = blocks.state_launch
+  assert [launch(dk, 128, hopper=True) for dk in (16, 64, 128, 256)] == [
+      (64, 4, 3), (64, 4, 3), (64, 4, 3), (16, 8, 1)]
+  assert launch(128, 128, reverse=True, hopper=True) == (64, 4, 2)
+  assert [launch(dk, 128, reverse=r) for dk in (64, 128, 256) for r in (False, True)] == [
+      (32, 8, 2)] * 4 + [(16, 8, 1)] * 2
+  assert launch(64, 48, hopper=True)[0] == 16 and launch(128, 96, hopper=True)[0] == 32
+  assert launch(128, 96)[0] == 32 and launch(128, 80)[0] == 16
   with pytest.raises(ValueError, match="dv=40"):
-    blocks.block_v(64, 40)
+    launch(64, 40)
 
 
 @pytest.mark.parametrize("chunk,dk,dv,word", [(32, 64, 64, "chunk_size"), (64, 96, 64, "K=96"),

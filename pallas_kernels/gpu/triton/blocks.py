@@ -1,11 +1,13 @@
-"""Sizes the Triton kernels take and their block sizes, fixed per size (no run-time autotuning).
+"""Sizes the Triton kernels take and their block sizes, fixed per size and GPU family (no
+run-time autotuning).
 
 Plain Python (no triton import), so the dispatch and CPU tests can read it without the extra.
 
-How the numbers were chosen: one program owns a float32 state tile [K, BLOCK_V] in registers
-for the whole sequence, plus one chunk's operand tiles. At 4 warps (128 threads), K = 128 and
-BLOCK_V = 64 the state is 64 registers a thread; BLOCK_V = 32 keeps K = 256 at the same count.
-More warps did not help a state pass whose chunks are serial (docs/BENCHMARKS.md, "Triton").
+How the numbers were chosen: by timing on the H200 where one was at hand, and elsewhere by what
+ptxas reports off GPU (`python -m experiments.triton_ptxas --arch=80`: registers a thread,
+spill bytes and shared memory of each kernel as jax-triton compiles it), since a kernel that
+spills inside its loop runs at a fraction of its speed. The tables of both are in
+docs/BENCHMARKS.md ("The Triton path, fourth stage") and docs/data/triton_ptxas_2026-12-02_*.
 """
 
 from __future__ import annotations
@@ -14,36 +16,42 @@ CHUNK = 64          # rows of a chunk (tl.dot's M); the chunk form's default
 HEAD_DIMS_K = (16, 32, 64, 128, 256)
 
 
-def block_v(dk: int, dv: int) -> int:
-  """Value columns per program for head dims (dk, dv): the largest of 64/32/16 dividing dv
-  whose state tile fits the register budget above."""
-  cap = 64 if dk <= 128 else 32
+def _block_v(dv: int, cap: int) -> int:
+  """The largest of 64 / 32 / 16 that is at most `cap` and divides dv."""
   for bv in (64, 32, 16):
     if bv <= cap and dv % bv == 0:
       return bv
   raise ValueError(f"dv={dv} must be a multiple of 16")
 
 
-def num_warps(dk: int) -> int:
-  del dk
-  return 4
+def state_launch(dk: int, dv: int, *, reverse: bool = False,
+                 hopper: bool = False) -> tuple[int, int, int]:
+  """(BLOCK_V, warps, pipeline stages) of the state pass at head dims (dk, dv), forward or
+  reverse, on Hopper or another GPU.
 
+  One program owns a float32 state tile [K, BLOCK_V] in registers for the whole sequence plus
+  one chunk's operand tiles, and walks the chunks with the loop software-pipelined
+  (`tl.range(num_stages=...)`; triton 3.6 ignored the launch's num_stages for this loop, so
+  H200 timings before 2026-12-02 are of 1 stage).
 
-def num_stages(dk: int, *, reverse: bool = False, hopper: bool = False) -> int:
-  """Software-pipelining depth of the state pass's chunk loop (`state_pass` asks for it with
-  `tl.range`; triton 3.6 ignored the launch's num_stages for this loop, so H200 timings before
-  2026-12-02 are of 1 stage).
-
-  Timed on the H200 (GDN, B4 T4096 H16 K = V = 128, BLOCK_V 64, 4 warps, 2026-12-02,
-  `bench_triton_parts --state_launches`): forward 0.46-0.56 ms at 2 stages, **0.32 at 3**
-  (Mosaic's: 0.33); the reverse 0.41-0.43 at 2, and at 3 it asks 249 KB of shared memory,
-  over Hopper's 227 KB. Off Hopper 2 stages everywhere: at 2 the tiles take 107 / 115 KB
-  (forward / reverse) on sm_90a and 91 / 66 KB on sm_80 (ptxas), which fits sm_86 / sm_89's
-  99 KB a block; 3 would not, and it is untimed on those GPUs. K = 256 has no shared memory
-  for a second copy of its tiles: 1."""
+  * Hopper, K <= 128: BLOCK_V 64, 4 warps; forward 3 stages, reverse 2. Timed on the H200
+    (GDN, B4 T4096 H16 K = V = 128, 2026-12-02, `bench_triton_parts --state_launches`):
+    forward 0.46-0.56 ms at 64:4:2, **0.32 at 64:4:3** (Mosaic's: 0.33), 0.54 at 32:4:2, 0.48
+    at 64:8:2; reverse 0.41-0.43 at 64:4:2, 0.69 at 32:4:2, 0.42 at 64:8:2, and at 3 stages
+    over Hopper's 227 KB of shared memory.
+  * other GPUs (sm_80 / sm_86 / sm_89), K <= 128: BLOCK_V 32, 8 warps, 2 stages. Untimed (no
+    such GPU here); chosen by ptxas: Hopper's launch spills there at K = V = 128 (the forward
+    ~1.1 KB a thread on sm_80, the reverse compiled to 32 registers and 11 KB of spills), 32:8:2
+    spills nothing in either kernel at K = 64 or 128 on sm_80, sm_86 and sm_89 and takes 66 KB
+    of shared memory at most, inside sm_86 / sm_89's 99 KB a block.
+  * K = 256, any GPU: BLOCK_V 16, 8 warps, 1 stage (no shared memory for a second copy of its
+    tiles): spill-free on sm_80 / sm_86 / sm_90, where 32:4:1 spilled. Untimed.
+  """
   if dk > 128:
-    return 1
-  return 3 if hopper and not reverse else 2
+    return _block_v(dv, 16), 8, 1
+  if hopper:
+    return _block_v(dv, 64), 4, 2 if reverse else 3
+  return _block_v(dv, 32), 8, 2
 
 
 def supported(chunk: int, dk: int, dv: int) -> str | None:

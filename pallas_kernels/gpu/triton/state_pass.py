@@ -146,13 +146,12 @@ def _dims(qg, dv, launch_overrides, *, reverse):
   reason = blocks.supported(c, dk, dv)
   if reason:
     raise ValueError(f"pallas_kernels.gpu.triton: {reason}.")
-  bv, warps, stages = launch_overrides or (None, None, None)
-  bv = blocks.block_v(dk, dv) if bv is None else bv
+  table = blocks.state_launch(dk, dv, reverse=reverse, hopper=_on_hopper())
+  bv, warps, stages = (x if x is not None else t
+                       for x, t in zip(launch_overrides or (None,) * 3, table))
   if bv not in (16, 32, 64, 128) or dv % bv:
     raise ValueError(f"block_v={bv}: expected 16, 32, 64 or 128 dividing V={dv}")
-  launch = dict(num_warps=blocks.num_warps(dk) if warps is None else warps,
-                num_stages=(blocks.num_stages(dk, reverse=reverse, hopper=_on_hopper())
-                            if stages is None else stages))
+  launch = dict(num_warps=warps, num_stages=stages)
   return b, hv, nc, c, dk, bv, launch
 
 
