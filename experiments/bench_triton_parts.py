@@ -126,10 +126,35 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
         lambda *a, w=w: channel_intra.channel_intra_bwd(*a[:5], None, *a[5:], chunk=C,
                                                         num_warps=w),
         qs, kf, kt, vt, G, m, *cts)
+  # The rest of the backward: XLA's glue after the kernel half, or fused into the kernel
+  # (GpuTuning.channel_grads), with the fused kernel's largest error against the glue's.
+  from lineax_attn.ops import gpu_prepare
+  d_ny, d_p, d_u = cts
+  d_qg, d_kg = jnp.ones_like(d_ny), jnp.ones_like(d_ny)
+  d_gc = jnp.ones((b, h, nc, d), jnp.float32)
+  bwd_args = (qs, kf, kt, vt, G, m, g, d_ny, d_qg, d_p, d_u, d_kg, d_gc)
+
+  @jax.jit
+  def half_then_glue(qs, kf, kt, vt, G, m, g, *cts6):
+    half = channel_intra.channel_intra_bwd(qs, kf, kt, vt, G, None, m, cts6[0], cts6[2],
+                                           cts6[3], chunk=C)
+    return gpu_prepare.channel_grads(qs, kf, kt, vt, g, None, half, cts6, c=C)
+
+  fused = jax.jit(lambda qs, kf, kt, vt, G, m, g, *cts6: channel_intra.channel_intra_grads(
+      qs, kf, kt, vt, G, None, m, *cts6, chunk=C))
+  try:
+    err = max(_rel_rms(x, y) for x, y in zip(fused(*bwd_args), half_then_glue(*bwd_args)))
+  except Exception as e:  # noqa: BLE001
+    log(f"[error] {mixer} fused channel grads: {type(e).__name__}: {str(e)[:300]}")
+    err = None
+  row(f"{mixer} channel bwd: kernel half + XLA glue", half_then_glue, *bwd_args)
+  row(f"{mixer} channel bwd: fused (channel_grads=kernel)", fused, *bwd_args, err=err)
   row(f"{mixer} XLA intra fwd (prepare_chunks)",
       lambda *a: pallas_gpu.prepare_chunks(*a, None, c=C), qs, kf, kt, vt, g)
   for intra in ("xla", "kernel"):
     _whole_op(row, mixer, args, f"{intra} intra", pallas_gpu.GpuTuning(triton_intra=intra))
+  _whole_op(row, mixer, args, "kernel intra, fused grads",
+            pallas_gpu.GpuTuning(triton_intra="kernel", channel_grads="kernel"))
   return rows
 
 

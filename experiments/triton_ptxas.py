@@ -80,8 +80,10 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
              blocks.INTRA_WARPS, 1),
       Launch("channel_intra", "_fwd_kernel", channel,
              f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}), blocks.CHANNEL_WARPS, 1),
-      Launch("channel_intra", "_bwd_kernel", channel,
-             f({"m_ptr", "dny_ptr", "dp_ptr"}), blocks.CHANNEL_WARPS, 1),
+      Launch("channel_intra", "_bwd_kernel", dict(channel, GRADS=False),
+             f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
+      Launch("channel_intra", "_bwd_kernel+grads", dict(channel, GRADS=True),
+             f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
   ]
 
 
@@ -106,7 +108,7 @@ def compile_report(launch: Launch, arch: int) -> dict:
   import triton  # noqa: PLC0415 (the optional extra)
   from triton.backends.compiler import GPUTarget  # noqa: PLC0415
   module = importlib.import_module(f"pallas_kernels.gpu.triton.{launch.module}")
-  kernel = getattr(module, launch.kernel)
+  kernel = getattr(module, launch.kernel.split("+")[0])   # "+name": a variant of the kernel
   sig, consts = _signature(kernel.fn, launch.constexprs, launch.bf16_pointers)
   # jax-triton tells Triton that every array argument is 16-byte aligned (`tt.divisibility`),
   # which lets it vectorise loads; without it the report is of other code (more registers and

@@ -338,3 +338,46 @@ def test_channel_intra_backward_kernel_matches_exact_reference(case, dk, dv):
                                                       c=64)
   for name, g_, w in zip(("dq", "dkt", "dk", "d_rk", "dvt"), got, want):
     assert_close(np.asarray(g_), np.asarray(w), GRAD_TOL, f"{name} ({case})")
+
+
+@pytest.mark.parametrize("case,dk,dv", [("random", 64, 64), ("strong", 128, 128),
+                                        ("packed", 64, 128)])
+def test_fused_channel_grads_match_the_kernel_half_and_the_glue(case, dk, dv):
+  # GpuTuning.channel_grads="kernel": the backward kernel with the elementwise rest and dG fused
+  # in (channel_intra_grads) against the kernel half followed by XLA's glue
+  # (gpu_prepare.channel_grads) on the same inputs: only float32 rounding differs (the Triton
+  # interpreter measured 1e-8 to 4e-7 relative); and against the exact float32 oracle
+  # composed with the glue, as the half is checked above.
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  q, k, kt, vt, g, G = _channel_inputs(6, dk=dk, dv=dv, tau=_TAU[case])
+  segidx = _packed_ids() if case == "packed" else None
+  segments = None if segidx is None else gpu_chunks.kernel_segments(segidx, 64)
+  *outs, m = channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=64,
+                                             with_inverse=True)
+  cts = tuple(jax.random.normal(key, o.shape).astype(o.dtype)
+              for key, o in zip(jax.random.split(jax.random.key(7), 6), outs))
+  d_ny, d_qg, d_p, d_u, d_kg, d_gc = cts
+  got = channel_intra.channel_intra_grads(q, k, kt, vt, G, segments, m, *cts, chunk=64)
+  half = channel_intra.channel_intra_bwd(q, k, kt, vt, G, segments, m, d_ny, d_p, d_u, chunk=64)
+  glue = gpu_prepare.channel_grads(q, k, kt, vt, g, segidx, half, cts, c=64)
+  exact = gpu_prepare.channel_grads(q, k, kt, vt, g, segidx, gpu_prepare.
+                                    channel_pair_solve_vjp_reference(
+                                        q, k, kt, vt, g, segidx, d_ny, d_p, d_u, c=64), cts, c=64)
+  for name, g_, w, e in zip(("dq", "dk", "dkt", "dvt", "dg"), got, glue, exact):
+    assert g_.shape == w.shape
+    assert_close(np.asarray(g_), np.asarray(w), 1e-5, f"{name} vs the glue ({case})")
+    assert_close(np.asarray(g_), np.asarray(e), GRAD_TOL, f"{name} vs exact ({case})")
+
+
+@pytest.mark.parametrize("implementation", ["triton", "pallas_gpu"])
+@pytest.mark.parametrize("mixer", ["kda", "gdn2"])
+def test_op_gradients_with_fused_channel_grads_match_scan(mixer, implementation):
+  # The op's every gradient with the fused backward on both GPU paths, against the scan.
+  if implementation == "pallas_gpu" and not pallas_gpu.is_hopper():
+    pytest.skip("pallas_gpu needs a Hopper GPU")
+  tuning = ops.GpuTuning(channel_grads="kernel", triton_intra="kernel", channel_intra="triton")
+  args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=3)
+  got = output_and_state_grads(mixer, args, kw["initial_state"], implementation, tuning=tuning)
+  want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
+  for i, (g_, w) in enumerate(zip(got, want)):
+    assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} fused grads, grad {i}")

@@ -141,6 +141,9 @@ def test_channel_intra_kernel_applies_where_it_should():
       applies(tuning=borrow, kernels="mosaic")
   with pytest.raises(ValueError, match="channel_intra"):
     ops.GpuTuning(channel_intra="kernel")
+  with pytest.raises(ValueError, match="channel_grads"):
+    ops.GpuTuning(channel_grads="triton")
+  assert ops.GpuTuning.parse("channel_grads=kernel").channel_grads == "kernel"
   assert not applies(tuning=ops.GpuTuning(intra="xla"))
   assert not applies(g=scalar) and not applies(g=None) and not applies(kt=None)
   assert not applies(c=32) and not applies(q=jnp.zeros((1, 64, 2, 32)))
@@ -186,18 +189,35 @@ def test_channel_backward_glue_from_exact_pair_grads_equals_autodiff(packed):
   got = gpu_prepare.channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, c=c)
   for name, g_, w_ in zip(("q", "k", "kt", "vt", "g"), got, want):
     assert_close(g_, w_, 1e-5, f"d{name} (glue)")
-  # The custom VJP around the GPU-only kernels, with their oracles standing in for them.
-  fwd, bwd = gpu_prepare._channel_kernel_call, gpu_prepare._channel_kernel_bwd_call
+  # The custom VJP around the GPU-only kernels, with their oracles standing in for them: the
+  # kernel half then XLA's glue, or (fused_grads) one kernel for both, whose stand-in is the
+  # half's oracle followed by the glue (its result order (dq, dk, dkt, dvt, dg) is the
+  # kernel's; the Triton interpreter checked the kernel against this composition).
+  stubs = ("_channel_kernel_call", "_channel_kernel_bwd_call", "_channel_kernel_grads_call")
+  saved = {name: getattr(gpu_prepare, name) for name in stubs}
   gpu_prepare._channel_kernel_call = lambda q, k, kt, vt, g, segidx, c: exact(
       q, k, kt, vt, g) + (jnp.zeros(()),)
+  calls = []
   gpu_prepare._channel_kernel_bwd_call = (
-      lambda q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c:
+      lambda q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c: calls.append("half") or
       gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, d_ny, d_p, d_u, c=c))
+
+  def fused(q, k, kt, vt, g, segidx, m, cts, c):
+    calls.append("fused")
+    pairs = gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, cts[0],
+                                                         cts[2], cts[3], c=c)
+    return gpu_prepare.channel_grads(q, k, kt, vt, g, segidx, pairs, cts, c=c)
+  gpu_prepare._channel_kernel_grads_call = fused
   try:
-    op = lambda *a: gpu_prepare.channel_intra_kernel(*a, segidx, c)
-    loss = lambda *a: sum(jnp.sum(o * ct) for o, ct in zip(op(*a), cts))
-    got = jax.jit(jax.grad(loss, argnums=range(5)))(q, k, kt, vt, g)
+    for fused_grads in (False, True):
+      calls.clear()
+      op = lambda *a, f=fused_grads: gpu_prepare.channel_intra_kernel(*a, segidx, c, f)
+      loss = lambda *a, op=op: sum(jnp.sum(o * ct) for o, ct in zip(op(*a), cts))
+      got = jax.jit(jax.grad(loss, argnums=range(5)))(q, k, kt, vt, g)
+      assert calls == ["fused" if fused_grads else "half"]
+      for name, g_, w_ in zip(("q", "k", "kt", "vt", "g"), got, want):
+        assert g_.dtype == w_.dtype
+        assert_close(g_, w_, 1e-5, f"d{name} (custom VJP, fused_grads={fused_grads})")
   finally:
-    gpu_prepare._channel_kernel_call, gpu_prepare._channel_kernel_bwd_call = fwd, bwd
-  for name, g_, w_ in zip(("q", "k", "kt", "vt", "g"), got, want):
-    assert_close(g_, w_, 1e-5, f"d{name} (custom VJP)")
+    for name, fn in saved.items():
+      setattr(gpu_prepare, name, fn)

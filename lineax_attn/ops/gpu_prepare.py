@@ -108,6 +108,15 @@ def _channel_kernel_bwd_call(q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c):
                                          d_p, d_u, chunk=c)
 
 
+def _channel_kernel_grads_call(q, k, kt, vt, g, segidx, m, cts, c):
+  """The fused backward kernel: (dq, dk, dkt, dvt, dg) float32 `[B, T, HV, D]`."""
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  segments = None if segidx is None else kernel_segments(segidx, c)
+  d_ny, d_qg, d_p, d_u, d_kg, d_gc = cts
+  return channel_intra.channel_intra_grads(q, k, kt, vt, _chunk_gates(g, c), segments, m, d_ny,
+                                           d_qg, d_p, d_u, d_kg, d_gc, chunk=c)
+
+
 def channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, d_ny, d_p, d_u, *, c):
   """The oracle of `channel_intra_bwd` (float32, HIGHEST, exact solve): the cotangents of
   (NY, P, U) = (−M (K̃ ⊙ e^G), pair(Q), M Ṽ), M = (I + pair(K̃))^{-1}, with respect to Q, K̃
@@ -163,21 +172,25 @@ def channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, *, c):
           back(d_ktp + entry * d_r, kt), back(d_vt, vt), back(dg, g))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def channel_intra_kernel(q, k, kt, vt, g, segidx, c):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def channel_intra_kernel(q, k, kt, vt, g, segidx, c, fused_grads=False):
   """`prepare_chunks` for per-channel gates with the Triton kernels
   (`pallas_kernels.gpu.triton.channel_intra`): forward, and the backward's pairs and solve,
-  the elementwise rest in XLA (`channel_grads`)."""
+  the elementwise rest in XLA (`channel_grads`) or, with `fused_grads`
+  (`GpuTuning.channel_grads="kernel"`), in the backward kernel itself."""
   return _channel_kernel_call(q, k, kt, vt, g, segidx, c)[:6]
 
 
-def _channel_intra_fwd(q, k, kt, vt, g, segidx, c):
+def _channel_intra_fwd(q, k, kt, vt, g, segidx, c, fused_grads):
   *outs, m = _channel_kernel_call(q, k, kt, vt, g, segidx, c)
   return tuple(outs), (q, k, kt, vt, g, segidx, m)
 
 
-def _channel_intra_bwd(c, res, cts):
+def _channel_intra_bwd(c, fused_grads, res, cts):
   q, k, kt, vt, g, segidx, m = res
+  if fused_grads:
+    grads = _channel_kernel_grads_call(q, k, kt, vt, g, segidx, m, cts, c)
+    return tuple(d.astype(x.dtype) for d, x in zip(grads, (q, k, kt, vt, g))) + (None,)
   d_ny, _, d_p, d_u, _, _ = cts
   pair_grads = _channel_kernel_bwd_call(q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c)
   return channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, c=c) + (None,)

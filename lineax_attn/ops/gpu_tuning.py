@@ -12,6 +12,7 @@ import dataclasses
 INTRA_CHOICES = ("kernel", "xla")
 TRITON_INTRA_CHOICES = ("auto", "kernel", "xla")
 CHANNEL_INTRA_CHOICES = ("auto", "xla", "triton")
+CHANNEL_GRADS_CHOICES = ("xla", "kernel")
 PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
@@ -60,6 +61,14 @@ class GpuTuning:
       where the extra is installed and JAX runs on CUDA, else XLA's part. On the H200 KDA
       fwd+bwd took 8.0 ms with the Triton kernels against 11.0-11.3 with XLA's part
       (docs/BENCHMARKS.md "The Triton path, fourth stage").
+    channel_grads: who computes the elementwise rest of those Triton channel kernels' backward
+      (the entry / exit factors' terms and dG with its in-chunk reverse cumsum, on both GPU
+      paths): "xla" (the default; `gpu_prepare.channel_grads`, several passes over float32
+      [B, HV, Nc, C, K] arrays and the layout transposes, ~1.6 ms of KDA's 8.0 on the H200) or
+      "kernel" (fused into the backward kernel's last slice loop,
+      `pallas_kernels.gpu.triton.channel_intra.channel_intra_grads`, which then writes whole
+      gradients in the inputs' layout). Checked in Triton's interpreter, not yet compiled or
+      timed on a GPU: opt-in until it is.
   """
 
   intra: str = "kernel"
@@ -69,12 +78,14 @@ class GpuTuning:
   remat_intra: bool = True
   triton_intra: str = "auto"
   channel_intra: str = "auto"
+  channel_grads: str = "xla"
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
                           ("channel_pair", PAIR_CHOICES), ("pair_diag", PAIR_DIAG_CHOICES),
                           ("triton_intra", TRITON_INTRA_CHOICES),
-                          ("channel_intra", CHANNEL_INTRA_CHOICES)):
+                          ("channel_intra", CHANNEL_INTRA_CHOICES),
+                          ("channel_grads", CHANNEL_GRADS_CHOICES)):
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")

@@ -39,8 +39,12 @@ Sliced: a K-slice loop makes Y, dR_k (stored) and adds dR_k Yᵀ into dL, a V-sl
 as [C] vectors from dP and from dL's float32 scratch output, written before a block barrier)
 and stores it once. The elementwise rest (QG, KG, gc, the entry and exit factors, and dG, which
 the pairs give as Q ⊙ dQ + K̃ ⊙ dK̃ − K ⊙ dK since they depend on G only through A ⊙ e^G and
-K ⊙ e^{−G}) is XLA's: `lineax_attn.ops.gpu_prepare.channel_grads`, with the kernel half's
-float32 oracle beside it (`channel_pair_solve_vjp_reference`).
+K ⊙ e^{−G}) is XLA's, `lineax_attn.ops.gpu_prepare.channel_grads`, with the kernel half's
+float32 oracle beside it (`channel_pair_solve_vjp_reference`); or, with GRADS
+(`channel_intra_grads`), the same kernel does it in its last slice loop (`_elementwise_grads`,
+dG's in-chunk reverse cumsum as `tl.cumsum(reverse=True)` over the slice's rows) and stores
+whole gradients in the inputs' `[B, T, HV, D]` layout, so the float32 pair parts never make a
+round trip through HBM and XLA's passes over them and the layout transposes go away.
 
 Segments (packed sequences): seg (the segment id relative to the chunk's first row), cont and
 keep, each [B, T] float32 (`gpu_chunks.kernel_segments`); pairs of different segments are zero,
@@ -216,11 +220,39 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, dny_ptr, dp_ptr,
-                du_ptr, t, dq_ptr, dkt_ptr, dk_ptr, drk_ptr, dvt_ptr, wl_ptr,
+def _elementwise_grads(q, k, kt, gsum, d_q, d_kt, d_k, d_r, d_qg, d_kg, d_gc, g_last, cont,
+                       keep, cont_last, ii, C: tl.constexpr, PACKED: tl.constexpr):
+  """One channel slice's whole gradients (dq, dk, dk̃, dg) from its pair and solve parts (d_q,
+  d_kt, d_k: through P and L; d_r: through the solve's R = K̃ ⊙ e^G) and the cotangents of
+  QG = Q ⊙ e^G, KG = K ⊙ e^{G_C − G} and gc = e^{G_C}; gsum is G's slice, g_last its last row
+  G_C, dg the gradient of the log gate g itself. The pairs depend on G only through A ⊙ e^G
+  and K ⊙ e^{−G}, so they give dG as Q ⊙ dQ + K̃ ⊙ dK̃ − K ⊙ dK; G = cumsum(g) within the
+  chunk, so dg is dG's reverse cumsum (`gpu_prepare.channel_grads` is the same in XLA)."""
+  entry = tl.exp(gsum)
+  exit_ = tl.exp(g_last[None, :] - gsum)
+  gc = tl.exp(g_last)
+  if PACKED:
+    entry = entry * cont
+    exit_ = exit_ * keep
+    gc = gc * cont_last
+  d_exit = exit_ * k * d_kg
+  d_big_g = q * d_q + kt * d_kt - k * d_k + entry * (q * d_qg + kt * d_r) - d_exit
+  last_row = tl.sum(d_exit, axis=0) + gc * d_gc                 # G_C's own terms
+  d_big_g += tl.where(ii == C - 1, last_row[None, :], 0.0)
+  d_g = tl.cumsum(d_big_g, axis=0, reverse=True)
+  return d_q + entry * d_qg, d_k + exit_ * d_kg, d_kt + entry * d_r, d_g
+
+
+@triton.jit
+def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, m_ptr,
+                dny_ptr, dqg_ptr, dp_ptr, du_ptr, dkg_ptr, dgc_ptr, t,
+                dq_ptr, dkt_ptr, dk_ptr, drk_ptr, dvt_ptr, wl_ptr, dg_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr):
-  """The pair and solve part of the backward; the elementwise rest is the caller's (XLA)."""
+                SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
+                GRADS: tl.constexpr):
+  """The pair and solve part of the backward; with GRADS also the elementwise rest and dG
+  (`_elementwise_grads`), storing whole gradients in the inputs' `[B, T, HV, D]` layout;
+  without, the pair and solve parts chunk-major and the rest is the caller's (XLA)."""
   tl.static_assert((K % BK == 0) and (V % BK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
@@ -228,9 +260,15 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, d
   jj = rc[None, :]
   cc0 = chunk * C * C
   cc = cc0 + ii * C + jj
+  row_major = (rows * HV + hv)[:, None]                        # [B, T, HV, D] rows of this chunk
   cont = 1.0                                                  # read only when PACKED
+  keep = 1.0
+  cont_last = 1.0
   if PACKED:
     cont = tl.load(cont_ptr + rows)[:, None]
+    if GRADS:
+      keep = tl.load(keep_ptr + rows)[:, None]
+      cont_last = tl.load(cont_ptr + row0 + C - 1)
   # The solve: Y = M R_k, U = M Ṽ (the forward's bf16 M); dR = Mᵀ [dY | dU], dL = −dR [Y | U]ᵀ,
   # accumulated over the K slices, then the V slices.
   m = tl.load(m_ptr + cc)
@@ -249,14 +287,17 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, d
     u = tl.dot(m, _rows(vt_ptr, rows, hv, cols, HV, V).to(tl.bfloat16))
     cv = chunk * C * V + ii * V + cols[None, :]
     d_rv = tl.dot(mt, tl.load(du_ptr + cv).to(tl.bfloat16))
-    tl.store(dvt_ptr + cv, d_rv)
+    if GRADS:
+      tl.store(dvt_ptr + row_major * V + cols[None, :], d_rv)
+    else:
+      tl.store(dvt_ptr + cv, d_rv)
     neg_dl = tl.dot(d_rv.to(tl.bfloat16), tl.trans(u.to(tl.bfloat16)), neg_dl)
   keep_p, keep_l = _pair_masks(seg_ptr, rows, ii, jj, PACKED)
   w_l = tl.where(keep_l, -neg_dl, 0.0)
   tl.store(wl_ptr + cc, w_l)            # the diagonal bands read their entries back
   w_l = w_l.to(tl.bfloat16)
   w_p = tl.where(keep_p, tl.load(dp_ptr + cc).to(tl.float32), 0.0).to(tl.bfloat16)
-  tl.debug_barrier()                    # the scratch above, then its loads below
+  tl.debug_barrier()                    # the scratches above (dL, dR_k), then their loads below
   base = (rc // SUBC) * SUBC
   if PACKED:
     seg = tl.load(seg_ptr + rows)
@@ -306,6 +347,14 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, d
           w_pc[:, None] * _rows(q_ptr, b_rows, hv, cols, HV, K)
           + w_lc[:, None] * _rows(kt_ptr, b_rows, hv, cols, HV, K))
     ck = chunk * C * K + ii * K + cols[None, :]
+    if GRADS:
+      g_last = tl.load(g_ptr + ((row0 + C - 1) * HV + hv) * K + cols)
+      d_q, d_k, d_kt, d_g = _elementwise_grads(
+          q, k, kt, g, d_q, d_kt, d_k, tl.load(drk_ptr + ck), tl.load(dqg_ptr + ck).to(tl.float32),
+          tl.load(dkg_ptr + ck).to(tl.float32), tl.load(dgc_ptr + chunk * K + cols), g_last,
+          cont, keep, cont_last, ii, C, PACKED)
+      ck = row_major * K + cols[None, :]
+      tl.store(dg_ptr + ck, d_g)
     tl.store(dq_ptr + ck, d_q)
     tl.store(dkt_ptr + ck, d_kt)
     tl.store(dk_ptr + ck, d_k)
@@ -356,6 +405,36 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   return outs + (m,) if with_inverse else outs
 
 
+def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps):
+  """The backward kernel's launch; cotangents None (the kernel half) or (dqg, dkg, dgc)."""
+  reason = supported(chunk, q.shape[-1], vt.shape[-1])
+  if reason:
+    raise ValueError(f"channel_intra_bwd: {reason}")
+  b, t, hv, dk = q.shape
+  dv = vt.shape[-1]
+  nc, c = t // chunk, chunk
+  f32 = jnp.float32
+  packed = segments is not None
+  grads = cotangents is not None
+  seg = tuple(x.astype(f32) for x in segments) if packed else (G,) * 3   # unread unless packed
+  # Unread placeholders where the kernel half runs alone.
+  dqg, dkg = (cotangents[0].astype(MM_DTYPE), cotangents[1].astype(MM_DTYPE)) if grads else (
+      dny, dny)
+  dgc = cotangents[2].astype(f32) if grads else G
+  if grads:   # whole gradients in the inputs' layout, dR_k a chunk-major scratch
+    out_shape = _structs(*[((b, t, hv, dk), f32)] * 3, ((b, hv, nc, c, dk), f32),
+                         ((b, t, hv, dv), f32), ((b, hv, nc, c, c), f32), ((b, t, hv, dk), f32))
+  else:
+    out_shape = _structs(*[((b, hv, nc, c, dk), f32)] * 4, ((b, hv, nc, c, dv), f32),
+                         ((b, hv, nc, c, c), f32), ((1,), f32))
+  return _jax_triton().triton_call(
+      q.astype(f32), k.astype(f32), kt.astype(f32), vt.astype(f32), G.astype(f32), *seg,
+      m.astype(MM_DTYPE), dny.astype(MM_DTYPE), dqg, dp.astype(MM_DTYPE), du.astype(f32), dkg,
+      dgc, t, kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
+      num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
+      GRADS=grads)
+
+
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps"))
 def channel_intra_bwd(q, k, kt, vt, G, segments, m, dny, dp, du, *, chunk: int,
                       num_warps: int = blocks.CHANNEL_WARPS):
@@ -367,20 +446,23 @@ def channel_intra_bwd(q, k, kt, vt, G, segments, m, dny, dp, du, *, chunk: int,
   right-hand side K̃ ⊙ e^G, dvt that of Ṽ. The elementwise terms (QG, KG, gc, the entry and exit
   factors) and dG are the caller's: `lineax_attn.ops.gpu_prepare`.
   """
-  reason = supported(chunk, q.shape[-1], vt.shape[-1])
-  if reason:
-    raise ValueError(f"channel_intra_bwd: {reason}")
-  b, t, hv, dk = q.shape
-  dv = vt.shape[-1]
-  nc, c = t // chunk, chunk
-  f32 = jnp.float32
-  packed = segments is not None
-  seg = tuple(x.astype(f32) for x in segments[:2]) if packed else (G,) * 2
-  out_shape = _structs(*[((b, hv, nc, c, dk), f32)] * 4, ((b, hv, nc, c, dv), f32),
-                       ((b, hv, nc, c, c), f32))
-  *grads, _ = _jax_triton().triton_call(
-      q.astype(f32), k.astype(f32), kt.astype(f32), vt.astype(f32), G.astype(f32), *seg,
-      m.astype(MM_DTYPE), dny.astype(MM_DTYPE), dp.astype(MM_DTYPE), du.astype(f32), t,
-      kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
-      num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed)
-  return tuple(grads)
+  dq, dkt, dk, d_rk, dvt, _, _ = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, None,
+                                           chunk=chunk, num_warps=num_warps)
+  return dq, dkt, dk, d_rk, dvt
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps"))
+def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc, *, chunk: int,
+                        num_warps: int = blocks.CHANNEL_WARPS):
+  """The whole backward of `channel_intra_fwd`'s six outputs in one kernel: what
+  `channel_intra_bwd` computes plus the elementwise rest and dG (`_elementwise_grads`), which
+  `gpu_prepare.channel_grads` otherwise does in XLA.
+
+  Arguments as `channel_intra_bwd`'s plus the cotangents of QG, KG (chunk-major `[B, HV, Nc, C,
+  K]`) and gc (`[B, HV, Nc, K]`); segments (seg, cont, keep) as the forward's. Returns (dq, dk,
+  dkt, dvt, dg), float32 `[B, T, HV, D]`: the gradients of q, k, k̃, ṽ and of the log gate g
+  whose in-chunk sums are G.
+  """
+  dq, dkt, dk, _, dvt, _, dg = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du,
+                                         (dqg, dkg, dgc), chunk=chunk, num_warps=num_warps)
+  return dq, dk, dkt, dvt, dg
