@@ -14,8 +14,10 @@ XLA's; `GpuTuning.triton_intra`) and the Triton state pass. This times, at one s
 * the whole GDN op, forward and forward+backward, with the XLA intra part and with the kernel at
   each precision;
 * for KDA / GDN-2 (`--mixers`): the per-channel forward kernel (`channel_intra`) with its error
-  against the exact float32 `_intra_chunk`, its backward kernel half, the XLA part they
-  replace, and the whole op with either.
+  against the exact float32 `_intra_chunk`, its backward kernel half (at each warp count and
+  `--band_stages`), the backward's rest as XLA's glue or fused into the kernel
+  (`channel_intra_grads`, with its error against the glue), the XLA part they replace, and
+  the whole op with each.
 
     python -m experiments.bench_triton_parts --shape=4,4096,16,128 --out_json=/tmp/parts.json
 """
@@ -39,6 +41,9 @@ _WARPS = flags.DEFINE_list("warps", "4,8", "Warp counts of the intra-chunk kerne
 _STATE_LAUNCHES = flags.DEFINE_list(
     "state_launches", "64:4:2,32:4:2,64:8:2,64:4:3,128:8:2",
     "Triton state-pass launches to time besides `blocks`' own, as BLOCK_V:warps:stages.")
+_BAND_STAGES = flags.DEFINE_list("band_stages", "1,2", "Pipelining depths of the channel "
+                                  "kernels' diagonal-band loops to time (blocks."
+                                  "CHANNEL_BAND_STAGES).")
 _MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule", "gated_delta_rule (the delta-rule "
                             "kernels and state passes) and/or kda, gdn2 (the per-channel "
                             "forward kernel and the whole op).")
@@ -114,17 +119,18 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
   except Exception as e:  # noqa: BLE001
     log(f"[error] {mixer} channel intra fwd: {type(e).__name__}: {str(e)[:300]}")
     err = None
-  for w in warps:
-    row(f"{mixer} triton channel intra fwd, {w} warps",
-        functools.partial(fwd, num_warps=w), qs, kf, kt, vt, G, err=err)
+  stages = [int(x) for x in _BAND_STAGES.value]
+  for w, st in itertools.product(warps, stages):
+    row(f"{mixer} triton channel intra fwd, {w} warps, band stages {st}",
+        functools.partial(fwd, num_warps=w, band_stages=st), qs, kf, kt, vt, G, err=err)
   m = fwd(qs, kf, kt, vt, G, with_inverse=True)[-1]
   nc = t // C
   cts = [jnp.ones((b, h, nc, C, d), jnp.bfloat16), jnp.ones((b, h, nc, C, C), jnp.bfloat16),
          jnp.ones((b, h, nc, C, d), jnp.float32)]
-  for w in warps:
-    row(f"{mixer} triton channel intra bwd (kernel half), {w} warps",
-        lambda *a, w=w: channel_intra.channel_intra_bwd(*a[:5], None, *a[5:], chunk=C,
-                                                        num_warps=w),
+  for w, st in itertools.product(warps, stages):
+    row(f"{mixer} triton channel intra bwd (kernel half), {w} warps, band stages {st}",
+        lambda *a, w=w, st=st: channel_intra.channel_intra_bwd(*a[:5], None, *a[5:], chunk=C,
+                                                               num_warps=w, band_stages=st),
         qs, kf, kt, vt, G, m, *cts)
   # The rest of the backward: XLA's glue after the kernel half, or fused into the kernel
   # (GpuTuning.channel_grads), with the fused kernel's largest error against the glue's.
@@ -142,13 +148,18 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
 
   fused = jax.jit(lambda qs, kf, kt, vt, G, m, g, *cts6: channel_intra.channel_intra_grads(
       qs, kf, kt, vt, G, None, m, *cts6, chunk=C))
+  fused_at = lambda st: jax.jit(lambda qs, kf, kt, vt, G, m, g, *cts6: channel_intra.
+                                channel_intra_grads(qs, kf, kt, vt, G, None, m, *cts6, chunk=C,
+                                                    band_stages=st))
   try:
     err = max(_rel_rms(x, y) for x, y in zip(fused(*bwd_args), half_then_glue(*bwd_args)))
   except Exception as e:  # noqa: BLE001
     log(f"[error] {mixer} fused channel grads: {type(e).__name__}: {str(e)[:300]}")
     err = None
   row(f"{mixer} channel bwd: kernel half + XLA glue", half_then_glue, *bwd_args)
-  row(f"{mixer} channel bwd: fused (channel_grads=kernel)", fused, *bwd_args, err=err)
+  for st in stages:
+    row(f"{mixer} channel bwd: fused (channel_grads=kernel), band stages {st}", fused_at(st),
+        *bwd_args, err=err)
   row(f"{mixer} XLA intra fwd (prepare_chunks)",
       lambda *a: pallas_gpu.prepare_chunks(*a, None, c=C), qs, kf, kt, vt, g)
   for intra in ("xla", "kernel"):

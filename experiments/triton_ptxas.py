@@ -63,7 +63,8 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
   intra = dict(H=16, HV=16, K=dk, V=dv, C=c, PACKED=packed, WITH_INVERSE=True,
                PREC=blocks.INTRA_PRECISION, BK=blocks.INTRA_BK)
   channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, PACKED=packed, WITH_INVERSE=True,
-                 PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK)
+                 PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK,
+                 BAND_STAGES=blocks.CHANNEL_BAND_STAGES)
   f = frozenset
   return [
       Launch("state_pass", "_fwd_kernel",

@@ -103,6 +103,13 @@ INTRA_HEAD_DIMS = (64, 128)   # the sizes the intra kernels were checked (and pt
 # resident an SM outweigh the backward's few spilled bytes.
 CHANNEL_WARPS = 4
 CHANNEL_BK = 16
+# Software-pipelining depth of the channel kernels' diagonal-band loops (`tl.range`): each of
+# the 16 bands reads its partner rows of G and K (and in the backward of Q, K̃, dP, dL) from
+# global memory, one dependent round trip per band at 1 stage. At 2, triton 3.6 stages the next
+# band's loads as async copies (4 in the forward's TTGIR, none at 1) with no extra registers or
+# spills on sm_90a / sm_80 (ptxas off GPU). 1 until timed on a GPU
+# (`bench_triton_parts --band_stages=1,2`).
+CHANNEL_BAND_STAGES = 1
 INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32")
 INTRA_PRECISION = "tf32"
 

@@ -139,7 +139,8 @@ def _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk, HV: tl.constexpr, K: tl
 
 @triton.jit
 def _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc,
-                 HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr):
+                 HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr,
+                 BAND_STAGES: tl.constexpr):
   """Adds the channel slice `cols` (q, k, k̃, G its [C, BK] slices) to P and L (unmasked)."""
   # Off-diagonal pairs, anchored at each sub-chunk's first row n: rows of sub-chunk p against
   # the columns before n, e^{G_i − G_n} · e^{G_n − G_j}, both exponents ≤ 0. They are exactly
@@ -151,9 +152,12 @@ def _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc,
     l_acc = tl.dot((kt * row_f).to(tl.bfloat16), kc, l_acc)
   # Diagonal blocks, exact float32: band r pairs row i with j = 16⌊i/16⌋ + r (j ≤ i).
   # A run-time loop: unrolled, the sixteen bands' loads were scheduled together and spilled.
+  # Each band reads its partner rows from global memory (L2), so with BAND_STAGES > 1 the
+  # loop is software-pipelined: the next band's rows arrive by async copy while this one
+  # computes (`blocks.CHANNEL_BAND_STAGES`).
   base = (rc // SUBC) * SUBC
   jj = rc[None, :]
-  for r in range(SUBC):
+  for r in tl.range(SUBC, num_stages=BAND_STAGES):
     lower = (r <= rc - base)[:, None]
     j_rows = row0 + base + r
     e = tl.where(lower, tl.exp(tl.where(lower, g - _rows(g_ptr, j_rows, hv, cols, HV, K), 0.0)),
@@ -170,7 +174,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, gc_ptr, m_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
-                WITH_INVERSE: tl.constexpr, PREC: tl.constexpr):
+                WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, BAND_STAGES: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
@@ -190,7 +194,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     cols = s * BK + rb
     q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K)
     p_acc, l_acc = _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc,
-                                HV, K, C, SUBC)
+                                HV, K, C, SUBC, BAND_STAGES)
     g_last = tl.load(g_ptr + last * K + cols)
     entry = tl.exp(g)
     exit_ = tl.exp(g_last[None, :] - g)
@@ -249,7 +253,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 dq_ptr, dkt_ptr, dk_ptr, drk_ptr, dvt_ptr, wl_ptr, dg_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
-                GRADS: tl.constexpr):
+                GRADS: tl.constexpr, BAND_STAGES: tl.constexpr):
   """The pair and solve part of the backward; with GRADS also the elementwise rest and dG
   (`_elementwise_grads`), storing whole gradients in the inputs' `[B, T, HV, D]` layout;
   without, the pair and solve parts chunk-major and the rest is the caller's (XLA)."""
@@ -322,8 +326,8 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
       d_k += col_f * back
     # Diagonal blocks, exact float32, band r: this row x and b = 16⌊x/16⌋ + r of its sub-chunk.
     # As i (dQ, dK̃): W_xb K_b E_xb, b ≤ x; as j (dK): W_bx A_b E_bx, b ≥ x. A run-time loop,
-    # as in the forward.
-    for r in range(SUBC):
+    # pipelined as in the forward.
+    for r in tl.range(SUBC, num_stages=BAND_STAGES):
       b = base + r
       b_rows = row0 + b
       up = r <= rc - base                                       # b ≤ x
@@ -365,10 +369,12 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
   return blocks.intra_supported("channel-gate", chunk, dk, dv)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "with_inverse", "precision", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("chunk", "with_inverse", "precision", "num_warps",
+                                             "band_stages"))
 def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_inverse=False,
                       precision: str = blocks.INTRA_PRECISION,
-                      num_warps: int = blocks.CHANNEL_WARPS):
+                      num_warps: int = blocks.CHANNEL_WARPS,
+                      band_stages: int = blocks.CHANNEL_BAND_STAGES):
   """The intra-chunk part for per-channel gates (module docstring).
 
   q, k, kt, vt: `[B, T, HV, K]` (vt `[B, T, HV, V]`), the scaled queries, keys, erase keys and
@@ -400,12 +406,13 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
       q.astype(f32), k.astype(f32), kt.astype(f32), vt.astype(f32), G.astype(f32), *seg, t,
       kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
-      WITH_INVERSE=with_inverse, PREC=precision)
+      WITH_INVERSE=with_inverse, PREC=precision, BAND_STAGES=band_stages)
   outs = (ny, qg, p, u, kg, gc)
   return outs + (m,) if with_inverse else outs
 
 
-def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps):
+def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps,
+              band_stages):
   """The backward kernel's launch; cotangents None (the kernel half) or (dqg, dkg, dgc)."""
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
@@ -432,12 +439,13 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
       m.astype(MM_DTYPE), dny.astype(MM_DTYPE), dqg, dp.astype(MM_DTYPE), du.astype(f32), dkg,
       dgc, t, kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
-      GRADS=grads)
+      GRADS=grads, BAND_STAGES=band_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages"))
 def channel_intra_bwd(q, k, kt, vt, G, segments, m, dny, dp, du, *, chunk: int,
-                      num_warps: int = blocks.CHANNEL_WARPS):
+                      num_warps: int = blocks.CHANNEL_WARPS,
+                      band_stages: int = blocks.CHANNEL_BAND_STAGES):
   """The backward of `channel_intra_fwd`'s NY, P and U through the pairs and the solve.
 
   Arguments as the forward's, plus its bf16 M and the cotangents dny, dp, du (chunk-major).
@@ -447,13 +455,15 @@ def channel_intra_bwd(q, k, kt, vt, G, segments, m, dny, dp, du, *, chunk: int,
   factors) and dG are the caller's: `lineax_attn.ops.gpu_prepare`.
   """
   dq, dkt, dk, d_rk, dvt, _, _ = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, None,
-                                           chunk=chunk, num_warps=num_warps)
+                                           chunk=chunk, num_warps=num_warps,
+                                           band_stages=band_stages)
   return dq, dkt, dk, d_rk, dvt
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages"))
 def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc, *, chunk: int,
-                        num_warps: int = blocks.CHANNEL_WARPS):
+                        num_warps: int = blocks.CHANNEL_WARPS,
+                        band_stages: int = blocks.CHANNEL_BAND_STAGES):
   """The whole backward of `channel_intra_fwd`'s six outputs in one kernel: what
   `channel_intra_bwd` computes plus the elementwise rest and dG (`_elementwise_grads`), which
   `gpu_prepare.channel_grads` otherwise does in XLA.
@@ -464,5 +474,6 @@ def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc
   whose in-chunk sums are G.
   """
   dq, dkt, dk, _, dvt, _, dg = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du,
-                                         (dqg, dkg, dgc), chunk=chunk, num_warps=num_warps)
+                                         (dqg, dkg, dgc), chunk=chunk, num_warps=num_warps,
+                                         band_stages=band_stages)
   return dq, dk, dkt, dvt, dg
