@@ -170,6 +170,22 @@ def _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc,
 
 
 @triton.jit
+def _boundary_factors(gsum, g_last, cont, keep, cont_last, PACKED: tl.constexpr):
+  """A channel slice's entry factor e^G (rows that see the entry state), exit factor
+  e^{G_C − G} (rows that reach the exit state) and the chunk decay e^{G_C}; gsum the slice of
+  G, g_last its last row. Packed: zero where the row's segment began after the chunk's first
+  row (entry, and the chunk decay if the last row's did) or ends before its last (exit)."""
+  entry = tl.exp(gsum)
+  exit_ = tl.exp(g_last[None, :] - gsum)
+  gc = tl.exp(g_last)
+  if PACKED:
+    entry = entry * cont
+    exit_ = exit_ * keep
+    gc = gc * cont_last
+  return entry, exit_, gc
+
+
+@triton.jit
 def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, t,
                 ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, gc_ptr, m_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
@@ -183,6 +199,8 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   cc = chunk * C * C + ii * C + jj
   last = (row0 + C - 1) * HV + hv                              # the chunk's last row, head hv
   cont = 1.0                                                  # read only when PACKED
+  keep = 1.0
+  cont_last = 1.0
   if PACKED:
     cont = tl.load(cont_ptr + rows)[:, None]
     keep = tl.load(keep_ptr + rows)[:, None]
@@ -195,14 +213,8 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K)
     p_acc, l_acc = _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc,
                                 HV, K, C, SUBC, BAND_STAGES)
-    g_last = tl.load(g_ptr + last * K + cols)
-    entry = tl.exp(g)
-    exit_ = tl.exp(g_last[None, :] - g)
-    gc = tl.exp(g_last)
-    if PACKED:
-      entry = entry * cont
-      exit_ = exit_ * keep
-      gc = gc * cont_last
+    entry, exit_, gc = _boundary_factors(g, tl.load(g_ptr + last * K + cols), cont, keep,
+                                         cont_last, PACKED)
     ck = chunk * C * K + ii * K + cols[None, :]
     tl.store(qg_ptr + ck, (q * entry).to(tl.bfloat16))
     tl.store(kg_ptr + ck, (k * exit_).to(tl.bfloat16))
@@ -232,13 +244,7 @@ def _elementwise_grads(q, k, kt, gsum, d_q, d_kt, d_k, d_r, d_qg, d_kg, d_gc, g_
   G_C, dg the gradient of the log gate g itself. The pairs depend on G only through A ⊙ e^G
   and K ⊙ e^{−G}, so they give dG as Q ⊙ dQ + K̃ ⊙ dK̃ − K ⊙ dK; G = cumsum(g) within the
   chunk, so dg is dG's reverse cumsum (`gpu_prepare.channel_grads` is the same in XLA)."""
-  entry = tl.exp(gsum)
-  exit_ = tl.exp(g_last[None, :] - gsum)
-  gc = tl.exp(g_last)
-  if PACKED:
-    entry = entry * cont
-    exit_ = exit_ * keep
-    gc = gc * cont_last
+  entry, exit_, gc = _boundary_factors(gsum, g_last, cont, keep, cont_last, PACKED)
   d_exit = exit_ * k * d_kg
   d_big_g = q * d_q + kt * d_kt - k * d_k + entry * (q * d_qg + kt * d_r) - d_exit
   last_row = tl.sum(d_exit, axis=0) + gc * d_gc                 # G_C's own terms
