@@ -146,13 +146,12 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
                                            cts6[3], chunk=C)
     return gpu_prepare.channel_grads(qs, kf, kt, vt, g, None, half, cts6, c=C)
 
-  fused = jax.jit(lambda qs, kf, kt, vt, G, m, g, *cts6: channel_intra.channel_intra_grads(
-      qs, kf, kt, vt, G, None, m, *cts6, chunk=C))
   fused_at = lambda st: jax.jit(lambda qs, kf, kt, vt, G, m, g, *cts6: channel_intra.
                                 channel_intra_grads(qs, kf, kt, vt, G, None, m, *cts6, chunk=C,
                                                     band_stages=st))
   try:
-    err = max(_rel_rms(x, y) for x, y in zip(fused(*bwd_args), half_then_glue(*bwd_args)))
+    err = max(_rel_rms(x, y) for x, y in zip(fused_at(stages[0])(*bwd_args),
+                                             half_then_glue(*bwd_args)))
   except Exception as e:  # noqa: BLE001
     log(f"[error] {mixer} fused channel grads: {type(e).__name__}: {str(e)[:300]}")
     err = None
