@@ -7,7 +7,7 @@ XLA's; `GpuTuning.triton_intra`) and the Triton state pass. This times, at one s
 
 * the intra-chunk forward kernel at each inverse precision (`blocks.INTRA_PRECISIONS`) and warp
   count, with its error against the exact float32 reference (`intra_chunk_reference`), and the
-  backward kernel at each warp count;
+  backward kernel at each warp count; both at each `--slice_stages`;
 * the XLA intra-chunk part (`prepare_chunks`) and, on Hopper, the Mosaic GPU intra kernels;
 * the Triton and (Hopper) Mosaic GPU state passes, forward and backward, and the Triton one at
   other block sizes (`--state_launches`: BLOCK_V, warps, pipeline stages);
@@ -44,6 +44,9 @@ _STATE_LAUNCHES = flags.DEFINE_list(
 _BAND_STAGES = flags.DEFINE_list("band_stages", "1,2", "Pipelining depths of the channel "
                                   "kernels' diagonal-band loops to time (blocks."
                                   "CHANNEL_BAND_STAGES).")
+_SLICE_STAGES = flags.DEFINE_list("slice_stages", "1,2", "Pipelining depths of the delta-rule "
+                                   "intra kernels' slice loops to time, at the default "
+                                   "precision and warps (blocks.INTRA_SLICE_STAGES).")
 _MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule", "gated_delta_rule (the delta-rule "
                             "kernels and state passes) and/or kda, gdn2 (the per-channel "
                             "forward kernel and the whole op).")
@@ -200,6 +203,18 @@ def rows_for(b, t, h, d, iters, warps):
   for w in warps:
     bwd = lambda *a, w=w: tic.intra_chunk_bwd(*a[:6], None, *a[6:], scale=scale, num_warps=w)
     row(f"triton intra bwd, {w} warps", bwd, *kin, m, *cts)
+  for st in (int(x) for x in _SLICE_STAGES.value):
+    fwd = functools.partial(tic.intra_chunk_fwd, scale=scale, slice_stages=st)
+    try:
+      got = fwd(*kin)
+      err = max(_rel_rms(got[i], want[i]) for i in (0, 3))
+    except Exception as e:  # noqa: BLE001
+      log(f"[error] triton intra fwd, slice stages {st}: {type(e).__name__}: {str(e)[:300]}")
+      err = None
+    row(f"triton intra fwd, slice stages {st}", fwd, *kin, err=err)
+    row(f"triton intra bwd, slice stages {st}",
+        lambda *a, st=st: tic.intra_chunk_bwd(*a[:6], None, *a[6:], scale=scale,
+                                              slice_stages=st), *kin, m, *cts)
 
   def prep(q, k, v, g, beta):
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)

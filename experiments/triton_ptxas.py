@@ -61,7 +61,8 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
   bwd_bv, bwd_warps, bwd_stages = blocks.state_launch(dk, dv, reverse=True, hopper=hopper)
   state = dict(C=c, K=dk, V=dv)
   intra = dict(H=16, HV=16, K=dk, V=dv, C=c, PACKED=packed, WITH_INVERSE=True,
-               PREC=blocks.INTRA_PRECISION, BK=blocks.INTRA_BK)
+               PREC=blocks.INTRA_PRECISION, BK=blocks.INTRA_BK,
+               SLICE_STAGES=blocks.INTRA_SLICE_STAGES)
   channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, PACKED=packed, WITH_INVERSE=True,
                  PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK,
                  BAND_STAGES=blocks.CHANNEL_BAND_STAGES)

@@ -87,6 +87,10 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 #   `experiments.bench_triton_parts`.
 INTRA_WARPS = 4
 INTRA_BK = 16
+# Software-pipelining depth of those kernels' slice loops (`tl.range`; eight [64, 16] slices of
+# K or V each, loaded from HBM while the previous slice's small dots run). 1 (no pipelining, as
+# timed) until 2 is timed on a GPU: `bench_triton_parts --slice_stages=1,2`.
+INTRA_SLICE_STAGES = 1
 INTRA_HEAD_DIMS = (64, 128)   # the sizes the intra kernels were checked (and ptxas'd) at
 # The per-channel kernels (`channel_intra.py`) walk K in slices of CHANNEL_BK channels, so that
 # no program holds a whole float32 [64, K] tile. Their first version held q, k, k̃ and G as four

@@ -133,7 +133,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
                 scale, ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, m_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 C: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
-                WITH_INVERSE: tl.constexpr, PREC: tl.constexpr):
+                WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, SLICE_STAGES: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0))
   rc, rows, qk_base, v_base, vec0, chunk = _chunk_index(t, H, HV, K, V, C)
   rb, ii, jj, beta, g, entry = _row_factors(beta_ptr, g_ptr, cont_ptr, vec0, rc, rows, BK,
@@ -144,7 +144,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
   # q kᵀ and k kᵀ over the K slices; QG and KG need neither, so they are stored on the way.
   qk = tl.zeros((C, C), tl.float32)
   kk = tl.zeros((C, C), tl.float32)
-  for s in range(K // BK):
+  for s in tl.range(K // BK, num_stages=SLICE_STAGES):
     cols = s * BK + rb
     src = qk_base + ii * (H * K) + cols[None, :]
     q = tl.load(q_ptr + src)
@@ -162,12 +162,12 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
   if WITH_INVERSE:
     tl.store(m_ptr + cc, m)
   # NY = −M (k ⊙ β e) in K slices, U = M (v ⊙ β) in V slices.
-  for s in range(K // BK):
+  for s in tl.range(K // BK, num_stages=SLICE_STAGES):
     cols = s * BK + rb
     k = tl.load(k_ptr + qk_base + ii * (H * K) + cols[None, :])
     y = tl.dot(m, (k.to(tl.float32) * (beta * entry)[:, None]).to(tl.bfloat16))
     tl.store(ny_ptr + chunk * C * K + ii * K + cols[None, :], (-y).to(tl.bfloat16))
-  for s in range(V // BK):
+  for s in tl.range(V // BK, num_stages=SLICE_STAGES):
     cols = s * BK + rb
     v = tl.load(v_ptr + v_base + ii * (HV * V) + cols[None, :])
     u = tl.dot(m, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16))
@@ -178,7 +178,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
 def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, dny_ptr, dp_ptr,
                 du_ptr, t, scale, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dgr_ptr, dgc_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                C: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr):
+                C: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
+                SLICE_STAGES: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0))
   rc, rows, qk_base, v_base, vec0, chunk = _chunk_index(t, H, HV, K, V, C)
   q_ptr += qk_base           # int64 bases in the pointers, so that tile offsets are int32
@@ -203,7 +204,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
   d_l = tl.zeros((C, C), tl.float32)
   rk_dot = tl.zeros((C,), tl.float32)
   rv_dot = tl.zeros((C,), tl.float32)
-  for s in range(K // BK):
+  for s in tl.range(K // BK, num_stages=SLICE_STAGES):
     cols = s * BK + rb
     k = tl.load(k_ptr + ii * (H * K) + cols[None, :])
     y = tl.dot(m, (k.to(tl.float32) * (beta * entry)[:, None]).to(tl.bfloat16))
@@ -212,7 +213,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
     d_rk = tl.dot(mt, d_y)
     d_l = tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)), d_l)
     rk_dot += tl.sum(d_rk * k.to(tl.float32), axis=1)
-  for s in range(V // BK):
+  for s in tl.range(V // BK, num_stages=SLICE_STAGES):
     cols = s * BK + rb
     cv = ii * V + cols[None, :]
     v = tl.load(v_ptr + ii * (HV * V) + cols[None, :])
@@ -224,7 +225,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
   d_l = -d_l
   # k kᵀ in a loop of its own: accumulated beside dL above, the two tiles spilled at 4 warps.
   kk = tl.zeros((C, C), tl.float32)
-  for s in range(K // BK):
+  for s in tl.range(K // BK, num_stages=SLICE_STAGES):
     k = tl.load(k_ptr + ii * (H * K) + (s * BK + rb)[None, :])
     kk = tl.dot(k, tl.trans(k), kk)
   gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
@@ -240,7 +241,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
   d_bs = (d_b + tl.trans(d_b)).to(tl.bfloat16)
   # dq = dA k, dk = dAᵀ q + (dB + dBᵀ) k + β e ⊙ dR_k (dR_k made again), per slice; then q kᵀ
   # over the slices for W's other half.
-  for s in range(K // BK):
+  for s in tl.range(K // BK, num_stages=SLICE_STAGES):
     cols = s * BK + rb
     src = ii * (H * K) + cols[None, :]
     ck = ii * K + cols[None, :]
@@ -252,7 +253,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
     d_rk = tl.dot(mt, (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16))
     tl.store(dk_ptr + ck, dk + (beta * entry)[:, None] * d_rk)
   qk = tl.zeros((C, C), tl.float32)
-  for s in range(K // BK):
+  for s in tl.range(K // BK, num_stages=SLICE_STAGES):
     src = ii * (H * K) + (s * BK + rb)[None, :]
     qk = tl.dot(tl.load(q_ptr + src), tl.trans(tl.load(k_ptr + src)), qk)
   # dA again from memory and Γ again from G (held over the loops, their float32 tiles spilled).
@@ -279,14 +280,17 @@ def _dims(q, v, segments, beta):
   return (b, t, h, dk, hv, dv, t // blocks.CHUNK, blocks.CHUNK), seg, packed
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "with_inverse", "precision", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("scale", "with_inverse", "precision", "num_warps",
+                                             "slice_stages"))
 def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_inverse=False,
-                    precision: str = blocks.INTRA_PRECISION, num_warps: int = blocks.INTRA_WARPS):
+                    precision: str = blocks.INTRA_PRECISION, num_warps: int = blocks.INTRA_WARPS,
+                    slice_stages: int = blocks.INTRA_SLICE_STAGES):
   """As `pallas_kernels.gpu.intra_chunk.intra_chunk_fwd` (same arguments and results).
 
   precision: `tl.dot`'s input_precision for the inverse's float32 products ("ieee", "tf32x3" or
-  "tf32"); num_warps: the program's warps. Their defaults are `blocks`' (how they were chosen is
-  written there); the others are for `experiments.bench_triton_parts`."""
+  "tf32"); num_warps: the program's warps; slice_stages: the software-pipelining depth of the
+  slice loops. Their defaults are `blocks`' (how they were chosen is written there); the
+  others are for `experiments.bench_triton_parts`."""
   if precision not in blocks.INTRA_PRECISIONS:
     raise ValueError(f"precision={precision!r}: expected one of {blocks.INTRA_PRECISIONS}")
   (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
@@ -301,13 +305,14 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_i
       g.astype(f32), gx.astype(f32), *seg, t, float(scale),
       kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, H=h, HV=hv, K=dk, V=dv, C=c, PACKED=packed,
-      BK=bk, WITH_INVERSE=with_inverse, PREC=precision)
+      BK=bk, WITH_INVERSE=with_inverse, PREC=precision, SLICE_STAGES=slice_stages)
   return (ny, qg, p, u, kg, m) if with_inverse else (ny, qg, p, u, kg)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_warps", "slice_stages"))
 def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: float,
-                    num_warps: int = blocks.INTRA_WARPS):
+                    num_warps: int = blocks.INTRA_WARPS,
+                    slice_stages: int = blocks.INTRA_SLICE_STAGES):
   """As `pallas_kernels.gpu.intra_chunk.intra_chunk_bwd` (same arguments and results)."""
   del gx   # the exit factor's terms are elementwise: the caller's
   (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
@@ -320,4 +325,4 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: fl
       g.astype(f32), seg[0], seg[1], m.astype(MM_DTYPE), dny.astype(MM_DTYPE),
       dp.astype(MM_DTYPE), du.astype(MM_DTYPE), t, float(scale),
       kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps, num_stages=1,
-      H=h, HV=hv, K=dk, V=dv, C=c, BK=bk, PACKED=packed))
+      H=h, HV=hv, K=dk, V=dv, C=c, BK=bk, PACKED=packed, SLICE_STAGES=slice_stages))
