@@ -1,8 +1,12 @@
-"""The `triton` implementation, compiled on an NVIDIA GPU (skipped elsewhere, with the reason).
+"""The `triton` implementation, compiled on an NVIDIA GPU, or in Triton's interpreter on the CPU
+(skipped elsewhere, with the reason).
 
-jax-triton has no CPU lowering, so nothing here runs in `make test`; the CPU side (sizes,
-dispatch, fallback) is tests/test_triton_path.py. On the GPU machine:
-`GPU_TESTS=tests/test_triton_gpu.py bash experiments/run_gpu_kernels.sh 300 0`.
+jax-triton has no CPU lowering and triton is no CI dependency, so nothing here runs in `make
+test`; the CPU side (sizes, dispatch, fallback) is tests/test_triton_path.py. On the GPU
+machine: `GPU_TESTS=tests/test_triton_gpu.py bash experiments/run_gpu_kernels.sh 300 0`. On a
+CPU with triton installed (`pip install triton`, no GPU), the same tests run the kernels in
+Triton's interpreter (`pallas_kernels.gpu.triton.interpret`), slowly, and check what they
+compute (not their speed, registers or races): `TRITON_INTERPRET=1 pytest tests/test_triton_gpu.py`.
 
 Oracles (as tests/test_pallas_gpu.py's for the Mosaic kernels, same tolerances):
 * kernel forward vs the float32 `lax.scan` recurrence with the kernels' bf16 operand rounding
@@ -149,6 +153,11 @@ def test_input_dtypes(dtype):
   assert_close(got.astype(jnp.float32), want.astype(jnp.float32), FWD_TOL, str(dtype))
 
 
+_GPU_ONLY = pytest.mark.skipif(triton_gpu.interpreted(), reason="about the GPU itself, not the "
+                               "kernels: runs compiled only")
+
+
+@_GPU_ONLY
 def test_default_implementation_on_this_gpu():
   want = "pallas_gpu" if pallas_gpu.is_hopper() else "triton"
   assert api.default_implementation() == want
@@ -164,6 +173,7 @@ def test_tuning_steers_the_xla_intra_chunk_part():
     assert_close(x, y, 1e-5, "remat_intra")
 
 
+@_GPU_ONLY
 def test_jax_triton_leaves_other_triton_users_their_cache_dir():
   # jax-triton 0.3.1 empties TRITON_CACHE_DIR on import, which broke FLA's autotuner in the same
   # process ("Could not create or locate cache dir"); state_pass puts it back.
@@ -246,7 +256,7 @@ def test_pallas_gpu_borrows_the_triton_channel_kernels(monkeypatch, mixer):
   # On Hopper with the extra, pallas_gpu takes the Triton KDA / GDN-2 intra kernels by default
   # (channel_intra="auto") and on request ("triton"); "xla" keeps XLA's part. Each against the
   # scan: output, final state and every gradient.
-  if not pallas_gpu.is_hopper():
+  if not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):   # (on CPU: Mosaic's interpreter)
     pytest.skip("pallas_gpu needs a Hopper GPU")
   module, name = _INTRA_ENTRY[mixer]
   calls = []
@@ -373,7 +383,7 @@ def test_fused_channel_grads_match_the_kernel_half_and_the_glue(case, dk, dv):
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
 def test_op_gradients_with_fused_channel_grads_match_scan(mixer, implementation):
   # The op's every gradient with the fused backward on both GPU paths, against the scan.
-  if implementation == "pallas_gpu" and not pallas_gpu.is_hopper():
+  if implementation == "pallas_gpu" and not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
     pytest.skip("pallas_gpu needs a Hopper GPU")
   tuning = ops.GpuTuning(channel_grads="kernel", triton_intra="kernel", channel_intra="triton")
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=3)

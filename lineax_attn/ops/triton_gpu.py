@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 
 import jax
 
@@ -41,8 +42,8 @@ from lineax_attn.ops import api, specs
 from lineax_attn.ops.gpu_tuning import GpuTuning, check_tuning
 from pallas_kernels.gpu.triton import blocks
 
-__all__ = ["GpuTuning", "available", "has_intra_kernels", "intra_choice", "supports",
-           "triton_delta_family", "unsupported_reason"]
+__all__ = ["GpuTuning", "available", "has_intra_kernels", "interpreted", "intra_choice",
+           "supports", "triton_delta_family", "unsupported_reason"]
 
 _warned: set[str] = api.fallback_logged("triton")
 
@@ -53,9 +54,20 @@ def missing_packages() -> tuple[str, ...]:
                if importlib.util.find_spec(name) is None)
 
 
+def interpreted() -> bool:
+  """True where the Triton kernels run in Triton's interpreter on the CPU instead: TRITON_INTERPRET=1
+  was set before they were imported (`pallas_kernels.gpu.triton.interpret`; triton needed, not
+  jax-triton). A way to check the kernels without a GPU, never a way to train."""
+  if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+    return False
+  from pallas_kernels.gpu.triton import interpret  # pylint: disable=g-import-not-at-top
+  return interpret.enabled()
+
+
 def available() -> bool:
-  """True where this implementation can run: the extra is installed and JAX runs on CUDA."""
-  return not missing_packages() and _on_cuda()
+  """True where this implementation can run: the extra is installed and JAX runs on CUDA (or
+  the kernels are `interpreted`)."""
+  return interpreted() or (not missing_packages() and _on_cuda())
 
 
 def _on_cuda() -> bool:
@@ -70,10 +82,10 @@ def _on_cuda() -> bool:
 def unsupported_reason(*, dk: int, dv: int, chunk_size: int, varlen: bool) -> str | None:
   """Why `triton` cannot run this call (None if it can)."""
   missing = missing_packages()
-  if missing:
+  if missing and not interpreted():
     return (f"{', '.join(missing)} not installed (the optional extra: pip install "
             "'lineax_attn[triton]')")
-  if not _on_cuda():
+  if not _on_cuda() and not interpreted():
     return (f"device {jax.devices()[0].device_kind!r}: the Triton kernels need an NVIDIA GPU "
             "(jax-triton has no CPU lowering)")
   if varlen:

@@ -114,11 +114,17 @@ def _bwd_kernel(ny_ptr, qg_ptr, p_ptr, kg_ptr, gc_ptr, do_ptr, dx_ptr, dsf_ptr, 
 
 
 def _jax_triton():
-  """jax_triton, imported without its side effect on the process.
+  """jax_triton, imported without its side effect on the process; or, where the kernels were
+  made interpreted (TRITON_INTERPRET=1 at import), `interpret`, whose `triton_call` runs them
+  in Triton's interpreter on the CPU.
 
   jax-triton 0.3.1 sets `os.environ["TRITON_CACHE_DIR"] = ""` when imported, which breaks every
   other Triton user of the process (FLA's autotuner raises "Could not create or locate cache
   dir"); its own compiles do not need that. So the variable is put back as it was."""
+  if os.environ.get("TRITON_INTERPRET") == "1":
+    from pallas_kernels.gpu.triton import interpret  # noqa: PLC0415
+    if interpret.enabled():
+      return interpret
   saved = os.environ.get("TRITON_CACHE_DIR")
   import jax_triton  # noqa: PLC0415 (see the module docstring)
   if saved is None:
