@@ -55,9 +55,9 @@ def missing_packages() -> tuple[str, ...]:
 
 
 def interpreted() -> bool:
-  """True where the Triton kernels run in Triton's interpreter on the CPU instead: TRITON_INTERPRET=1
-  was set before they were imported (`pallas_kernels.gpu.triton.interpret`; triton needed, not
-  jax-triton). A way to check the kernels without a GPU, never a way to train."""
+  """True where the Triton kernels run in Triton's interpreter on the CPU instead:
+  TRITON_INTERPRET=1 was set before they were imported (`pallas_kernels.gpu.triton.interpret`;
+  triton needed, not jax-triton). A way to check the kernels without a GPU, never to train."""
   if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
     return False
   from pallas_kernels.gpu.triton import interpret  # pylint: disable=g-import-not-at-top
