@@ -329,17 +329,26 @@ def test_channel_intra_kernel_matches_exact_reference(case, dk, dv):
       assert_close(g_, w, 1e-2 if name == "ny" else 5e-3, f"{name} ({case})")
 
 
+def _channel_forward(seed, case, dk, dv):
+  """A case's inputs, segment ids and kernel segments, and the forward kernel's six outputs
+  and bf16 M: what the backward kernels take."""
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  inputs = _channel_inputs(seed, dk=dk, dv=dv, tau=_TAU[case])
+  segidx = _packed_ids() if case == "packed" else None
+  segments = None if segidx is None else gpu_chunks.kernel_segments(segidx, 64)
+  q, k, kt, vt, _, G = inputs
+  *outs, m = channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=64,
+                                             with_inverse=True)
+  return inputs, segidx, segments, outs, m
+
+
 @pytest.mark.parametrize("case,dk,dv", [("random", 64, 64), ("strong", 128, 128),
                                         ("packed", 64, 128)])
 def test_channel_intra_backward_kernel_matches_exact_reference(case, dk, dv):
   # The kernel's half of the backward (pairs and solve) against its float32 oracle; the XLA half
   # (channel_grads) is checked on CPU (tests/test_triton_path.py).
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
-  q, k, kt, vt, g, G = _channel_inputs(4, dk=dk, dv=dv, tau=_TAU[case])
-  segidx = _packed_ids() if case == "packed" else None
-  segments = None if segidx is None else gpu_chunks.kernel_segments(segidx, 64)
-  *outs, m = channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=64,
-                                             with_inverse=True)
+  (q, k, kt, vt, g, G), segidx, segments, outs, m = _channel_forward(4, case, dk, dv)
   ks = jax.random.split(jax.random.key(5), 3)
   d_ny, d_p, d_u = (jax.random.normal(key, outs[i].shape).astype(outs[i].dtype)
                     for key, i in zip(ks, (0, 2, 3)))
@@ -359,11 +368,7 @@ def test_fused_channel_grads_match_the_kernel_half_and_the_glue(case, dk, dv):
   # interpreter measured 1e-8 to 4e-7 relative); and against the exact float32 oracle
   # composed with the glue, as the half is checked above.
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
-  q, k, kt, vt, g, G = _channel_inputs(6, dk=dk, dv=dv, tau=_TAU[case])
-  segidx = _packed_ids() if case == "packed" else None
-  segments = None if segidx is None else gpu_chunks.kernel_segments(segidx, 64)
-  *outs, m = channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=64,
-                                             with_inverse=True)
+  (q, k, kt, vt, g, G), segidx, segments, outs, m = _channel_forward(6, case, dk, dv)
   cts = tuple(jax.random.normal(key, o.shape).astype(o.dtype)
               for key, o in zip(jax.random.split(jax.random.key(7), 6), outs))
   d_ny, d_qg, d_p, d_u, d_kg, d_gc = cts
