@@ -94,7 +94,7 @@ _CHANNEL_INTRA = flags.DEFINE_enum("channel_intra", "auto", ["auto", "xla", "tri
                                    "pallas_gpu: who computes KDA/GDN-2's intra-chunk part "
                                    "(GpuTuning.channel_intra: auto = the Triton channel kernels "
                                    "where the extra runs, else XLA).")
-_CHANNEL_GRADS = flags.DEFINE_enum("channel_grads", "xla", ["xla", "kernel"],
+_CHANNEL_GRADS = flags.DEFINE_enum("channel_grads", "kernel", ["xla", "kernel"],
                                    "triton / pallas_gpu with the Triton channel kernels: who "
                                    "computes their backward's elementwise rest and dG "
                                    "(GpuTuning.channel_grads: XLA, or fused in the kernel).")

@@ -164,10 +164,10 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
         *bwd_args, err=err)
   row(f"{mixer} XLA intra fwd (prepare_chunks)",
       lambda *a: pallas_gpu.prepare_chunks(*a, None, c=C), qs, kf, kt, vt, g)
-  for intra in ("xla", "kernel"):
-    _whole_op(row, mixer, args, f"{intra} intra", pallas_gpu.GpuTuning(triton_intra=intra))
-  _whole_op(row, mixer, args, "kernel intra, fused grads",
-            pallas_gpu.GpuTuning(triton_intra="kernel", channel_grads="kernel"))
+  _whole_op(row, mixer, args, "xla intra", pallas_gpu.GpuTuning(triton_intra="xla"))
+  for grads in ("xla", "kernel"):
+    _whole_op(row, mixer, args, f"kernel intra, channel_grads={grads}",
+              pallas_gpu.GpuTuning(triton_intra="kernel", channel_grads=grads))
   return rows
 
 

@@ -66,6 +66,7 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
   channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, PACKED=packed, WITH_INVERSE=True,
                  PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK,
                  BAND_STAGES=blocks.CHANNEL_BAND_STAGES)
+  channel_fwd = dict(channel, SBK=blocks.solve_bk(dk, dv))
   f = frozenset
   return [
       Launch("state_pass", "_fwd_kernel",
@@ -74,13 +75,13 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
       Launch("state_pass", "_bwd_kernel", dict(state, BV=bwd_bv, STAGES=bwd_stages),
              f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "do_ptr", "dh_ptr"}), bwd_warps,
              bwd_stages),
-      Launch("intra_chunk", "_fwd_kernel", intra,
+      Launch("intra_chunk", "_fwd_kernel", dict(intra, SBK=blocks.solve_bk(dk, dv)),
              f({"q_ptr", "k_ptr", "v_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}),
              blocks.INTRA_WARPS, 1),
       Launch("intra_chunk", "_bwd_kernel", intra,
              f({"q_ptr", "k_ptr", "v_ptr", "m_ptr", "dny_ptr", "dp_ptr", "du_ptr"}),
              blocks.INTRA_WARPS, 1),
-      Launch("channel_intra", "_fwd_kernel", channel,
+      Launch("channel_intra", "_fwd_kernel", channel_fwd,
              f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}), blocks.CHANNEL_WARPS, 1),
       Launch("channel_intra", "_bwd_kernel", dict(channel, GRADS=False),
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),

@@ -63,12 +63,12 @@ class GpuTuning:
       (docs/BENCHMARKS.md "The Triton path, fourth stage").
     channel_grads: who computes the elementwise rest of those Triton channel kernels' backward
       (the entry / exit factors' terms and dG with its in-chunk reverse cumsum, on both GPU
-      paths): "xla" (the default; `gpu_prepare.channel_grads`, several passes over float32
-      [B, HV, Nc, C, K] arrays and the layout transposes, ~1.6 ms of KDA's 8.0 on the H200) or
-      "kernel" (fused into the backward kernel's last slice loop,
+      paths): "kernel" (the default: fused into the backward kernel's last slice loop,
       `pallas_kernels.gpu.triton.channel_intra.channel_intra_grads`, which then writes whole
-      gradients in the inputs' layout). Checked in Triton's interpreter, not yet compiled or
-      timed on a GPU: opt-in until it is.
+      gradients in the inputs' layout; KDA fwd+bwd 7.38 ms against 8.06 on the H200,
+      docs/BENCHMARKS.md "The Triton path, fifth stage") or "xla"
+      (`gpu_prepare.channel_grads`, several passes over float32 [B, HV, Nc, C, K] arrays and
+      the layout transposes after the kernel half).
   """
 
   intra: str = "kernel"
@@ -78,7 +78,7 @@ class GpuTuning:
   remat_intra: bool = True
   triton_intra: str = "auto"
   channel_intra: str = "auto"
-  channel_grads: str = "xla"
+  channel_grads: str = "kernel"
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),

@@ -88,9 +88,12 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 INTRA_WARPS = 4
 INTRA_BK = 16
 # Software-pipelining depth of those kernels' slice loops (`tl.range`; eight [64, 16] slices of
-# K or V each, loaded from HBM while the previous slice's small dots run). 1 (no pipelining, as
-# timed) until 2 is timed on a GPU: `bench_triton_parts --slice_stages=1,2`.
-INTRA_SLICE_STAGES = 1
+# K or V each, loaded from HBM while the previous slice's small dots run). 2, timed on the H200
+# (GDN, B4 T4096 H16 D128, 2026-12-02 15:20 UTC, `bench_triton_parts --slice_stages=1,2`):
+# forward 0.758 -> 0.684 ms, backward 1.304 -> 1.039. ptxas (off GPU) at 2 stages: shared
+# memory unchanged (32-38 KB), spills about as at 1 (sm_80 4-20 bytes in the backward against
+# 0-88, sm_86 0-60 against 0-84; sm_90a 56 bytes in the packed K = 64 backward, else 0).
+INTRA_SLICE_STAGES = 2
 INTRA_HEAD_DIMS = (64, 128)   # the sizes the intra kernels were checked (and ptxas'd) at
 # The per-channel kernels (`channel_intra.py`) walk K in slices of CHANNEL_BK channels, so that
 # no program holds a whole float32 [64, K] tile. Their first version held q, k, k̃ and G as four
@@ -114,6 +117,19 @@ CHANNEL_BK = 16
 # spills on sm_90a / sm_80 (ptxas off GPU). 1 until timed on a GPU
 # (`bench_triton_parts --band_stages=1,2`).
 CHANNEL_BAND_STAGES = 1
+
+
+def solve_bk(dk: int, dv: int) -> int:
+  """Columns a step of the intra-chunk forward kernels' solve loops (NY = −M R, U = M Ṽ; both
+  the delta-rule and the per-channel kernels) take: the widest of 64 / 32 / 16 dividing both
+  head dims. Only M is live there, and triton 3.6 converts M to the product's operand layout
+  through shared memory once per step (TTGIR), so fewer, wider steps convert less."""
+  for bk in (64, 32, 16):
+    if dk % bk == 0 and dv % bk == 0:
+      return bk
+  return CHANNEL_BK
+
+
 INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32")
 INTRA_PRECISION = "tf32"
 

@@ -138,10 +138,12 @@ def _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk, HV: tl.constexpr, K: tl
 
 
 @triton.jit
-def _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc,
+def _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc, p_band, l_band,
                  HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr,
                  BAND_STAGES: tl.constexpr):
-  """Adds the channel slice `cols` (q, k, k̃, G its [C, BK] slices) to P and L (unmasked)."""
+  """Adds the channel slice `cols` (q, k, k̃, G its [C, BK] slices) to P and L (unmasked): the
+  anchored products to p_acc / l_acc [C, C], the diagonal blocks to p_band / l_band [C, SUBC]
+  (entry (i, r) of row i's band r, `_expand_bands` places them once all slices are in)."""
   # Off-diagonal pairs, anchored at each sub-chunk's first row n: rows of sub-chunk p against
   # the columns before n, e^{G_i − G_n} · e^{G_n − G_j}, both exponents ≤ 0. They are exactly
   # zero inside the diagonal blocks, which the bands below fill.
@@ -150,23 +152,32 @@ def _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc,
     kc = tl.trans((k * col_f).to(tl.bfloat16))
     p_acc = tl.dot((q * row_f).to(tl.bfloat16), kc, p_acc)
     l_acc = tl.dot((kt * row_f).to(tl.bfloat16), kc, l_acc)
-  # Diagonal blocks, exact float32: band r pairs row i with j = 16⌊i/16⌋ + r (j ≤ i).
-  # A run-time loop: unrolled, the sixteen bands' loads were scheduled together and spilled.
-  # Each band reads its partner rows from global memory (L2), so with BAND_STAGES > 1 the
-  # loop is software-pipelined: the next band's rows arrive by async copy while this one
-  # computes (`blocks.CHANNEL_BAND_STAGES`).
+  # Diagonal blocks, exact float32: band r pairs row i with j = 16⌊i/16⌋ + r (j ≤ i). A
+  # run-time loop: unrolled, the sixteen bands' loads were scheduled together and spilled.
+  # The band sums go to [C, SUBC] tiles in the operands' own layout, not into the [C, C]
+  # accumulators: those live in the tensor cores' layout, and adding a column to them cost a
+  # whole [C, C] layout conversion through shared memory per band (seen in the TTGIR).
   base = (rc // SUBC) * SUBC
-  jj = rc[None, :]
+  band_col = tl.arange(0, SUBC)[None, :]
   for r in tl.range(SUBC, num_stages=BAND_STAGES):
     lower = (r <= rc - base)[:, None]
     j_rows = row0 + base + r
     e = tl.where(lower, tl.exp(tl.where(lower, g - _rows(g_ptr, j_rows, hv, cols, HV, K), 0.0)),
                  0.0)
     kj = _rows(k_ptr, j_rows, hv, cols, HV, K) * e
-    band = jj == (base + r)[:, None]
-    p_acc += tl.where(band, tl.sum(q * kj, axis=1)[:, None], 0.0)
-    l_acc += tl.where(band, tl.sum(kt * kj, axis=1)[:, None], 0.0)
-  return p_acc, l_acc
+    p_band += tl.where(band_col == r, tl.sum(q * kj, axis=1)[:, None], 0.0)
+    l_band += tl.where(band_col == r, tl.sum(kt * kj, axis=1)[:, None], 0.0)
+  return p_acc, l_acc, p_band, l_band
+
+
+@triton.jit
+def _expand_bands(band, rc, SUBC: tl.constexpr):
+  """[C, SUBC] band entries (i, r) as the [C, C] matrix with (i, 16⌊i/16⌋ + r), zero outside
+  the diagonal blocks: a product with the 0/1 matrix S[r, j] = (j mod 16 = r) in float32 on
+  the CUDA cores ("ieee": x·1 + 0 + … is exact), then the block mask."""
+  sel = ((rc[None, :] % SUBC) == tl.arange(0, SUBC)[:, None]).to(tl.float32)
+  spread = tl.dot(band, sel, input_precision="ieee")
+  return tl.where((rc[:, None] // SUBC) == (rc[None, :] // SUBC), spread, 0.0)
 
 
 @triton.jit
@@ -190,8 +201,9 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, gc_ptr, m_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
-                WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, BAND_STAGES: tl.constexpr):
-  tl.static_assert((K % BK == 0) and (V % BK == 0))
+                WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, BAND_STAGES: tl.constexpr,
+                SBK: tl.constexpr):
+  tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
   ii = rc[:, None]
@@ -208,27 +220,35 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   # P and L over the channel slices; QG, KG and gc need no M, so they are stored on the way.
   p_acc = tl.zeros((C, C), tl.float32)
   l_acc = tl.zeros((C, C), tl.float32)
+  p_band = tl.zeros((C, SUBC), tl.float32)
+  l_band = tl.zeros((C, SUBC), tl.float32)
   for s in range(K // BK):
     cols = s * BK + rb
     q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K)
-    p_acc, l_acc = _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc,
-                                HV, K, C, SUBC, BAND_STAGES)
+    p_acc, l_acc, p_band, l_band = _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols,
+                                                p_acc, l_acc, p_band, l_band, HV, K, C, SUBC,
+                                                BAND_STAGES)
     entry, exit_, gc = _boundary_factors(g, tl.load(g_ptr + last * K + cols), cont, keep,
                                          cont_last, PACKED)
     ck = chunk * C * K + ii * K + cols[None, :]
     tl.store(qg_ptr + ck, (q * entry).to(tl.bfloat16))
     tl.store(kg_ptr + ck, (k * exit_).to(tl.bfloat16))
     tl.store(gc_ptr + chunk * K + cols, gc)
+  p_acc += _expand_bands(p_band, rc, SUBC)
+  l_acc += _expand_bands(l_band, rc, SUBC)
   keep_p, keep_l = _pair_masks(seg_ptr, rows, ii, jj, PACKED)
   tl.store(p_ptr + cc, tl.where(keep_p, p_acc, 0.0).to(tl.bfloat16))
   m = _unit_lower_inverse(tl.where(keep_l, l_acc, 0.0), ii, jj, PREC).to(tl.bfloat16)
-  # NY = −M (K̃ ⊙ e^G) and U = M Ṽ, a slice at a time.
-  for s in range(K // BK):
-    cols = s * BK + rb
+  # NY = −M (K̃ ⊙ e^G) and U = M Ṽ, SBK columns at a time: triton 3.6 converts M to the
+  # product's operand layout inside each iteration (through shared memory), so wide slices
+  # (only M is live here) convert it fewer times.
+  rs = tl.arange(0, SBK)
+  for s in range(K // SBK):
+    cols = s * SBK + rs
     y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED)
     tl.store(ny_ptr + chunk * C * K + ii * K + cols[None, :], (-y).to(tl.bfloat16))
-  for s in range(V // BK):
-    cols = s * BK + rb
+  for s in range(V // SBK):
+    cols = s * SBK + rs
     u = tl.dot(m, _rows(vt_ptr, rows, hv, cols, HV, V).to(tl.bfloat16))
     tl.store(u_ptr + chunk * C * V + ii * V + cols[None, :], u)
   if WITH_INVERSE:
@@ -314,25 +334,13 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   for s in range(K // BK):
     cols = s * BK + rb
     q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K)
+    # Diagonal blocks, exact float32, band r: this row x and b = 16⌊x/16⌋ + r of its sub-chunk.
+    # As i (dQ, dK̃): W_xb K_b E_xb, b ≤ x; as j (dK): W_bx A_b E_bx, b ≥ x. A run-time loop,
+    # pipelined as in the forward. First, in tiles of the operands' layout: added to the
+    # products' accumulators, each band cost three layout conversions through shared memory.
     d_q = tl.zeros((C, BK), tl.float32)
     d_kt = tl.zeros((C, BK), tl.float32)
     d_k = tl.zeros((C, BK), tl.float32)
-    # Off-diagonal pairs, anchored as in the forward.
-    for blk in tl.static_range(1, C // SUBC):
-      in_p, cols_before, row_f, col_f = _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk,
-                                                          HV, K, SUBC)
-      block = in_p & cols_before                               # rows of p, columns before n
-      wp = tl.where(block, w_p, tl.zeros_like(w_p))
-      wl = tl.where(block, w_l, tl.zeros_like(w_l))
-      kc = (k * col_f).to(tl.bfloat16)
-      d_q += row_f * tl.dot(wp, kc)
-      d_kt += row_f * tl.dot(wl, kc)
-      back = tl.dot(tl.trans(wp), (q * row_f).to(tl.bfloat16))
-      back = tl.dot(tl.trans(wl), (kt * row_f).to(tl.bfloat16), back)
-      d_k += col_f * back
-    # Diagonal blocks, exact float32, band r: this row x and b = 16⌊x/16⌋ + r of its sub-chunk.
-    # As i (dQ, dK̃): W_xb K_b E_xb, b ≤ x; as j (dK): W_bx A_b E_bx, b ≥ x. A run-time loop,
-    # pipelined as in the forward.
     for r in tl.range(SUBC, num_stages=BAND_STAGES):
       b = base + r
       b_rows = row0 + b
@@ -356,6 +364,19 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
       d_k += tl.where(down[:, None], e, 0.0) * (
           w_pc[:, None] * _rows(q_ptr, b_rows, hv, cols, HV, K)
           + w_lc[:, None] * _rows(kt_ptr, b_rows, hv, cols, HV, K))
+    # Off-diagonal pairs, anchored as in the forward.
+    for blk in tl.static_range(1, C // SUBC):
+      in_p, cols_before, row_f, col_f = _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk,
+                                                          HV, K, SUBC)
+      block = in_p & cols_before                               # rows of p, columns before n
+      wp = tl.where(block, w_p, tl.zeros_like(w_p))
+      wl = tl.where(block, w_l, tl.zeros_like(w_l))
+      kc = (k * col_f).to(tl.bfloat16)
+      d_q += row_f * tl.dot(wp, kc)
+      d_kt += row_f * tl.dot(wl, kc)
+      back = tl.dot(tl.trans(wp), (q * row_f).to(tl.bfloat16))
+      back = tl.dot(tl.trans(wl), (kt * row_f).to(tl.bfloat16), back)
+      d_k += col_f * back
     ck = chunk * C * K + ii * K + cols[None, :]
     if GRADS:
       g_last = tl.load(g_ptr + ((row0 + C - 1) * HV + hv) * K + cols)
@@ -412,7 +433,8 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
       q.astype(f32), k.astype(f32), kt.astype(f32), vt.astype(f32), G.astype(f32), *seg, t,
       kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
-      WITH_INVERSE=with_inverse, PREC=precision, BAND_STAGES=band_stages)
+      WITH_INVERSE=with_inverse, PREC=precision, BAND_STAGES=band_stages,
+      SBK=blocks.solve_bk(dk, dv))
   outs = (ny, qg, p, u, kg, gc)
   return outs + (m,) if with_inverse else outs
 

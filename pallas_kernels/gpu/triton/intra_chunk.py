@@ -133,7 +133,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
                 scale, ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, m_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 C: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
-                WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, SLICE_STAGES: tl.constexpr):
+                WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, SLICE_STAGES: tl.constexpr,
+                SBK: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0))
   rc, rows, qk_base, v_base, vec0, chunk = _chunk_index(t, H, HV, K, V, C)
   rb, ii, jj, beta, g, entry = _row_factors(beta_ptr, g_ptr, cont_ptr, vec0, rc, rows, BK,
@@ -161,14 +162,15 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
   m = _unit_lower_inverse(lmat, ii, jj, PREC).to(tl.bfloat16)
   if WITH_INVERSE:
     tl.store(m_ptr + cc, m)
-  # NY = −M (k ⊙ β e) in K slices, U = M (v ⊙ β) in V slices.
-  for s in tl.range(K // BK, num_stages=SLICE_STAGES):
-    cols = s * BK + rb
+  # NY = −M (k ⊙ β e) in K slices, U = M (v ⊙ β) in V slices, SBK wide (`blocks.solve_bk`).
+  rs = tl.arange(0, SBK)
+  for s in tl.range(K // SBK, num_stages=SLICE_STAGES):
+    cols = s * SBK + rs
     k = tl.load(k_ptr + qk_base + ii * (H * K) + cols[None, :])
     y = tl.dot(m, (k.to(tl.float32) * (beta * entry)[:, None]).to(tl.bfloat16))
     tl.store(ny_ptr + chunk * C * K + ii * K + cols[None, :], (-y).to(tl.bfloat16))
-  for s in tl.range(V // BK, num_stages=SLICE_STAGES):
-    cols = s * BK + rb
+  for s in tl.range(V // SBK, num_stages=SLICE_STAGES):
+    cols = s * SBK + rs
     v = tl.load(v_ptr + v_base + ii * (HV * V) + cols[None, :])
     u = tl.dot(m, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16))
     tl.store(u_ptr + chunk * C * V + ii * V + cols[None, :], u)
@@ -305,7 +307,8 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_i
       g.astype(f32), gx.astype(f32), *seg, t, float(scale),
       kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, H=h, HV=hv, K=dk, V=dv, C=c, PACKED=packed,
-      BK=bk, WITH_INVERSE=with_inverse, PREC=precision, SLICE_STAGES=slice_stages)
+      BK=bk, WITH_INVERSE=with_inverse, PREC=precision, SLICE_STAGES=slice_stages,
+      SBK=blocks.solve_bk(dk, dv))
   return (ny, qg, p, u, kg, m) if with_inverse else (ny, qg, p, u, kg)
 
 
