@@ -59,8 +59,8 @@ class GpuTuning:
       backward; they run on Hopper too and need the `triton` extra: a ValueError without it);
       "xla" the XLA part (`channel_pair` steers it); "auto" (the default) the Triton kernels
       where the extra is installed and JAX runs on CUDA, else XLA's part. On the H200 KDA
-      fwd+bwd took 8.0 ms with the Triton kernels against 11.0-11.3 with XLA's part
-      (docs/BENCHMARKS.md "The Triton path, fourth stage").
+      fwd+bwd takes 5.8 ms with the Triton kernels against 11.0-11.3 with XLA's part
+      (docs/BENCHMARKS.md "The Triton path, fifth stage").
     channel_grads: who computes the elementwise rest of those Triton channel kernels' backward
       (the entry / exit factors' terms and dG with its in-chunk reverse cumsum, on both GPU
       paths): "kernel" (the default: fused into the backward kernel's last slice loop,
