@@ -78,7 +78,7 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
       Launch("intra_chunk", "_fwd_kernel", dict(intra, SBK=blocks.solve_bk(dk, dv)),
              f({"q_ptr", "k_ptr", "v_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}),
              blocks.INTRA_WARPS, 1),
-      Launch("intra_chunk", "_bwd_kernel", intra,
+      Launch("intra_chunk", "_bwd_kernel", dict(intra, GBK=blocks.grads_bk(dk, hopper=hopper)),
              f({"q_ptr", "k_ptr", "v_ptr", "m_ptr", "dny_ptr", "dp_ptr", "du_ptr"}),
              blocks.INTRA_WARPS, 1),
       Launch("channel_intra", "_fwd_kernel", channel_fwd,

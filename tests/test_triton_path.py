@@ -37,6 +37,19 @@ def test_block_sizes_are_fixed_per_head_dims():
     launch(64, 40)
 
 
+def test_intra_kernel_loop_widths():
+  # Columns a step of the intra kernels' loops with loop-invariant [C, C] operands take
+  # (blocks' docstrings: triton 3.6 converts those operands once per step, so wider is fewer
+  # conversions; the widths are what ptxas found spill-free): the widest dividing the dims,
+  # 64 on Hopper for the delta-rule backward's dq / dk loop, 32 elsewhere.
+  assert [blocks.solve_bk(d, d) for d in (64, 128, 256)] == [64, 64, 64]
+  assert blocks.solve_bk(128, 96) == 32 and blocks.solve_bk(64, 48) == 16
+  assert [blocks.grads_bk(d, hopper=True) for d in (64, 128)] == [64, 64]
+  assert [blocks.grads_bk(d, hopper=False) for d in (64, 128)] == [32, 32]
+  assert blocks.grads_bk(16, hopper=True) == 16
+  assert blocks.INTRA_SLICE_STAGES == 2 and blocks.CHANNEL_BAND_STAGES == 1
+
+
 @pytest.mark.parametrize("chunk,dk,dv,word", [(32, 64, 64, "chunk_size"), (64, 96, 64, "K=96"),
                                               (64, 64, 40, "V=40"), (64, 64, 1024, "V=1024")])
 def test_unsupported_sizes_name_the_reason(chunk, dk, dv, word):

@@ -51,8 +51,8 @@ class GpuTuning:
       `pallas_kernels.gpu.triton.intra_chunk`, for KDA / GDN-2 those of
       `pallas_kernels.gpu.triton.channel_intra` (both forward and backward); "xla" the XLA part;
       "auto" (the default) the kernels wherever they exist, measured faster than XLA's part on
-      the H200 for all four (docs/BENCHMARKS.md "The Triton path, fourth stage": GDN fwd+bwd
-      2.8 ms against 5.1, KDA 8.0 against 11.3). Linear attention and simple GLA always take
+      the H200 for all four (docs/BENCHMARKS.md "The Triton path, fifth stage": GDN fwd+bwd
+      2.6 ms against 4.7, KDA 6.0 against 11.1). Linear attention and simple GLA always take
       the XLA part.
     channel_intra: who computes KDA / GDN-2's intra-chunk part under implementation="pallas_gpu":
       "triton", the Triton kernels of `pallas_kernels.gpu.triton.channel_intra` (forward and

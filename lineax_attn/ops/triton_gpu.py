@@ -10,8 +10,8 @@ selectable on Hopper too. It is the chunk form split as `pallas_gpu` splits it (
   per chunk: the C×C products, the blocked inverse of I + L with tf32 products, the
   pseudo-values), as `pallas_gpu` has Mosaic GPU ones; for KDA and GDN-2
   `pallas_kernels.gpu.triton.channel_intra` (anchored sub-chunk pairs, exact diagonal blocks,
-  the same inverse; forward and backward, the backward's elementwise rest in XLA,
-  `gpu_prepare.channel_intra_kernel`). Linear attention and simple GLA take the XLA part
+  the same inverse; forward and backward, the backward's elementwise rest fused into its
+  kernel by default, `GpuTuning.channel_grads`; `gpu_prepare.channel_intra_kernel`). Linear attention and simple GLA take the XLA part
   (`gpu_prepare.prepare_chunks`: bf16 products, float32 accumulation and solve; differentiated
   by autodiff), as does any mixer with `GpuTuning(triton_intra="xla")`;
 * **sequential state pass in Triton** (`pallas_kernels.gpu.triton.state_pass`): one program per
@@ -113,8 +113,8 @@ def intra_choice(mixer: str, tuning: GpuTuning) -> str:
   """Who computes `mixer`'s intra-chunk part on this path: "kernel" or "xla".
 
   `triton_intra="auto"` takes the kernels wherever they exist (`has_intra_kernels`): on the
-  H200 they beat XLA's part for every such mixer (docs/BENCHMARKS.md "The Triton path, fourth
-  stage": GDN fwd+bwd 2.8 ms against 5.1, KDA 8.0 against 11.3). Linear attention and simple
+  H200 they beat XLA's part for every such mixer (docs/BENCHMARKS.md "The Triton path, fifth
+  stage": GDN fwd+bwd 2.6 ms against 4.7, KDA 6.0 against 11.1). Linear attention and simple
   GLA have none and take XLA's part."""
   if tuning.triton_intra != "auto":
     return tuning.triton_intra

@@ -130,6 +130,19 @@ def solve_bk(dk: int, dv: int) -> int:
   return CHANNEL_BK
 
 
+def grads_bk(dk: int, *, hopper: bool) -> int:
+  """Columns a step of the delta-rule backward's dq / dk loop takes. Its two [C, C] operands
+  (dA, dB + dBᵀ) are loop-invariant, but triton 3.6 converts them to the products' operand
+  layout inside every step (TTGIR), so fewer, wider steps convert less. ptxas (off GPU, K = V =
+  128, packed or not, 2 slice stages): sm_90a spill-free at 16, 32 and 64 columns (234-255
+  registers; shared 39 / 53 / 82 KB); sm_80 spills 4-20 bytes at 16, 0-12 at 32, 8-48 at 64,
+  sm_86 32-64 at all three. So Hopper takes 64, other GPUs 32."""
+  for bk in ((64, 32, 16) if hopper else (32, 16)):
+    if dk % bk == 0:
+      return bk
+  return INTRA_BK
+
+
 INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32")
 INTRA_PRECISION = "tf32"
 

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.gpu.triton import blocks
-from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _structs
+from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _on_hopper, _structs
 
 
 @triton.jit
@@ -181,8 +181,8 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
                 du_ptr, t, scale, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dgr_ptr, dgc_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 C: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
-                SLICE_STAGES: tl.constexpr):
-  tl.static_assert((K % BK == 0) and (V % BK == 0))
+                SLICE_STAGES: tl.constexpr, GBK: tl.constexpr):
+  tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % GBK == 0))
   rc, rows, qk_base, v_base, vec0, chunk = _chunk_index(t, H, HV, K, V, C)
   q_ptr += qk_base           # int64 bases in the pointers, so that tile offsets are int32
   # (the forward kept int64 tile offsets: ptxas gave it more registers with these shifts)
@@ -241,10 +241,12 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
   d_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam
   d_a16 = d_a.to(tl.bfloat16)
   d_bs = (d_b + tl.trans(d_b)).to(tl.bfloat16)
-  # dq = dA k, dk = dAᵀ q + (dB + dBᵀ) k + β e ⊙ dR_k (dR_k made again), per slice; then q kᵀ
-  # over the slices for W's other half.
-  for s in tl.range(K // BK, num_stages=SLICE_STAGES):
-    cols = s * BK + rb
+  # dq = dA k, dk = dAᵀ q + (dB + dBᵀ) k + β e ⊙ dR_k (dR_k made again), GBK columns a step
+  # (`blocks.grads_bk`: triton 3.6 converts dA and dB + dBᵀ to the products' operand layout
+  # inside every step); then q kᵀ over the slices for W's other half.
+  rg = tl.arange(0, GBK)
+  for s in tl.range(K // GBK, num_stages=SLICE_STAGES):
+    cols = s * GBK + rg
     src = ii * (H * K) + cols[None, :]
     ck = ii * K + cols[None, :]
     q = tl.load(q_ptr + src)
@@ -328,4 +330,5 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: fl
       g.astype(f32), seg[0], seg[1], m.astype(MM_DTYPE), dny.astype(MM_DTYPE),
       dp.astype(MM_DTYPE), du.astype(MM_DTYPE), t, float(scale),
       kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps, num_stages=1,
-      H=h, HV=hv, K=dk, V=dv, C=c, BK=bk, PACKED=packed, SLICE_STAGES=slice_stages))
+      H=h, HV=hv, K=dk, V=dv, C=c, BK=bk, PACKED=packed, SLICE_STAGES=slice_stages,
+      GBK=blocks.grads_bk(dk, hopper=_on_hopper())))
