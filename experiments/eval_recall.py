@@ -23,6 +23,15 @@ several runs (e.g. the MQAR grid run as cells by `experiments/run_gpu_train.sh m
 over several sessions) and writes the one table, JSON and plot of them all:
 
     python -m experiments.eval_recall --merge_rows=docs/data/mqar_grid --workdir=runs/grid
+
+NIAH of several models as one table (--merge_niah=runs/small ...): reads every `niah.json`
+under the paths (one per model, as `--checkpoint` runs write them; the model is named by its
+checkpoint directory, e.g. the arm of `experiments.compare`) and writes `niah_merged.md` (a row
+per task and model, a column per length, marked with its multiple of the training context),
+`niah_merged.json` and `niah_merged.png` (score against length, a panel per task) into
+--workdir (other names than a model's own, so a later merge over the same tree skips them).
+`experiments/run_gpu_train.sh niah` trains the `configs/mixers.py:small` arms and runs all of
+it on one GPU.
 """
 
 from __future__ import annotations
@@ -52,6 +61,10 @@ _MERGE_ROWS = flags.DEFINE_list(
     "merge_rows", [], "Train nothing: merge these mqar_rows.jsonl files (or directories holding "
     "them, searched recursively; globs allowed) into one table, JSON and plot in --workdir. "
     "For a grid run as cells over several device calls or sessions.", flag_values=FLAGS)
+_MERGE_NIAH = flags.DEFINE_list(
+    "merge_niah", [], "Evaluate nothing: merge the niah.json files under these paths (one per "
+    "model, searched recursively; globs allowed) into one NIAH table, JSON and plot in "
+    "--workdir.", flag_values=FLAGS)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -189,20 +202,25 @@ def run_mqar(config, workdir: str | None) -> str:
   return text
 
 
-def _row_files(paths: list[str]) -> list[str]:
+def _find_files(paths: list[str], name: str, flag: str) -> list[str]:
+  """Files called `name` under `paths` (files, directories searched recursively, globs)."""
   files = []
   for pattern in paths:
     matches = sorted(glob.glob(pattern)) or [pattern]
     for path in matches:
       if os.path.isdir(path):
-        files += sorted(glob.glob(os.path.join(path, "**", "mqar_rows.jsonl"), recursive=True))
+        files += sorted(glob.glob(os.path.join(path, "**", name), recursive=True))
       elif os.path.isfile(path):
         files.append(path)
       else:
-        raise FileNotFoundError(f"--merge_rows: {path!r} is neither a file nor a directory")
+        raise FileNotFoundError(f"--{flag}: {path!r} is neither a file nor a directory")
   if not files:
-    raise FileNotFoundError(f"--merge_rows: no mqar_rows.jsonl under {paths}")
+    raise FileNotFoundError(f"--{flag}: no {name} under {paths}")
   return files
+
+
+def _row_files(paths: list[str]) -> list[str]:
+  return _find_files(paths, "mqar_rows.jsonl", "merge_rows")
 
 
 def merge_rows(files: list[str]) -> list[dict]:
@@ -313,7 +331,101 @@ def run_niah(config, checkpoint_dir: str, workdir: str | None) -> str:
     with open(os.path.join(workdir, "niah.md"), "w") as f:
       f.write(text + "\n")
     bench.write_json(os.path.join(workdir, "niah.json"), all_rows, checkpoint=checkpoint_dir,
-                     means={f"{t}/{n}": v for (t, n), v in means.items()})
+                     means={f"{t}/{n}": v for (t, n), v in means.items()},
+                     model=os.path.basename(checkpoint_dir.rstrip("/")), run=exp.run_name,
+                     mixer=exp.model.mixer, train_seq_len=exp.train.seq_len,
+                     tasks=list(niah.tasks), lengths=lengths)
+  return text
+
+
+def merge_niah(files: list[str]) -> list[dict]:
+  """One entry per `niah.json` (a model): {model, run, mixer, train_seq_len, means {(task,
+  length): score}, source}. Two files of the same model: the later one's scores win."""
+  by_model = {}
+  for path in files:
+    with open(path) as f:
+      meta = json.load(f).get("metadata", {})
+    try:
+      means = {}
+      for key, value in meta["means"].items():
+        task, length = key.rsplit("/", 1)
+        means[(task, int(length))] = float(value)
+      model = meta.get("model") or os.path.basename(os.path.dirname(meta["checkpoint"]))
+    except (KeyError, ValueError, AttributeError) as e:
+      raise ValueError(f"{path}: not a niah.json of eval_recall --checkpoint ({e!r})") from e
+    entry = by_model.setdefault(model, dict(model=model, means={}, sources=[]))
+    entry.update(run=meta.get("run"), mixer=meta.get("mixer"),
+                 train_seq_len=meta.get("train_seq_len"))
+    entry["means"].update(means)
+    entry["sources"].append(path)
+  return list(by_model.values())
+
+
+def niah_table(entries: list[dict]) -> str:
+  """Markdown: a row per (task, model), a column per length (× the training context where the
+  models share one), RULER scores ×100; "–" where a model was not evaluated."""
+  from lineax_attn import bench  # pylint: disable=g-import-not-at-top
+  tasks = list(dict.fromkeys(t for e in entries for t, _ in e["means"]))
+  lengths = sorted({n for e in entries for _, n in e["means"]})
+  trained = {e["train_seq_len"] for e in entries}
+  ctx = trained.pop() if len(trained) == 1 and None not in trained else None
+  label = lambda n: f"{n} ({n / ctx:g}x)" if ctx else str(n)
+  lines = []
+  for task in tasks:
+    for e in entries:
+      row = {"task": task, "model": e["model"]}
+      for n in lengths:
+        v = e["means"].get((task, n))
+        row[str(n)] = "–" if v is None else f"{v:.1f}"
+      lines.append(row)
+  return bench.markdown_table(lines, [("task", "task"), ("model", "model")]
+                              + [(str(n), label(n)) for n in lengths])
+
+
+def niah_plot(entries: list[dict], path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  tasks = list(dict.fromkeys(t for e in entries for t, _ in e["means"]))
+  fig, axes = plt.subplots(1, len(tasks), figsize=(4.0 * len(tasks), 3.5), squeeze=False)
+  for ax, task in zip(axes[0], tasks):
+    for e in entries:
+      pts = sorted((n, v) for (t, n), v in e["means"].items() if t == task)
+      if pts:
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="o", label=e["model"])
+    for ctx in {e["train_seq_len"] for e in entries if e["train_seq_len"]}:
+      ax.axvline(ctx, color="gray", ls="--", lw=0.8)   # the training context
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-3, 103)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("RULER score (x100)")
+    ax.set_title(task)
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def run_niah_merge(paths: list[str], workdir: str | None) -> str:
+  from lineax_attn import bench  # pylint: disable=g-import-not-at-top
+  files = _find_files(paths, "niah.json", "merge_niah")
+  entries = merge_niah(files)
+  header = (f"# NIAH, {len(entries)} model(s) (RULER string_match_all x100, greedy; dashed "
+            f"line in the plot: the training context), from {len(files)} niah.json file(s)\n\n")
+  text = header + niah_table(entries)
+  if workdir:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "niah_merged.md"), "w") as f:
+      f.write(text + "\n")
+    rows = [dict(model=e["model"], run=e["run"], mixer=e["mixer"],
+                 train_seq_len=e["train_seq_len"], task=t, length=n, score=v)
+            for e in entries for (t, n), v in e["means"].items()]
+    bench.write_json(os.path.join(workdir, "niah_merged.json"), rows, name="merged",
+                     sources=files)
+    niah_plot(entries, os.path.join(workdir, "niah_merged.png"))
   return text
 
 
@@ -322,13 +434,14 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = _CONFIG.value
   workdir = os.path.abspath(_WORKDIR.value) if _WORKDIR.value else None
-  if _MERGE_ROWS.value:
-    try:
-      print(run_merge(_MERGE_ROWS.value, workdir))
-    except (ValueError, FileNotFoundError) as e:
-      print(f"error: {e}", file=sys.stderr)
-      sys.exit(2)
-    return
+  for paths, merge in ((_MERGE_ROWS.value, run_merge), (_MERGE_NIAH.value, run_niah_merge)):
+    if paths:
+      try:
+        print(merge(paths, workdir))
+      except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+      return
   if config is None:
     raise app.UsageError("--config is required, e.g. --config=configs/mqar.py:cpu")
   try:

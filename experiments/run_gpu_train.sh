@@ -7,6 +7,10 @@
 #   bash experiments/run_gpu_train.sh mqar_cells STEPS CELLS [--config.x=y ...]
 #       # MQAR cells as concurrent processes (CELLS = mixer:T:N[:seed],...; one LR, 1e-3 unless
 #       # --config.lrs is given), each in /tmp/mqar_cells/<cell>; one archive of all their rows
+#   bash experiments/run_gpu_train.sh niah STEPS [--config.x=y ...]
+#       # every arm of configs/mixers.py:small trained at once (as `compare`), then each model
+#       # scored on NIAH at 1x, 2x and 4x its training context (one process per model), merged
+#       # into one table (eval_recall --merge_niah); one archive of tables, metrics and logs
 #   bash experiments/run_gpu_train.sh parallel MESHES [flags ...]  # bench_parallel on all local GPUs
 #   bash experiments/run_gpu_train.sh paper ARMS STEPS [flags ...]  # 350M tokens/s per arm, one GPU
 #
@@ -50,6 +54,40 @@ seq)
     --warmup=3 --out=$OUT/seq > $OUT/seq.log 2>&1
   echo "seq rc=$?"; tail -n 20 $OUT/seq.log
   tar czf $OUT/seq.tgz -C $OUT seq seq.log && rm -r $OUT/seq
+  ;;
+niah)
+  # Issue #19's needle table. One device call: training ARM_TIMEOUT s (SIGTERM: each trainer
+  # saves its checkpoint and stops; the table marks an arm cut short as partial), then NIAH
+  # NIAH_TIMEOUT s. Checkpoints stay in /tmp (the machine is returned between calls).
+  # Env: CFG, NIAH_ARMS (space-separated), NIAH_LENGTHS ("(a,b,c)"; default 1x, 2x, 4x the
+  # config's seq_len), NIAH_FLAGS (more eval_recall flags) for other sizes.
+  STEPS=${1:-1000}; shift; LIMIT=${ARM_TIMEOUT:-380}; WD=/tmp/niah_small
+  CFG=${CFG:-configs/mixers.py:small}
+  ARMS=${NIAH_ARMS:-$(python3 -c "from configs import mixers; print(' '.join(mixers.MIXERS))")}
+  for arm in $ARMS; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.18 timeout $LIMIT python3 -u -m experiments.compare --config=$CFG \
+      --arms=$arm --workdir=$WD --config.train.steps=$STEPS --progress=false "$@" \
+      > $WD.$arm.train.log 2>&1 &
+  done
+  wait
+  T=$(python3 -c "from configs import mixers; print(mixers.get_config('${CFG#*:}').train.seq_len)")
+  LENGTHS=${NIAH_LENGTHS:-($T,$((2 * T)),$((4 * T)))}
+  for arm in $ARMS; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.18 timeout ${NIAH_TIMEOUT:-170} python3 -u -m experiments.eval_recall \
+      --config=configs/mqar.py:gpu --checkpoint=$WD/$arm --workdir=$WD/$arm/niah \
+      "--config.niah.lengths=$LENGTHS" ${NIAH_FLAGS:-} > $WD.$arm.niah.log 2>&1 &
+  done
+  wait
+  ARM_LIST=$(echo $ARMS | tr ' ' ',')
+  python3 -u -m experiments.compare --config=$CFG --workdir=$WD --arms=$ARM_LIST \
+    --config.train.steps=$STEPS "$@" --report_only > $WD.compare.log 2>&1
+  python3 -u -m experiments.eval_recall --merge_niah=$WD --workdir=$WD/merged > $WD.merge.log 2>&1
+  echo "merge rc=$?"; cat $WD/merged/niah_merged.md; tail -n 8 $WD.compare.log
+  mkdir -p /tmp/keep && cp $WD.*.log $WD/results.* $WD/*.png $WD/merged/* /tmp/keep/ 2>/dev/null
+  for arm in $ARMS; do
+    mkdir -p /tmp/keep/$arm && cp $WD/$arm/*.jsonl $WD/$arm/config.json $WD/$arm/niah/* /tmp/keep/$arm/ 2>/dev/null
+  done
+  tar czf $OUT/niah_small.tgz -C /tmp/keep .
   ;;
 mqar)
   CFG=${CFG:-configs/mqar.py:gpu}; mkdir -p /tmp/mqar

@@ -182,3 +182,77 @@ def test_eval_program_table(tmp_path, monkeypatch):
   with pytest.raises(SystemExit):
     eval_recall.main(eval_recall.parse_flags(
         ["eval_recall", f"--merge_rows={tmp_path / 'missing'}", f"--workdir={merged_dir}"]))
+
+
+def test_niah_of_trained_models_merged_into_one_table(tmp_path):
+  # The pipeline of `run_gpu_train.sh niah` at toy size: two arms trained by experiments.compare
+  # (real checkpoints), each restored and scored by `eval_recall --checkpoint`, then the two
+  # niah.json files merged into one table with the lengths as multiples of the training context.
+  import subprocess
+  import sys
+
+  from experiments import eval_recall
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  runs = tmp_path / "runs"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.compare", "--config=configs/mixers.py:tiny",
+       f"--workdir={runs}", "--arms=softmax,gdn", "--progress=false",
+       "--config.model.n_layers=1", "--config.train.steps=2", "--config.train.seq_len=128",
+       "--config.train.global_batch_size=2", "--config.optim.warmup_steps=1",
+       "--config.train.log_every=1", "--config.train.eval_every=2",
+       "--config.train.eval_batches=1"],
+      cwd=root, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for arm in ("softmax", "gdn"):
+    # One process per model, as the GPU runner does (the --config.* override flags are
+    # defined once per process).
+    argv = [sys.executable, "-m", "experiments.eval_recall", "--config=configs/mqar.py:cpu",
+            f"--checkpoint={runs / arm}",
+            f"--workdir={runs / arm / 'niah'}", "--config.niah.lengths=(256,512)",
+            "--config.niah.tasks=('s_niah_1','s_niah_2')", "--config.niah.num_depths=2",
+            "--config.niah.samples_per_depth=1", "--config.niah.max_new_tokens=8",
+            "--config.niah.batch_size=2", "--config.niah.template=short"]
+    proc = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((runs / arm / "niah" / "niah.json").read_text())["metadata"]
+    assert meta["model"] == arm and meta["train_seq_len"] == 128
+    assert meta["mixer"] == ("gdn" if arm == "gdn" else "softmax")
+  merged = tmp_path / "merged"
+  argv = ["eval_recall", f"--merge_niah={runs}", f"--workdir={merged}"]
+  eval_recall.main(eval_recall.parse_flags(argv))
+  lines = [x for x in (merged / "niah_merged.md").read_text().splitlines() if x.startswith("|")]
+  assert lines[0].split("|")[1:-1] == [" task ", " model ", " 256 (2x) ", " 512 (4x) "]
+  cells = [[c.strip() for c in x.split("|")[1:-1]] for x in lines[2:]]
+  assert [c[:2] for c in cells] == [["s_niah_1", "gdn"], ["s_niah_1", "softmax"],
+                                    ["s_niah_2", "gdn"], ["s_niah_2", "softmax"]]  # path order
+  # Each cell is the model's own mean over its prompts, as its niah.json has it.
+  for task, model, *scores in cells:
+    own = json.loads((runs / model / "niah" / "niah.json").read_text())["rows"]
+    for length, score in zip((256, 512), scores):
+      got = [r["score"] for r in own if r["task"] == task and r["length"] == length]
+      assert len(got) == 2 and float(score) == pytest.approx(100 * np.mean(got), abs=0.05)
+  rows = json.loads((merged / "niah_merged.json").read_text())["rows"]
+  assert len(rows) == 2 * 2 * 2 and {r["model"] for r in rows} == {"softmax", "gdn"}
+  assert os.path.getsize(merged / "niah_merged.png") > 0
+  # A second merge over the same tree (merged output inside it) reads the models only.
+  eval_recall.main(eval_recall.parse_flags(
+      ["eval_recall", f"--merge_niah={tmp_path}", f"--workdir={merged}"]))
+  assert len(json.loads((merged / "niah_merged.json").read_text())["rows"]) == 8
+  # A model evaluated again later (here: its file with one score changed by hand): the later
+  # file's score replaces the earlier one, the others stay.
+  payload = json.loads((runs / "softmax" / "niah" / "niah.json").read_text())
+  payload["metadata"]["means"]["s_niah_2/512"] = 42.0
+  later = tmp_path / "later" / "softmax"
+  later.mkdir(parents=True)
+  (later / "niah.json").write_text(json.dumps(payload))
+  eval_recall.main(eval_recall.parse_flags(
+      ["eval_recall", f"--merge_niah={runs},{tmp_path / 'later'}", f"--workdir={merged}"]))
+  rows = json.loads((merged / "niah_merged.json").read_text())["rows"]
+  score = {(r["model"], r["task"], r["length"]): r["score"] for r in rows}
+  assert len(rows) == 8 and score[("softmax", "s_niah_2", 512)] == 42.0
+  assert score[("softmax", "s_niah_2", 256)] == float(cells[3][2])
+  with pytest.raises(SystemExit):
+    eval_recall.main(eval_recall.parse_flags(
+        ["eval_recall", f"--merge_niah={tmp_path / 'missing'}", f"--workdir={merged}"]))
