@@ -1,0 +1,173 @@
+"""Where one call of an op spends its GPU time: every kernel it launches, from a profiler trace.
+
+`bench_kernels` says how long an op takes; this says what the time is made of, kernel by kernel
+(the Triton and Mosaic GPU kernels, XLA's fusions and copies, cuBLAS), so that the next
+optimisation goes where the time is. Each (mixer, implementation, mode) is compiled, run twice,
+then run `--iters` times under `jax.profiler.trace`; the trace's device events are summed per
+kernel and divided by the calls:
+
+    python -m experiments.op_profile --mixers=gated_delta_rule,kda --impls=triton,pallas_gpu \
+        --shape=4,4096,16,128 --modes=fwdbwd --out_md=/tmp/profile.md --out_json=/tmp/p.json
+
+Table: per op, each kernel's launches per call, µs per call and share of the device time, and
+the op's device time beside its wall time (their gap: launch overhead and idle device). A
+kernel is named by its CUDA name and, where the trace has it, the HLO op that launched it (so
+the `_fwd_kernel`s of different Triton modules are told apart by their custom call).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import tempfile
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+
+from experiments import cli
+
+_MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule,kda", "Ops of lineax_attn.ops to profile.")
+_IMPLS = flags.DEFINE_list("impls", "triton,pallas_gpu", "Implementations to profile.")
+_SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
+_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "fwd and/or fwdbwd.")
+_ITERS = flags.DEFINE_integer("iters", 5, "Traced calls (after two untraced ones).")
+_TOP = flags.DEFINE_integer("top", 25, "Kernels listed per op (the rest summed in one row).")
+_OUT_MD = flags.DEFINE_string("out_md", "", "Markdown tables.")
+_OUT_JSON = flags.DEFINE_string("out_json", "", "Rows as JSON.")
+
+# Lines of a device plane that repeat what the stream lines hold (module / op / step spans).
+_SUMMARY_LINES = ("XLA Modules", "XLA Ops", "Steps", "TensorFlow Ops", "Framework Name Scope",
+                  "Framework Ops", "Source code", "XLA TraceMe", "Launch Stats")
+
+
+def log(*a):
+  print(*a, flush=True)
+
+
+def kernel_times(profile, *, plane_prefix: str = "/device:GPU",
+                 lines=None) -> tuple[dict[str, list[float]], list[str]]:
+  """{kernel: [durations in µs]} over the trace's planes whose name starts with
+  `plane_prefix`, from the lines named in `lines` (None: every line but the summary ones), and
+  the line names read. A kernel's key is its event name, with " [hlo_op]" where the event
+  carries the HLO op that launched it."""
+  found = collections.defaultdict(list)
+  read = []
+  for plane in profile.planes:
+    if not plane.name.startswith(plane_prefix):
+      continue
+    for line in plane.lines:
+      if (line.name in _SUMMARY_LINES) if lines is None else (line.name not in lines):
+        continue
+      read.append(f"{plane.name}:{line.name}")
+      for event in line.events:
+        stats = dict(event.stats)
+        hlo = stats.get("hlo_op")
+        key = event.name if not hlo or hlo == event.name else f"{event.name} [{hlo}]"
+        found[key].append(event.duration_ns / 1e3)
+  return dict(found), read
+
+
+def summarize(times: dict[str, list[float]], calls: int, top: int) -> list[dict]:
+  """Rows {kernel, launches (per call), us (per call), share} by time, the tail summed."""
+  total = sum(sum(v) for v in times.values()) or 1.0
+  rows = sorted(({"kernel": k, "launches": len(v) / calls, "us": sum(v) / calls,
+                  "share": sum(v) / total} for k, v in times.items()),
+                key=lambda r: -r["us"])
+  if len(rows) > top:
+    rest = rows[top:]
+    rows = rows[:top] + [{"kernel": f"({len(rest)} others)",
+                          "launches": sum(r["launches"] for r in rest),
+                          "us": sum(r["us"] for r in rest),
+                          "share": sum(r["share"] for r in rest)}]
+  return rows
+
+
+def load_trace(directory: str):
+  """The ProfileData of the one trace `jax.profiler.trace(directory)` wrote."""
+  from jax._src.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  files = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+  if len(files) != 1:
+    raise RuntimeError(f"expected one .xplane.pb under {directory}, found {files}")
+  return ProfileData.from_file(files[0])
+
+
+def profile_call(fn, args, *, iters: int, plane_prefix: str = "/device:GPU"):
+  """(kernel times, lines read, wall ms per call) of `fn(*args)` traced `iters` times."""
+  jax.block_until_ready(fn(*args))
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as directory:
+    with jax.profiler.trace(directory):
+      start = time.perf_counter()
+      for _ in range(iters):
+        jax.block_until_ready(fn(*args))
+      wall_ms = (time.perf_counter() - start) * 1e3 / iters
+    times, read = kernel_times(load_trace(directory), plane_prefix=plane_prefix)
+  return times, read, wall_ms
+
+
+def op_function(mixer: str, impl: str, mode: str, shape):
+  """(jitted fn, args) of one op call: the forward, or <o, do>'s gradients w.r.t. every input."""
+  from lineax_attn import bench, ops  # pylint: disable=g-import-not-at-top
+  b, t, h, d = shape
+  args = list(bench.mixer_inputs(mixer, batch=b, seq_len=t, heads=h, v_heads=h, head_dim_k=d,
+                                 head_dim_v=d, dtype=jnp.bfloat16))
+  op = getattr(ops, mixer)
+  fwd = lambda *a: op(*a, implementation=impl)[0]
+  if mode == "fwd":
+    return jax.jit(fwd), args
+  do = jax.random.normal(jax.random.key(1), args[2].shape, jnp.float32)
+  return jax.jit(bench.forward_backward(fwd)), [do] + args
+
+
+def main(argv):
+  del argv
+  from lineax_attn import bench  # pylint: disable=g-import-not-at-top
+  shape = tuple(int(x) for x in _SHAPE.value.split(","))
+  if len(shape) != 4:
+    raise app.UsageError(f"--shape={_SHAPE.value!r}: expected B,T,H,D")
+  log(f"[profile] {jax.devices()[0].device_kind}, jax {jax.__version__}, shape {shape}")
+  all_rows, sections = [], []
+  for mixer in _MIXERS.value:
+    for impl in _IMPLS.value:
+      for mode in _MODES.value:
+        name = f"{mixer} {impl} {mode}"
+        try:
+          fn, args = op_function(mixer, impl, mode, shape)
+          times, read, wall_ms = profile_call(fn, args, iters=_ITERS.value)
+        except Exception as e:  # noqa: BLE001 - one failing op must not stop the others
+          log(f"[error] {name}: {type(e).__name__}: {str(e)[:300]}")
+          continue
+        if not times:
+          log(f"[error] {name}: no device events (lines read: {read})")
+          continue
+        rows = summarize(times, _ITERS.value, _TOP.value)
+        device_us = sum(sum(v) for v in times.values()) / _ITERS.value
+        log(f"[ok] {name}: device {device_us / 1e3:.3f} ms, wall {wall_ms:.3f} ms per call, "
+            f"{sum(len(v) for v in times.values()) / _ITERS.value:.0f} launches")
+        for r in rows:
+          log(f"    {r['us']:9.1f} us  {100 * r['share']:5.1f} %  x{r['launches']:g}  "
+              f"{r['kernel'][:150]}")
+        all_rows += [dict(r, mixer=mixer, impl=impl, mode=mode, device_ms=device_us / 1e3,
+                          wall_ms=wall_ms) for r in rows]
+        table = bench.markdown_table(
+            [dict(r, us=f"{r['us']:.1f}", share=f"{100 * r['share']:.1f} %",
+                  kernel=r["kernel"].replace("|", "/")[:160]) for r in rows],
+            [("kernel", "kernel [HLO op]"), ("launches", "launches per call"),
+             ("us", "µs per call"), ("share", "share")])
+        sections.append(f"### {name}: device {device_us / 1e3:.3f} ms, wall {wall_ms:.3f} ms "
+                        f"per call\n\n{table}\n")
+  if _OUT_MD.value:
+    with open(_OUT_MD.value, "w") as f:
+      f.write(f"# Kernels per op call ({jax.devices()[0].device_kind}, shape "
+              f"{','.join(map(str, shape))}, bf16 inputs, {_ITERS.value} traced calls)\n\n"
+              + "\n".join(sections))
+  if _OUT_JSON.value:
+    bench.write_json(_OUT_JSON.value, all_rows, shape=shape, iters=_ITERS.value,
+                     device=jax.devices()[0].device_kind, jax=jax.__version__)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.parse_flags)
