@@ -50,6 +50,10 @@ _SLICE_STAGES = flags.DEFINE_list("slice_stages", "1,2", "Pipelining depths of t
 _MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule", "gated_delta_rule (the delta-rule "
                             "kernels and state passes) and/or kda, gdn2 (the per-channel "
                             "forward kernel and the whole op).")
+_PHASE_COSTS = flags.DEFINE_bool("phase_costs", False, "KDA / GDN-2: also time the channel "
+                                  "kernels with one phase left out at a time (solve loops, "
+                                  "anchored products, diagonal bands; `skip_phases`, wrong "
+                                  "results): what a phase costs is the time it takes off.")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Rows as JSON.")
 _OUT_MD = flags.DEFINE_string("out_md", "", "Rows as a markdown table.")
 
@@ -162,6 +166,16 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
   for st in stages:
     row(f"{mixer} channel bwd: fused (channel_grads=kernel), band stages {st}", fused_at(st),
         *bwd_args, err=err)
+  if _PHASE_COSTS.value:
+    from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
+    for name, phase in (("solve loops", blocks.PHASE_SOLVE),
+                        ("anchored products", blocks.PHASE_ANCHORED),
+                        ("diagonal bands", blocks.PHASE_BANDS)):
+      row(f"{mixer} channel fwd without the {name}",
+          functools.partial(fwd, skip_phases=phase), qs, kf, kt, vt, G)
+      row(f"{mixer} channel bwd fused without the {name}",
+          jax.jit(lambda *a, phase=phase: channel_intra.channel_intra_grads(
+              *a[:5], None, *a[5:6], *a[7:], chunk=C, skip_phases=phase)), *bwd_args)
   row(f"{mixer} XLA intra fwd (prepare_chunks)",
       lambda *a: pallas_gpu.prepare_chunks(*a, None, c=C), qs, kf, kt, vt, g)
   _whole_op(row, mixer, args, "xla intra", pallas_gpu.GpuTuning(triton_intra="xla"))

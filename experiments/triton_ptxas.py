@@ -66,7 +66,8 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
   channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, PACKED=packed, WITH_INVERSE=True,
                  PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK,
                  BAND_STAGES=blocks.CHANNEL_BAND_STAGES)
-  channel_fwd = dict(channel, SBK=blocks.solve_bk(dk, dv))
+  channel_fwd = dict(channel, SBK=blocks.solve_bk(dk, dv), SKIP=0)
+  channel_bwd = dict(channel, SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=hopper), SKIP=0)
   f = frozenset
   return [
       Launch("state_pass", "_fwd_kernel",
@@ -83,9 +84,9 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
              blocks.INTRA_WARPS, 1),
       Launch("channel_intra", "_fwd_kernel", channel_fwd,
              f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}), blocks.CHANNEL_WARPS, 1),
-      Launch("channel_intra", "_bwd_kernel", dict(channel, GRADS=False),
+      Launch("channel_intra", "_bwd_kernel", dict(channel_bwd, GRADS=False),
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
-      Launch("channel_intra", "_bwd_kernel+grads", dict(channel, GRADS=True),
+      Launch("channel_intra", "_bwd_kernel+grads", dict(channel_bwd, GRADS=True),
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
   ]
 

@@ -329,6 +329,29 @@ def test_channel_intra_kernel_matches_exact_reference(case, dk, dv):
       assert_close(g_, w, 1e-2 if name == "ny" else 5e-3, f"{name} ({case})")
 
 
+def test_channel_kernel_phases_split_the_pair_matrix_exactly():
+  # The timing knob `skip_phases` (bench_triton_parts --phase_costs) leaves out one phase: the
+  # anchored products and the diagonal bands fill disjoint entries of P (the anchored operands
+  # are exactly zero inside the 16 x 16 diagonal blocks), so leaving one out must leave the
+  # other's entries as the whole kernel has them and zeros in its own. Also what makes the
+  # phase timings mean anything.
+  from pallas_kernels.gpu.triton import blocks, channel_intra  # pylint: disable=g-import-not-at-top
+  q, k, kt, vt, _, G = _channel_inputs(5, dk=64, dv=64)
+  p_of = lambda skip: np.asarray(channel_intra.channel_intra_fwd(
+      q, k, kt, vt, G, chunk=64, skip_phases=skip)[2], np.float32)
+  whole, no_bands, no_anchored = (p_of(0), p_of(blocks.PHASE_BANDS),
+                                  p_of(blocks.PHASE_ANCHORED))
+  rc = np.arange(64)
+  diagonal = (rc[:, None] // 16) == (rc[None, :] // 16)
+  assert np.abs(whole[..., diagonal]).max() > 0 and np.abs(whole[..., ~diagonal]).max() > 0
+  np.testing.assert_array_equal(no_bands[..., diagonal], 0.0)
+  np.testing.assert_array_equal(no_anchored[..., ~diagonal], 0.0)
+  np.testing.assert_array_equal(no_bands[..., ~diagonal], whole[..., ~diagonal])
+  np.testing.assert_array_equal(no_anchored[..., diagonal], whole[..., diagonal])
+  with pytest.raises(ValueError, match="skip_phases"):
+    channel_intra.channel_intra_fwd(q, k, kt, vt, G, chunk=64, skip_phases=8)
+
+
 def _channel_forward(seed, case, dk, dv):
   """A case's inputs, segment ids and kernel segments, and the forward kernel's six outputs
   and bf16 M: what the backward kernels take."""

@@ -47,6 +47,12 @@ def test_intra_kernel_loop_widths():
   assert [blocks.grads_bk(d, hopper=True) for d in (64, 128)] == [64, 64]
   assert [blocks.grads_bk(d, hopper=False) for d in (64, 128)] == [32, 32]
   assert blocks.grads_bk(16, hopper=True) == 16
+  assert [blocks.channel_bwd_solve_bk(d, d, hopper=True) for d in (64, 128)] == [32, 32]
+  assert blocks.channel_bwd_solve_bk(128, 48, hopper=True) == blocks.CHANNEL_BK == 16
+  assert blocks.channel_bwd_solve_bk(128, 128, hopper=False) == 16
+  # The timing-only phases are distinct bits (their sums name the phases left out).
+  phases = (blocks.PHASE_SOLVE, blocks.PHASE_ANCHORED, blocks.PHASE_BANDS)
+  assert sorted(phases) == [1, 2, 4]
   assert blocks.INTRA_SLICE_STAGES == 2 and blocks.CHANNEL_BAND_STAGES == 1
 
 

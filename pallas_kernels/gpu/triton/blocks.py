@@ -130,6 +130,16 @@ def solve_bk(dk: int, dv: int) -> int:
   return CHANNEL_BK
 
 
+def channel_bwd_solve_bk(dk: int, dv: int, *, hopper: bool) -> int:
+  """Columns a step of the channel backward's solve loops (Y, dR = Mᵀ dY, −dL += dR Yᵀ) take.
+  ptxas of the fused backward (off GPU, K = V = 128, 4 warps): sm_90a at 16 columns 124 / 296
+  bytes of spills (plain / packed) and 125 barriers, at 32 92 / 292 and 69 barriers, at 64 no
+  fewer barriers and more code; sm_80 / sm_86 spill 0-50 bytes more at 32 than at 16. So
+  Hopper takes 32 (where dividing), other GPUs 16."""
+  bk = 32 if hopper else CHANNEL_BK
+  return bk if dk % bk == 0 and dv % bk == 0 else CHANNEL_BK
+
+
 def grads_bk(dk: int, *, hopper: bool) -> int:
   """Columns a step of the delta-rule backward's dq / dk loop takes. Its two [C, C] operands
   (dA, dB + dBᵀ) are loop-invariant, but triton 3.6 converts them to the products' operand
@@ -143,6 +153,12 @@ def grads_bk(dk: int, *, hopper: bool) -> int:
   return INTRA_BK
 
 
+# Phases of the channel kernels a timing run may leave out (`skip_phases`, a sum of these; the
+# results are then wrong): what each costs is the time it takes off (bench_triton_parts
+# --phase_costs). Never set by the op.
+PHASE_SOLVE = 1       # the solve loops (forward: NY, U; backward: Y, U, dR and dL)
+PHASE_ANCHORED = 2    # the anchored off-diagonal products
+PHASE_BANDS = 4       # the exact diagonal-band loops
 INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32")
 INTRA_PRECISION = "tf32"
 

@@ -69,7 +69,7 @@ import triton.language as tl
 
 from pallas_kernels.gpu.triton import blocks
 from pallas_kernels.gpu.triton.intra_chunk import _unit_lower_inverse
-from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _structs
+from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _on_hopper, _structs
 
 SUB = 16          # rows of a sub-chunk (the anchoring of the off-diagonal pairs)
 
@@ -140,18 +140,19 @@ def _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk, HV: tl.constexpr, K: tl
 @triton.jit
 def _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc, p_band, l_band,
                  HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr,
-                 BAND_STAGES: tl.constexpr):
+                 BAND_STAGES: tl.constexpr, SKIP: tl.constexpr):
   """Adds the channel slice `cols` (q, k, k̃, G its [C, BK] slices) to P and L (unmasked): the
   anchored products to p_acc / l_acc [C, C], the diagonal blocks to p_band / l_band [C, SUBC]
   (entry (i, r) of row i's band r, `_expand_bands` places them once all slices are in)."""
   # Off-diagonal pairs, anchored at each sub-chunk's first row n: rows of sub-chunk p against
   # the columns before n, e^{G_i − G_n} · e^{G_n − G_j}, both exponents ≤ 0. They are exactly
   # zero inside the diagonal blocks, which the bands below fill.
-  for blk in tl.static_range(1, C // SUBC):
-    _, _, row_f, col_f = _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk, HV, K, SUBC)
-    kc = tl.trans((k * col_f).to(tl.bfloat16))
-    p_acc = tl.dot((q * row_f).to(tl.bfloat16), kc, p_acc)
-    l_acc = tl.dot((kt * row_f).to(tl.bfloat16), kc, l_acc)
+  if (SKIP & 2) == 0:   # blocks.PHASE_ANCHORED
+    for blk in tl.static_range(1, C // SUBC):
+      _, _, row_f, col_f = _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk, HV, K, SUBC)
+      kc = tl.trans((k * col_f).to(tl.bfloat16))
+      p_acc = tl.dot((q * row_f).to(tl.bfloat16), kc, p_acc)
+      l_acc = tl.dot((kt * row_f).to(tl.bfloat16), kc, l_acc)
   # Diagonal blocks, exact float32: band r pairs row i with j = 16⌊i/16⌋ + r (j ≤ i). A
   # run-time loop: unrolled, the sixteen bands' loads were scheduled together and spilled.
   # The band sums go to [C, SUBC] tiles in the operands' own layout, not into the [C, C]
@@ -159,7 +160,7 @@ def _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc, p_
   # whole [C, C] layout conversion through shared memory per band (seen in the TTGIR).
   base = (rc // SUBC) * SUBC
   band_col = tl.arange(0, SUBC)[None, :]
-  for r in tl.range(SUBC, num_stages=BAND_STAGES):
+  for r in tl.range(SUBC if (SKIP & 4) == 0 else 0, num_stages=BAND_STAGES):
     lower = (r <= rc - base)[:, None]
     j_rows = row0 + base + r
     e = tl.where(lower, tl.exp(tl.where(lower, g - _rows(g_ptr, j_rows, hv, cols, HV, K), 0.0)),
@@ -202,7 +203,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, BAND_STAGES: tl.constexpr,
-                SBK: tl.constexpr):
+                SBK: tl.constexpr, SKIP: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
@@ -227,7 +228,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K)
     p_acc, l_acc, p_band, l_band = _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols,
                                                 p_acc, l_acc, p_band, l_band, HV, K, C, SUBC,
-                                                BAND_STAGES)
+                                                BAND_STAGES, SKIP)
     entry, exit_, gc = _boundary_factors(g, tl.load(g_ptr + last * K + cols), cont, keep,
                                          cont_last, PACKED)
     ck = chunk * C * K + ii * K + cols[None, :]
@@ -243,11 +244,12 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   # product's operand layout inside each iteration (through shared memory), so wide slices
   # (only M is live here) convert it fewer times.
   rs = tl.arange(0, SBK)
-  for s in range(K // SBK):
+  n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
+  for s in range(n_solve * K // SBK):
     cols = s * SBK + rs
     y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED)
     tl.store(ny_ptr + chunk * C * K + ii * K + cols[None, :], (-y).to(tl.bfloat16))
-  for s in range(V // SBK):
+  for s in range(n_solve * V // SBK):
     cols = s * SBK + rs
     u = tl.dot(m, _rows(vt_ptr, rows, hv, cols, HV, V).to(tl.bfloat16))
     tl.store(u_ptr + chunk * C * V + ii * V + cols[None, :], u)
@@ -279,11 +281,12 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 dq_ptr, dkt_ptr, dk_ptr, drk_ptr, dvt_ptr, wl_ptr, dg_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
-                GRADS: tl.constexpr, BAND_STAGES: tl.constexpr):
+                GRADS: tl.constexpr, BAND_STAGES: tl.constexpr, SBK: tl.constexpr,
+                SKIP: tl.constexpr):
   """The pair and solve part of the backward; with GRADS also the elementwise rest and dG
   (`_elementwise_grads`), storing whole gradients in the inputs' `[B, T, HV, D]` layout;
   without, the pair and solve parts chunk-major and the rest is the caller's (XLA)."""
-  tl.static_assert((K % BK == 0) and (V % BK == 0))
+  tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
   ii = rc[:, None]
@@ -304,16 +307,18 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   m = tl.load(m_ptr + cc)
   mt = tl.trans(m)
   neg_dl = tl.zeros((C, C), tl.float32)
-  for s in range(K // BK):
-    cols = s * BK + rb
+  rs = tl.arange(0, SBK)
+  n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
+  for s in range(n_solve * K // SBK):
+    cols = s * SBK + rs
     y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED)
     ck = chunk * C * K + ii * K + cols[None, :]
     d_y = (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16)
     d_rk = tl.dot(mt, d_y)
     tl.store(drk_ptr + ck, d_rk)
     neg_dl = tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)), neg_dl)
-  for s in range(V // BK):
-    cols = s * BK + rb
+  for s in range(n_solve * V // SBK):
+    cols = s * SBK + rs
     u = tl.dot(m, _rows(vt_ptr, rows, hv, cols, HV, V).to(tl.bfloat16))
     cv = chunk * C * V + ii * V + cols[None, :]
     d_rv = tl.dot(mt, tl.load(du_ptr + cv).to(tl.bfloat16))
@@ -341,7 +346,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     d_q = tl.zeros((C, BK), tl.float32)
     d_kt = tl.zeros((C, BK), tl.float32)
     d_k = tl.zeros((C, BK), tl.float32)
-    for r in tl.range(SUBC, num_stages=BAND_STAGES):
+    for r in tl.range(SUBC if (SKIP & 4) == 0 else 0, num_stages=BAND_STAGES):
       b = base + r
       b_rows = row0 + b
       up = r <= rc - base                                       # b ≤ x
@@ -365,7 +370,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
           w_pc[:, None] * _rows(q_ptr, b_rows, hv, cols, HV, K)
           + w_lc[:, None] * _rows(kt_ptr, b_rows, hv, cols, HV, K))
     # Off-diagonal pairs, anchored as in the forward.
-    for blk in tl.static_range(1, C // SUBC):
+    for blk in tl.static_range(1, C // SUBC if (SKIP & 2) == 0 else 1):
       in_p, cols_before, row_f, col_f = _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk,
                                                           HV, K, SUBC)
       block = in_p & cols_before                               # rows of p, columns before n
@@ -397,11 +402,11 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "with_inverse", "precision", "num_warps",
-                                             "band_stages"))
+                                             "band_stages", "skip_phases"))
 def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_inverse=False,
                       precision: str = blocks.INTRA_PRECISION,
                       num_warps: int = blocks.CHANNEL_WARPS,
-                      band_stages: int = blocks.CHANNEL_BAND_STAGES):
+                      band_stages: int = blocks.CHANNEL_BAND_STAGES, skip_phases: int = 0):
   """The intra-chunk part for per-channel gates (module docstring).
 
   q, k, kt, vt: `[B, T, HV, K]` (vt `[B, T, HV, V]`), the scaled queries, keys, erase keys and
@@ -410,7 +415,8 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   `[B, T]` float32 (`gpu_chunks.kernel_segments`). T a multiple of `chunk`.
   Returns (ny, qg, p, u, kg, gc) as `gpu_prepare.prepare_chunks` (ny, qg, kg `[B, HV, Nc, C, K]`
   bf16, p `[B, HV, Nc, C, C]` bf16, u `[B, HV, Nc, C, V]` float32, gc `[B, HV, Nc, K]` float32),
-  and M `[B, HV, Nc, C, C]` bf16 after them if `with_inverse`.
+  and M `[B, HV, Nc, C, C]` bf16 after them if `with_inverse`. skip_phases: for timing only,
+  phases left out (a sum of `blocks.PHASE_*`; the results are then wrong).
   """
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
@@ -434,13 +440,20 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
       kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
       WITH_INVERSE=with_inverse, PREC=precision, BAND_STAGES=band_stages,
-      SBK=blocks.solve_bk(dk, dv))
+      SBK=blocks.solve_bk(dk, dv), SKIP=_phases(skip_phases))
   outs = (ny, qg, p, u, kg, gc)
   return outs + (m,) if with_inverse else outs
 
 
+def _phases(skip: int) -> int:
+  every = blocks.PHASE_SOLVE | blocks.PHASE_ANCHORED | blocks.PHASE_BANDS
+  if not isinstance(skip, int) or skip & ~every:
+    raise ValueError(f"skip_phases={skip!r}: expected a sum of blocks.PHASE_* (0 to {every})")
+  return skip
+
+
 def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps,
-              band_stages):
+              band_stages, skip_phases=0):
   """The backward kernel's launch; cotangents None (the kernel half) or (dqg, dkg, dgc)."""
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
@@ -467,7 +480,8 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
       m.astype(MM_DTYPE), dny.astype(MM_DTYPE), dqg, dp.astype(MM_DTYPE), du.astype(f32), dkg,
       dgc, t, kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
-      GRADS=grads, BAND_STAGES=band_stages)
+      GRADS=grads, BAND_STAGES=band_stages,
+      SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=_on_hopper()), SKIP=_phases(skip_phases))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages"))
@@ -488,10 +502,10 @@ def channel_intra_bwd(q, k, kt, vt, G, segments, m, dny, dp, du, *, chunk: int,
   return dq, dkt, dk, d_rk, dvt
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages"))
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "skip_phases"))
 def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc, *, chunk: int,
                         num_warps: int = blocks.CHANNEL_WARPS,
-                        band_stages: int = blocks.CHANNEL_BAND_STAGES):
+                        band_stages: int = blocks.CHANNEL_BAND_STAGES, skip_phases: int = 0):
   """The whole backward of `channel_intra_fwd`'s six outputs in one kernel: what
   `channel_intra_bwd` computes plus the elementwise rest and dG (`_elementwise_grads`), which
   `gpu_prepare.channel_grads` otherwise does in XLA.
@@ -499,9 +513,9 @@ def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc
   Arguments as `channel_intra_bwd`'s plus the cotangents of QG, KG (chunk-major `[B, HV, Nc, C,
   K]`) and gc (`[B, HV, Nc, K]`); segments (seg, cont, keep) as the forward's. Returns (dq, dk,
   dkt, dvt, dg), float32 `[B, T, HV, D]`: the gradients of q, k, k̃, ṽ and of the log gate g
-  whose in-chunk sums are G.
+  whose in-chunk sums are G. skip_phases: as `channel_intra_fwd`'s (timing only).
   """
   dq, dkt, dk, _, dvt, _, dg = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du,
                                          (dqg, dkg, dgc), chunk=chunk, num_warps=num_warps,
-                                         band_stages=band_stages)
+                                         band_stages=band_stages, skip_phases=skip_phases)
   return dq, dk, dkt, dvt, dg
