@@ -50,6 +50,11 @@ _SLICE_STAGES = flags.DEFINE_list("slice_stages", "1,2", "Pipelining depths of t
 _MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule", "gated_delta_rule (the delta-rule "
                             "kernels and state passes) and/or kda, gdn2 (the per-channel "
                             "forward kernel and the whole op).")
+_GRADS_BK = flags.DEFINE_list("grads_bk", "16,64", "Columns a step of the delta-rule intra "
+                              "backward's dq / dk loop to time (blocks.grads_bk).")
+_CHANNEL_SOLVE_BK = flags.DEFINE_list("channel_solve_bk", "16,32", "Columns a step of the fused "
+                                      "channel backward's solve loops to time "
+                                      "(blocks.channel_bwd_solve_bk).")
 _PHASE_COSTS = flags.DEFINE_bool("phase_costs", False, "KDA / GDN-2: also time the channel "
                                   "kernels with one phase left out at a time (solve loops, "
                                   "anchored products, diagonal bands; `skip_phases`, wrong "
@@ -166,6 +171,10 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
   for st in stages:
     row(f"{mixer} channel bwd: fused (channel_grads=kernel), band stages {st}", fused_at(st),
         *bwd_args, err=err)
+  for sbk in (int(x) for x in _CHANNEL_SOLVE_BK.value):
+    row(f"{mixer} channel bwd fused, solve loops {sbk} columns a step",
+        jax.jit(lambda *a, sbk=sbk: channel_intra.channel_intra_grads(
+            *a[:5], None, *a[5:6], *a[7:], chunk=C, solve_bk=sbk)), *bwd_args)
   if _PHASE_COSTS.value:
     from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
     for name, phase in (("solve loops", blocks.PHASE_SOLVE),
@@ -229,6 +238,11 @@ def rows_for(b, t, h, d, iters, warps):
     row(f"triton intra bwd, slice stages {st}",
         lambda *a, st=st: tic.intra_chunk_bwd(*a[:6], None, *a[6:], scale=scale,
                                               slice_stages=st), *kin, m, *cts)
+
+  for gbk in (int(x) for x in _GRADS_BK.value):
+    row(f"triton intra bwd, dq/dk loop {gbk} columns a step",
+        lambda *a, gbk=gbk: tic.intra_chunk_bwd(*a[:6], None, *a[6:], scale=scale,
+                                                grads_bk=gbk), *kin, m, *cts)
 
   def prep(q, k, v, g, beta):
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)

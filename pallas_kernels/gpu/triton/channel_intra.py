@@ -453,7 +453,7 @@ def _phases(skip: int) -> int:
 
 
 def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps,
-              band_stages, skip_phases=0):
+              band_stages, skip_phases=0, solve_bk=None):
   """The backward kernel's launch; cotangents None (the kernel half) or (dqg, dkg, dgc)."""
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
@@ -481,7 +481,8 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
       dgc, t, kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
       GRADS=grads, BAND_STAGES=band_stages,
-      SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=_on_hopper()), SKIP=_phases(skip_phases))
+      SBK=solve_bk or blocks.channel_bwd_solve_bk(dk, dv, hopper=_on_hopper()),
+      SKIP=_phases(skip_phases))
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages"))
@@ -502,10 +503,12 @@ def channel_intra_bwd(q, k, kt, vt, G, segments, m, dny, dp, du, *, chunk: int,
   return dq, dkt, dk, d_rk, dvt
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "skip_phases"))
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "skip_phases",
+                                             "solve_bk"))
 def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc, *, chunk: int,
                         num_warps: int = blocks.CHANNEL_WARPS,
-                        band_stages: int = blocks.CHANNEL_BAND_STAGES, skip_phases: int = 0):
+                        band_stages: int = blocks.CHANNEL_BAND_STAGES, skip_phases: int = 0,
+                        solve_bk: int | None = None):
   """The whole backward of `channel_intra_fwd`'s six outputs in one kernel: what
   `channel_intra_bwd` computes plus the elementwise rest and dG (`_elementwise_grads`), which
   `gpu_prepare.channel_grads` otherwise does in XLA.
@@ -513,9 +516,11 @@ def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc
   Arguments as `channel_intra_bwd`'s plus the cotangents of QG, KG (chunk-major `[B, HV, Nc, C,
   K]`) and gc (`[B, HV, Nc, K]`); segments (seg, cont, keep) as the forward's. Returns (dq, dk,
   dkt, dvt, dg), float32 `[B, T, HV, D]`: the gradients of q, k, k̃, ṽ and of the log gate g
-  whose in-chunk sums are G. skip_phases: as `channel_intra_fwd`'s (timing only).
+  whose in-chunk sums are G. skip_phases: as `channel_intra_fwd`'s (timing only); solve_bk:
+  columns a step of the solve loops (None: `blocks.channel_bwd_solve_bk`'s; for benchmarks).
   """
   dq, dkt, dk, _, dvt, _, dg = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du,
                                          (dqg, dkg, dgc), chunk=chunk, num_warps=num_warps,
-                                         band_stages=band_stages, skip_phases=skip_phases)
+                                         band_stages=band_stages, skip_phases=skip_phases,
+                                         solve_bk=solve_bk)
   return dq, dk, dkt, dvt, dg

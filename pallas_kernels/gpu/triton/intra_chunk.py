@@ -314,11 +314,12 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_i
   return (ny, qg, p, u, kg, m) if with_inverse else (ny, qg, p, u, kg)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_warps", "slice_stages"))
+@functools.partial(jax.jit, static_argnames=("scale", "num_warps", "slice_stages", "grads_bk"))
 def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: float,
                     num_warps: int = blocks.INTRA_WARPS,
-                    slice_stages: int = blocks.INTRA_SLICE_STAGES):
-  """As `pallas_kernels.gpu.intra_chunk.intra_chunk_bwd` (same arguments and results)."""
+                    slice_stages: int = blocks.INTRA_SLICE_STAGES, grads_bk: int | None = None):
+  """As `pallas_kernels.gpu.intra_chunk.intra_chunk_bwd` (same arguments and results).
+  grads_bk: columns a step of the dq / dk loop (None: `blocks.grads_bk`'s; for benchmarks)."""
   del gx   # the exit factor's terms are elementwise: the caller's
   (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
   bk = blocks.INTRA_BK
@@ -331,4 +332,4 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: fl
       dp.astype(MM_DTYPE), du.astype(MM_DTYPE), t, float(scale),
       kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps, num_stages=1,
       H=h, HV=hv, K=dk, V=dv, C=c, BK=bk, PACKED=packed, SLICE_STAGES=slice_stages,
-      GBK=blocks.grads_bk(dk, hopper=_on_hopper())))
+      GBK=grads_bk or blocks.grads_bk(dk, hopper=_on_hopper())))
