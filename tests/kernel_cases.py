@@ -66,11 +66,11 @@ def packed_segments(t=128):
   return tuple(jnp.asarray(x, jnp.float32) for x in (ids, cont, keep))
 
 
-def intra_backward_pairs(kernel, case):
+def intra_backward_pairs(kernel, case, hv=2):
   """(name, got, want) of dq, dk, dv, dβ, dG: `kernel(q, k, v, beta_t, G, segidx, scale)` (the
   kernels as one differentiable function, `gpu_vjps.intra_kernel`) against autodiff of the
-  exact float32 reference, for cotangents of every output."""
-  q, k, v, beta, g, _ = intra_inputs(3, correlated=False)
+  exact float32 reference, for cotangents of every output; one q/k head, `hv` value heads."""
+  q, k, v, beta, g, _ = intra_inputs(3, correlated=False, hv=hv)
   b, t, h, dk = q.shape
   hv = v.shape[2]
   G = g.reshape(b, hv, t // 64, 64)

@@ -226,6 +226,49 @@ def test_intra_kernel_backward_matches_autodiff_of_exact_reference(case):
     assert_close(g_, w, 5e-3, f"d{name} ({case})")
 
 
+@pytest.mark.parametrize("case", ["random", "packed"])
+def test_fused_intra_grads_match_the_glue_and_the_exact_reference(case):
+  # GpuTuning(intra_grads="kernel"): the backward kernel also finishes the QG / KG terms and dG
+  # and stores dq, dk, dv in the inputs' layout (no GVA: one q/k head, one value head). Against
+  # the kernel + XLA glue on the same inputs (the same float32 sums in another order) and
+  # against autodiff of the exact reference.
+  fused = lambda *a: gpu_vjps.intra_kernel(*a, 64, None, "triton", fused_grads=True)
+  glue = lambda *a: gpu_vjps.intra_kernel(*a, 64, None, "triton")
+  got = kernel_cases.intra_backward_pairs(fused, case, hv=1)
+  base = kernel_cases.intra_backward_pairs(glue, case, hv=1)
+  for (name, g_, w), (_, b_, _) in zip(got, base):
+    assert g_.shape == b_.shape == w.shape, name
+    assert_close(np.asarray(g_), np.asarray(b_), 1e-5, f"d{name} fused vs glue ({case})")
+    assert_close(g_, w, 5e-3, f"d{name} fused vs exact ({case})")
+  # With GVA the fused kernel does not apply (dq, dk sum over value heads): the glue runs.
+  with_gva = kernel_cases.intra_backward_pairs(fused, case, hv=2)
+  for (name, g_, w) in with_gva:
+    assert_close(g_, w, 5e-3, f"d{name} GVA ({case})")
+  with pytest.raises(ValueError, match="H = HV"):
+    q, k, v, beta, g, gx = kernel_cases.intra_inputs(0, correlated=False, hv=2)
+    m = tic.intra_chunk_fwd(q, k, v, beta, g, gx, scale=0.125, with_inverse=True)[-1]
+    zeros = jnp.zeros((1, 2, 2, 64, 64), jnp.bfloat16)
+    tic.intra_chunk_bwd(q, k, v, beta, g, gx, None, m, zeros, zeros, zeros, (zeros, zeros),
+                        scale=0.125)
+
+
+@pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule"])
+def test_op_gradients_with_fused_intra_grads_match_scan(monkeypatch, mixer):
+  # The op's every gradient with intra_grads="kernel" (h = hv, so the fused kernel runs;
+  # padding to 96 of T 90 too), against the scan.
+  fused_calls = []
+  kernel = tic.intra_chunk_bwd
+  monkeypatch.setattr(tic, "intra_chunk_bwd", lambda *a, **k: fused_calls.append(
+      len(a) > 11 and a[11] is not None) or kernel(*a, **k))
+  tuning = ops.GpuTuning(intra_grads="kernel", triton_intra="kernel")
+  args, kw = make_inputs(mixer, b=1, t=90, h=2, hv=2, dk=64, dv=64, seed=4)
+  got = output_and_state_grads(mixer, args, kw["initial_state"], "triton", tuning=tuning)
+  want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
+  assert fused_calls == [True], fused_calls
+  for i, (g_, w) in enumerate(zip(got, want)):
+    assert_close(g_, w, GRAD_TOL, f"{mixer} fused intra grads, grad {i}")
+
+
 # Where each mixer's intra kernel is entered: (module, function). The delta-rule kernel's own
 # entry; for per-channel gates the call inside the custom VJP (its backward is XLA's).
 _INTRA_ENTRY = {"gated_delta_rule": (tic, "intra_chunk_fwd"),

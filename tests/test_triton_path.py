@@ -163,6 +163,10 @@ def test_channel_intra_kernel_applies_where_it_should():
   with pytest.raises(ValueError, match="channel_grads"):
     ops.GpuTuning(channel_grads="triton")
   assert ops.GpuTuning.parse("channel_grads=kernel").channel_grads == "kernel"
+  with pytest.raises(ValueError, match="intra_grads"):
+    ops.GpuTuning(intra_grads="triton")
+  assert ops.GpuTuning().intra_grads == "xla"   # opt-in until timed on a GPU
+  assert ops.GpuTuning.parse("intra_grads=kernel").intra_grads == "kernel"
   assert not applies(tuning=ops.GpuTuning(intra="xla"))
   assert not applies(g=scalar) and not applies(g=None) and not applies(kt=None)
   assert not applies(c=32) and not applies(q=jnp.zeros((1, 64, 2, 32)))

@@ -13,6 +13,7 @@ INTRA_CHOICES = ("kernel", "xla")
 TRITON_INTRA_CHOICES = ("auto", "kernel", "xla")
 CHANNEL_INTRA_CHOICES = ("auto", "xla", "triton")
 CHANNEL_GRADS_CHOICES = ("xla", "kernel")
+INTRA_GRADS_CHOICES = ("xla", "kernel")
 PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
@@ -69,6 +70,12 @@ class GpuTuning:
       docs/BENCHMARKS.md "The Triton path, fifth stage") or "xla"
       (`gpu_prepare.channel_grads`, several passes over float32 [B, HV, Nc, C, K] arrays and
       the layout transposes after the kernel half).
+    intra_grads: the same choice for the Triton DeltaNet / GDN intra kernels
+      (`implementation="triton"`): "xla" (the default: the backward kernel's chunk-major dq,
+      dk, dv, then the QG / KG terms, dG and the transposes in XLA,
+      `gpu_vjps._intra_kernel_bwd`) or "kernel" (all of it in the backward kernel, gradients
+      stored in the inputs' layout; without GVA only, H = HV, else XLA's as before). Checked
+      in Triton's interpreter and by ptxas, not yet timed on a GPU: opt-in until it is.
   """
 
   intra: str = "kernel"
@@ -79,13 +86,15 @@ class GpuTuning:
   triton_intra: str = "auto"
   channel_intra: str = "auto"
   channel_grads: str = "kernel"
+  intra_grads: str = "xla"
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
                           ("channel_pair", PAIR_CHOICES), ("pair_diag", PAIR_DIAG_CHOICES),
                           ("triton_intra", TRITON_INTRA_CHOICES),
                           ("channel_intra", CHANNEL_INTRA_CHOICES),
-                          ("channel_grads", CHANNEL_GRADS_CHOICES)):
+                          ("channel_grads", CHANNEL_GRADS_CHOICES),
+                          ("intra_grads", INTRA_GRADS_CHOICES)):
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")

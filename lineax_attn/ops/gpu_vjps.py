@@ -153,34 +153,46 @@ def _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse,
       **_interpret_kw(kernels, interpret))
 
 
-def intra_kernel(q, k, v, beta, G, segidx, scale, c, interpret, kernels="mosaic"):
+def intra_kernel(q, k, v, beta, G, segidx, scale, c, interpret, kernels="mosaic",
+                 fused_grads=False):
   """The intra-chunk kernels of DeltaNet / GDN (`kernels`: "mosaic" or "triton") as one
   differentiable function of q, k, v, β `[B, T, HV]` and the chunk gates G; returns the state
-  pass's (ny, qg, p, u, kg)."""
+  pass's (ny, qg, p, u, kg). fused_grads (Triton only, `GpuTuning.intra_grads="kernel"`): the
+  backward kernel also finishes the QG / KG terms and dG and writes the gradients in the
+  inputs' layout, where there is no GVA (H = HV); else those are XLA's, below."""
   kernel_module(kernels, "intra")  # validates `kernels`
-  return _intra_kernel_vjp(q, k, v, beta, G, segidx, scale, c, interpret, kernels)
+  fused = bool(fused_grads) and kernels == "triton" and q.shape[2] == v.shape[2]
+  return _intra_kernel_vjp(q, k, v, beta, G, segidx, scale, c, interpret, kernels, fused)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _intra_kernel_vjp(q, k, v, beta, G, segidx, scale, c, interpret, kernels):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _intra_kernel_vjp(q, k, v, beta, G, segidx, scale, c, interpret, kernels, fused):
   return _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, False, kernels)
 
 
-def _intra_kernel_fwd(q, k, v, beta, G, segidx, scale, c, interpret, kernels):
+def _intra_kernel_fwd(q, k, v, beta, G, segidx, scale, c, interpret, kernels, fused):
   # The backward takes the forward's bf16 inverse (8 KiB per chunk) instead of inverting again.
   *out, m = _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, True, kernels)
   return tuple(out), (q, k, v, beta, G, segidx, m)
 
 
-def _intra_kernel_bwd(scale, c, interpret, kernels, res, cts):
+def _intra_kernel_bwd(scale, c, interpret, kernels, fused, res, cts):
   """The kernel's backward (`intra_chunk_bwd`) plus the elementwise QG / KG terms and the
-  chain rule of Gx = G_C − G, the entry factor and GVA's sum over value heads, in XLA."""
+  chain rule of Gx = G_C − G, the entry factor and GVA's sum over value heads, in XLA; or, with
+  `fused`, all of it in the Triton kernel."""
   q, k, v, beta, G, segidx, m = res
   d_ny, d_qg, d_p, d_u, d_kg = cts
   b, t, hv = v.shape[:3]
   h, n_rep = q.shape[2], hv // q.shape[2]
   inputs = _kernel_inputs(q, k, v, beta, G, segidx, c)
   segments = inputs[-1]
+  if fused:
+    dq, dk, dv, dbeta, dG = kernel_module(kernels, "intra").intra_chunk_bwd(
+        *inputs, m, d_ny.astype(_MM), d_p.astype(_MM), d_u.astype(_MM),
+        (d_qg.astype(_MM), d_kg.astype(_MM)), scale=scale)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype), dG.reshape(G.shape).astype(G.dtype),
+            None)
   dq, dk, dv, dbeta, dg_row, dg_col = kernel_module(kernels, "intra").intra_chunk_bwd(
       *inputs, m, d_ny.astype(_MM), d_p.astype(_MM), d_u.astype(_MM), scale=scale,
       **_interpret_kw(kernels, interpret))

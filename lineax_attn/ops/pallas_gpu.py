@@ -124,7 +124,8 @@ def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernel
   return from_chunks(o), from_chunks(e), s_final
 
 
-def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, kernels):
+def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, kernels,
+                       fused_grads=False):
   """`_core` for DeltaNet / GDN with the intra-chunk kernel; q, k unrepeated and unscaled."""
   b, t, hv = v.shape[:3]
   dk = q.shape[-1]
@@ -132,7 +133,8 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, ker
     G = jnp.zeros((b, hv, t // c, c), _F32)
   else:
     G, _ = chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))
-  ny, qg, p, u, kg = intra_kernel(q, k, v, beta, G, segidx, float(scale), c, interpret, kernels)
+  ny, qg, p, u, kg = intra_kernel(q, k, v, beta, G, segidx, float(scale), c, interpret, kernels,
+                                  fused_grads)
   gc = jnp.exp(G[..., -1:])
   if segidx is not None:   # a segment starting inside the chunk resets the entry state
     gc = gc * segment_masks(segidx, c)[1][..., -1:]
@@ -192,7 +194,8 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
     o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
-                                       scale=scale, c=c, interpret=interpret, kernels=kernels)
+                                       scale=scale, c=c, interpret=interpret, kernels=kernels,
+                                       fused_grads=tuning.intra_grads == "kernel")
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
   q = jnp.repeat(q, n_rep, axis=2) * scale

@@ -140,14 +140,17 @@ def channel_bwd_solve_bk(dk: int, dv: int, *, hopper: bool) -> int:
   return bk if dk % bk == 0 and dv % bk == 0 else CHANNEL_BK
 
 
-def grads_bk(dk: int, *, hopper: bool) -> int:
+def grads_bk(dk: int, *, hopper: bool, fused: bool = False) -> int:
   """Columns a step of the delta-rule backward's dq / dk loop takes. Its two [C, C] operands
   (dA, dB + dBᵀ) are loop-invariant, but triton 3.6 converts them to the products' operand
   layout inside every step (TTGIR), so fewer, wider steps convert less. ptxas (off GPU, K = V =
   128, packed or not, 2 slice stages): sm_90a spill-free at 16, 32 and 64 columns (234-255
-  registers; shared 39 / 53 / 82 KB); sm_80 spills 4-20 bytes at 16, 0-12 at 32, 8-48 at 64,
-  sm_86 32-64 at all three. So Hopper takes 64, other GPUs 32."""
-  for bk in ((64, 32, 16) if hopper else (32, 16)):
+  registers; shared 39 / 53 / 82 KB; barriers 166 / 142 / 124); sm_80 spills 4-20 bytes at 16,
+  0-12 at 32, 8-48 at 64, sm_86 32-64 at all three. So Hopper takes 64, other GPUs 32.
+  `fused` (the kernel that also finishes the QG / KG terms, two more tiles a step): on sm_90a
+  at K = 128 0 / 0-4 / 176-256 bytes of spills at 16 / 32 / 64, so Hopper takes 32 there."""
+  widths = ((32, 16) if fused else (64, 32, 16)) if hopper else (32, 16)
+  for bk in widths:
     if dk % bk == 0:
       return bk
   return INTRA_BK

@@ -177,12 +177,18 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, dny_ptr, dp_ptr,
-                du_ptr, t, scale, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dgr_ptr, dgc_ptr,
+def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, m_ptr,
+                dny_ptr, dp_ptr, du_ptr, dqg_ptr, dkg_ptr, t, scale, dq_ptr, dk_ptr, dv_ptr,
+                dbeta_ptr, dgr_ptr, dgc_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 C: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
-                SLICE_STAGES: tl.constexpr, GBK: tl.constexpr):
+                SLICE_STAGES: tl.constexpr, GBK: tl.constexpr, GRADS: tl.constexpr):
+  """The backward through the C×C products, the inverse and the pseudo-values: dq, dk, dv
+  chunk-major, dβ, and G's two row sums (dgr, dgc), the elementwise QG / KG terms left to the
+  caller; with GRADS (H = HV only) those terms too, whole dq, dk, dv stored in the inputs'
+  `[B, T, H, D]` layout and the whole dG in dgr (`intra_chunk_bwd`'s docstring)."""
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % GBK == 0))
+  tl.static_assert((not GRADS) or (H == HV))
   rc, rows, qk_base, v_base, vec0, chunk = _chunk_index(t, H, HV, K, V, C)
   q_ptr += qk_base           # int64 bases in the pointers, so that tile offsets are int32
   # (the forward kept int64 tile offsets: ptxas gave it more registers with these shifts)
@@ -191,10 +197,17 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
   m_ptr += chunk * C * C
   dp_ptr += chunk * C * C
   dny_ptr += chunk * C * K
-  dq_ptr += chunk * C * K
-  dk_ptr += chunk * C * K
   du_ptr += chunk * C * V
-  dv_ptr += chunk * C * V
+  if GRADS:                  # whole gradients in the inputs' layout
+    dq_ptr += qk_base
+    dk_ptr += qk_base
+    dv_ptr += v_base
+    dqg_ptr += chunk * C * K
+    dkg_ptr += chunk * C * K
+  else:
+    dq_ptr += chunk * C * K
+    dk_ptr += chunk * C * K
+    dv_ptr += chunk * C * V
   rb, ii, jj, beta, g, entry = _row_factors(beta_ptr, g_ptr, cont_ptr, vec0, rc, rows, BK,
                                             PACKED)
   cc = ii * C + jj
@@ -222,7 +235,10 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
     u = tl.dot(m, (v.to(tl.float32) * beta[:, None]).to(tl.bfloat16))
     d_rv = tl.dot(mt, tl.load(du_ptr + cv))
     d_l = tl.dot(d_rv.to(tl.bfloat16), tl.trans(u.to(tl.bfloat16)), d_l)
-    tl.store(dv_ptr + cv, beta[:, None] * d_rv)
+    if GRADS:
+      tl.store(dv_ptr + ii * (HV * V) + cols[None, :], beta[:, None] * d_rv)
+    else:
+      tl.store(dv_ptr + cv, beta[:, None] * d_rv)
     rv_dot += tl.sum(d_rv * v.to(tl.float32), axis=1)
   d_l = -d_l
   # k kᵀ in a loop of its own: accumulated beside dL above, the two tiles spilled at 4 warps.
@@ -244,18 +260,37 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
   # dq = dA k, dk = dAᵀ q + (dB + dBᵀ) k + β e ⊙ dR_k (dR_k made again), GBK columns a step
   # (`blocks.grads_bk`: triton 3.6 converts dA and dB + dBᵀ to the products' operand layout
   # inside every step); then q kᵀ over the slices for W's other half.
+  # With GRADS, also the QG = scale q e and KG = k x terms (x = e^{G_C − G}, the exit factor)
+  # and their row sums for dG.
   rg = tl.arange(0, GBK)
+  exit_ = tl.exp(tl.load(g_ptr + vec0 + C - 1) - g)
+  if PACKED:
+    exit_ = exit_ * tl.load(keep_ptr + rows)
+  q_row = tl.zeros((C,), tl.float32)
+  k_row = tl.zeros((C,), tl.float32)
   for s in tl.range(K // GBK, num_stages=SLICE_STAGES):
     cols = s * GBK + rg
     src = ii * (H * K) + cols[None, :]
     ck = ii * K + cols[None, :]
     q = tl.load(q_ptr + src)
     k = tl.load(k_ptr + src)
-    tl.store(dq_ptr + ck, tl.dot(d_a16, k))
+    dq = tl.dot(d_a16, k)
     dk = tl.dot(tl.trans(d_a16), q)
     dk = tl.dot(d_bs, k, dk)
     d_rk = tl.dot(mt, (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16))
-    tl.store(dk_ptr + ck, dk + (beta * entry)[:, None] * d_rk)
+    dk += (beta * entry)[:, None] * d_rk
+    if GRADS:
+      d_qg = tl.load(dqg_ptr + ck).to(tl.float32)
+      d_kg = tl.load(dkg_ptr + ck).to(tl.float32)
+      dq += (scale * entry)[:, None] * d_qg
+      dk += exit_[:, None] * d_kg
+      q_row += tl.sum(d_qg * q.to(tl.float32), axis=1)
+      k_row += tl.sum(d_kg * k.to(tl.float32), axis=1)
+      tl.store(dq_ptr + src, dq)
+      tl.store(dk_ptr + src, dk)
+    else:
+      tl.store(dq_ptr + ck, dq)
+      tl.store(dk_ptr + ck, dk)
   qk = tl.zeros((C, C), tl.float32)
   for s in tl.range(K // BK, num_stages=SLICE_STAGES):
     src = ii * (H * K) + (s * BK + rb)[None, :]
@@ -264,8 +299,16 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, m_ptr, 
   g = tl.load(g_ptr + vec0 + rc)
   gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
   w_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam * qk
-  tl.store(dgr_ptr + vec0 + rc, entry * beta * rk_dot + (tl.sum(w_a, axis=1) + w_row))
-  tl.store(dgc_ptr + vec0 + rc, tl.sum(w_a, axis=0) + w_col)
+  d_row = entry * beta * rk_dot + (tl.sum(w_a, axis=1) + w_row)
+  d_col = tl.sum(w_a, axis=0) + w_col
+  if GRADS:   # dG = row sums − column sums + the QG / KG terms; G_C also enters every x
+    d_exit = exit_ * k_row
+    d_g = d_row - d_col + scale * entry * q_row - d_exit
+    d_g += tl.where(rc == C - 1, tl.sum(d_exit, axis=0), 0.0)
+    tl.store(dgr_ptr + vec0 + rc, d_g)
+  else:
+    tl.store(dgr_ptr + vec0 + rc, d_row)
+    tl.store(dgc_ptr + vec0 + rc, d_col)
 
 
 def supported(chunk: int, dk: int, dv: int) -> str | None:
@@ -315,21 +358,36 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_i
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_warps", "slice_stages", "grads_bk"))
-def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale: float,
-                    num_warps: int = blocks.INTRA_WARPS,
+def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, cotangents=None, *,
+                    scale: float, num_warps: int = blocks.INTRA_WARPS,
                     slice_stages: int = blocks.INTRA_SLICE_STAGES, grads_bk: int | None = None):
-  """As `pallas_kernels.gpu.intra_chunk.intra_chunk_bwd` (same arguments and results).
+  """As `pallas_kernels.gpu.intra_chunk.intra_chunk_bwd` (same arguments and results), or, with
+  `cotangents` = (dqg, dkg) (the cotangents of the forward's QG and KG, chunk-major), the whole
+  backward in one kernel (H = HV only): (dq, dk `[B, T, H, K]`, dv `[B, T, HV, V]`, dβ and dG
+  `[B, HV, T]`), all float32: what `lineax_attn.ops.gpu_vjps` otherwise adds in XLA (the QG / KG
+  terms, dG from the row sums, the chunk-major-to-row transposes).
   grads_bk: columns a step of the dq / dk loop (None: `blocks.grads_bk`'s; for benchmarks)."""
-  del gx   # the exit factor's terms are elementwise: the caller's
+  del gx   # the kernel makes the exit factor from G
   (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
+  grads = cotangents is not None
+  if grads and h != hv:
+    raise ValueError(f"intra_chunk_bwd: cotangents (the fused backward) need H = HV, got "
+                     f"H={h}, HV={hv} (GVA sums dq, dk over value heads: the caller's)")
   bk = blocks.INTRA_BK
   f32 = jnp.float32
-  out_shape = _structs(((b, hv, nc, c, dk), f32), ((b, hv, nc, c, dk), f32),
-                       ((b, hv, nc, c, dv), f32), *[((b, hv, t), f32)] * 3)
-  return tuple(_jax_triton().triton_call(
+  if grads:
+    out_shape = _structs(((b, t, h, dk), f32), ((b, t, h, dk), f32), ((b, t, hv, dv), f32),
+                         ((b, hv, t), f32), ((b, hv, t), f32), ((1,), f32))
+    dqg, dkg = (x.astype(MM_DTYPE) for x in cotangents)
+  else:
+    out_shape = _structs(((b, hv, nc, c, dk), f32), ((b, hv, nc, c, dk), f32),
+                         ((b, hv, nc, c, dv), f32), *[((b, hv, t), f32)] * 3)
+    dqg = dkg = dny.astype(MM_DTYPE)   # unread placeholders
+  outs = tuple(_jax_triton().triton_call(
       q.astype(MM_DTYPE), k.astype(MM_DTYPE), v.astype(MM_DTYPE), beta.astype(f32),
-      g.astype(f32), seg[0], seg[1], m.astype(MM_DTYPE), dny.astype(MM_DTYPE),
-      dp.astype(MM_DTYPE), du.astype(MM_DTYPE), t, float(scale),
+      g.astype(f32), seg[0], seg[1], seg[2], m.astype(MM_DTYPE), dny.astype(MM_DTYPE),
+      dp.astype(MM_DTYPE), du.astype(MM_DTYPE), dqg, dkg, t, float(scale),
       kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps, num_stages=1,
       H=h, HV=hv, K=dk, V=dv, C=c, BK=bk, PACKED=packed, SLICE_STAGES=slice_stages,
-      GBK=grads_bk or blocks.grads_bk(dk, hopper=_on_hopper())))
+      GBK=grads_bk or blocks.grads_bk(dk, hopper=_on_hopper(), fused=grads), GRADS=grads))
+  return outs[:5] if grads else outs
