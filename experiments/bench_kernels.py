@@ -94,6 +94,9 @@ _CHANNEL_INTRA = flags.DEFINE_enum("channel_intra", "auto", ["auto", "xla", "tri
                                    "pallas_gpu: who computes KDA/GDN-2's intra-chunk part "
                                    "(GpuTuning.channel_intra: auto = the Triton channel kernels "
                                    "where the extra runs, else XLA).")
+_INTRA_GRADS = flags.DEFINE_enum("intra_grads", "xla", ["xla", "kernel"],
+                                 "triton DeltaNet / GDN: who finishes the intra backward "
+                                 "(GpuTuning.intra_grads: XLA, or fused in the kernel).")
 _CHANNEL_GRADS = flags.DEFINE_enum("channel_grads", "kernel", ["xla", "kernel"],
                                    "triton / pallas_gpu with the Triton channel kernels: who "
                                    "computes their backward's elementwise rest and dG "
@@ -546,14 +549,15 @@ def main(argv):
   tuning = pallas_gpu.GpuTuning(intra=_INTRA.value, remat_intra=_REMAT_INTRA.value,
                                 triton_intra=_TRITON_INTRA.value,
                                 channel_intra=_CHANNEL_INTRA.value,
-                                channel_grads=_CHANNEL_GRADS.value)
+                                channel_grads=_CHANNEL_GRADS.value,
+                                intra_grads=_INTRA_GRADS.value)
   if _CHANNEL_PAIR.value:
     tuning = dataclasses.replace(tuning, channel_pair=_CHANNEL_PAIR.value)
   dev = jax.devices()[0]
   meta = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
           "remat_intra": _REMAT_INTRA.value, "intra": _INTRA.value,
           "triton_intra": _TRITON_INTRA.value, "channel_intra": _CHANNEL_INTRA.value,
-          "channel_grads": _CHANNEL_GRADS.value}
+          "channel_grads": _CHANNEL_GRADS.value, "intra_grads": _INTRA_GRADS.value}
   impls = list(_IMPLS.value)
   on_gpu = dev.platform == "gpu"
   have = {}

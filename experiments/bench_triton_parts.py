@@ -280,6 +280,12 @@ def rows_for(b, t, h, d, iters, warps):
                 pallas_gpu.GpuTuning(triton_intra=intra))
     finally:
       tic.intra_chunk_fwd = original
+  for name in ("gated_delta_rule", "delta_rule"):   # the fused backward (GpuTuning.intra_grads)
+    args = bench.mixer_inputs(name, batch=b, seq_len=t, heads=h, v_heads=h, head_dim_k=d,
+                              head_dim_v=d, dtype=jnp.bfloat16)
+    for grads in ("xla", "kernel"):
+      _whole_op(row, name, args, f"intra kernel, intra_grads={grads}",
+                pallas_gpu.GpuTuning(triton_intra="kernel", intra_grads=grads))
   return rows
 
 
