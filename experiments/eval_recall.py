@@ -71,6 +71,8 @@ def parse_flags(argv: list[str]) -> list[str]:
   """Parses this program's flags (`experiments.cli.parse_flags`: an unknown or ill-typed
   `--config.*` exits with one line naming it, `--help` prints the usage); absl's own flags
   (which app.run needs parsed) keep their defaults. Returns the remaining arguments."""
+  for name in (_MERGE_ROWS.name, _MERGE_NIAH.name, _CHECKPOINT.name, _WORKDIR.name):
+    FLAGS[name].unparse()   # each parse from the defaults: tests parse many command lines
   rest = cli.parse_flags(argv, FLAGS)
   flags.FLAGS(rest[:1])
   return rest

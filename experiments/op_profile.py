@@ -1,4 +1,4 @@
-"""Where one call of an op spends its GPU time: every kernel it launches, from a profiler trace.
+r"""Where one call of an op spends its GPU time: every kernel it launches, from a profiler trace.
 
 `bench_kernels` says how long an op takes; this says what the time is made of, kernel by kernel
 (the Triton and Mosaic GPU kernels, XLA's fusions and copies, cuBLAS), so that the next
@@ -29,14 +29,29 @@ import jax.numpy as jnp
 
 from experiments import cli
 
-_MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule,kda", "Ops of lineax_attn.ops to profile.")
-_IMPLS = flags.DEFINE_list("impls", "triton,pallas_gpu", "Implementations to profile.")
-_SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
-_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "fwd and/or fwdbwd.")
-_ITERS = flags.DEFINE_integer("iters", 5, "Traced calls (after two untraced ones).")
-_TOP = flags.DEFINE_integer("top", 25, "Kernels listed per op (the rest summed in one row).")
-_OUT_MD = flags.DEFINE_string("out_md", "", "Markdown tables.")
-_OUT_JSON = flags.DEFINE_string("out_json", "", "Rows as JSON.")
+# The program's own flag set (not absl's global one): its names are the other benchmarks' too,
+# and tests import several programs into one process.
+FLAGS = flags.FlagValues()
+_MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule,kda", "Ops of lineax_attn.ops to profile.",
+                            flag_values=FLAGS)
+_IMPLS = flags.DEFINE_list("impls", "triton,pallas_gpu", "Implementations to profile.",
+                           flag_values=FLAGS)
+_SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).",
+                             flag_values=FLAGS)
+_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "fwd and/or fwdbwd.", flag_values=FLAGS)
+_ITERS = flags.DEFINE_integer("iters", 5, "Traced calls (after two untraced ones).",
+                              flag_values=FLAGS)
+_TOP = flags.DEFINE_integer("top", 25, "Kernels listed per op (the rest summed in one row).",
+                            flag_values=FLAGS)
+_OUT_MD = flags.DEFINE_string("out_md", "", "Markdown tables.", flag_values=FLAGS)
+_OUT_JSON = flags.DEFINE_string("out_json", "", "Rows as JSON.", flag_values=FLAGS)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """This program's flags (`experiments.cli.parse_flags`); absl's own keep their defaults."""
+  rest = cli.parse_flags(argv, FLAGS)
+  flags.FLAGS(rest[:1])
+  return rest
 
 # Lines of a device plane that repeat what the stream lines hold (module / op / step spans).
 _SUMMARY_LINES = ("XLA Modules", "XLA Ops", "Steps", "TensorFlow Ops", "Framework Name Scope",
@@ -170,4 +185,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.parse_flags)
+  app.run(main, flags_parser=parse_flags)
