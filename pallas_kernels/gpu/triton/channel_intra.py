@@ -23,11 +23,15 @@ the anchor rows' G): every sum over channels (the anchored products, the diagona
 accumulates its [C, C] tile slice by slice, and every [C, K] output is made and stored slice by
 slice. The diagonal blocks are walked as 16 bands, r = 0..15: band r pairs each row i with row
 j = 16⌊i/16⌋ + r of its own sub-chunk (loaded as a [C, BK] slice whose rows repeat per
-sub-chunk), which gives the blocks' entries (i, j) as a [C] vector, added to the [C, C] tile
-where column = j; so P and L are assembled in registers, without a scratch round trip.
+sub-chunk), which gives the blocks' entries (i, j) as a [C] vector, summed into column r of a
+[C, 16] tile kept in the operands' layout; after the last slice one exact float32 product with
+a 0/1 matrix places the tile into P and L (`_expand_bands`), all in registers. (Adding each
+band straight to the [C, C] accumulators, which the tensor cores' products fix in their own
+layout, cost a [C, C] layout conversion through shared memory per band.)
 
 Forward: one slice loop accumulates P and L and stores QG, KG and gc (which need no M); then
-the masks, P's store and M; then NY = −M (K̃ ⊙ e^G) in K slices and U = M Ṽ in V slices.
+the masks, P's store and M; then NY = −M (K̃ ⊙ e^G) and U = M Ṽ, `blocks.solve_bk` columns at
+a time.
 
 The backward kernel (`channel_intra_bwd`) takes the forward's bf16 M and computes what needs the
 C × C matrices: Y, U again, dR = Mᵀ [dY | dU], dL = −dR [Y | U]ᵀ (strictly lower, same
