@@ -252,6 +252,27 @@ def test_fused_intra_grads_match_the_glue_and_the_exact_reference(case):
                         scale=0.125)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_intra_backward_is_the_same_at_every_loop_width(fused):
+  # blocks.grads_bk only changes how many columns a step of the dq / dk loop takes: every
+  # output column is the same product, so the results agree to float32 rounding at K = V = 128
+  # (8, 4 and 2 steps), plain and fused.
+  q, k, v, beta, g, gx = kernel_cases.intra_inputs(2, correlated=False, hv=1, dk=128, dv=128)
+  m = tic.intra_chunk_fwd(q, k, v, beta, g, gx, scale=128 ** -0.5, with_inverse=True)[-1]
+  keys = jax.random.split(jax.random.key(4), 5)
+  ct = lambda i, shape: jax.random.normal(keys[i], shape).astype(jnp.bfloat16)
+  dny, du, dqg, dkg = (ct(i, (1, 1, 2, 64, 128)) for i in range(4))
+  dp = ct(4, (1, 1, 2, 64, 64))
+  cts = (dqg, dkg) if fused else None
+  run = lambda bk: tic.intra_chunk_bwd(q, k, v, beta, g, gx, None, m, dny, dp, du, cts,
+                                       scale=128 ** -0.5, grads_bk=bk)
+  base = run(16)
+  for bk in (32, 64):
+    for i, (a, b) in enumerate(zip(run(bk), base)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+                                 err_msg=f"output {i}, {bk} columns a step")
+
+
 @pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule"])
 def test_op_gradients_with_fused_intra_grads_match_scan(monkeypatch, mixer):
   # The op's every gradient with intra_grads="kernel" (h = hv, so the fused kernel runs;
@@ -448,6 +469,13 @@ def test_fused_channel_grads_match_the_kernel_half_and_the_glue(case, dk, dv):
     assert g_.shape == w.shape
     assert_close(np.asarray(g_), np.asarray(w), 1e-5, f"{name} vs the glue ({case})")
     assert_close(np.asarray(g_), np.asarray(e), GRAD_TOL, f"{name} vs exact ({case})")
+  # The solve loops' width (blocks.channel_bwd_solve_bk: 32 on Hopper, 16 elsewhere) changes
+  # only how many columns a step takes: the same gradients to float32 rounding.
+  for bk in (16, 32):
+    other = channel_intra.channel_intra_grads(q, k, kt, vt, G, segments, m, *cts, chunk=64,
+                                              solve_bk=bk)
+    for name, a, b in zip(("dq", "dk", "dkt", "dvt", "dg"), other, got):
+      assert_close(np.asarray(a), np.asarray(b), 1e-5, f"{name}, solve {bk} wide ({case})")
 
 
 @pytest.mark.parametrize("implementation", ["triton", "pallas_gpu"])
