@@ -158,23 +158,23 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
                                            cts6[3], chunk=C)
     return gpu_prepare.channel_grads(qs, kf, kt, vt, g, None, half, cts6, c=C)
 
-  fused_at = lambda st: jax.jit(lambda qs, kf, kt, vt, G, m, g, *cts6: channel_intra.
-                                channel_intra_grads(qs, kf, kt, vt, G, None, m, *cts6, chunk=C,
-                                                    band_stages=st))
+  # The fused backward on bwd_args (g is the glue's only), at launch settings `kw`.
+  fused_with = lambda **kw: jax.jit(lambda qs, kf, kt, vt, G, m, g, *cts6: channel_intra.
+                                    channel_intra_grads(qs, kf, kt, vt, G, None, m, *cts6,
+                                                        chunk=C, **kw))
   try:
-    err = max(_rel_rms(x, y) for x, y in zip(fused_at(stages[0])(*bwd_args),
+    err = max(_rel_rms(x, y) for x, y in zip(fused_with(band_stages=stages[0])(*bwd_args),
                                              half_then_glue(*bwd_args)))
   except Exception as e:  # noqa: BLE001
     log(f"[error] {mixer} fused channel grads: {type(e).__name__}: {str(e)[:300]}")
     err = None
   row(f"{mixer} channel bwd: kernel half + XLA glue", half_then_glue, *bwd_args)
   for st in stages:
-    row(f"{mixer} channel bwd: fused (channel_grads=kernel), band stages {st}", fused_at(st),
-        *bwd_args, err=err)
+    row(f"{mixer} channel bwd: fused (channel_grads=kernel), band stages {st}",
+        fused_with(band_stages=st), *bwd_args, err=err)
   for sbk in (int(x) for x in _CHANNEL_SOLVE_BK.value):
     row(f"{mixer} channel bwd fused, solve loops {sbk} columns a step",
-        jax.jit(lambda *a, sbk=sbk: channel_intra.channel_intra_grads(
-            *a[:5], None, *a[5:6], *a[7:], chunk=C, solve_bk=sbk)), *bwd_args)
+        fused_with(solve_bk=sbk), *bwd_args)
   if _PHASE_COSTS.value:
     from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
     for name, phase in (("solve loops", blocks.PHASE_SOLVE),
@@ -182,9 +182,8 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
                         ("diagonal bands", blocks.PHASE_BANDS)):
       row(f"{mixer} channel fwd without the {name}",
           functools.partial(fwd, skip_phases=phase), qs, kf, kt, vt, G)
-      row(f"{mixer} channel bwd fused without the {name}",
-          jax.jit(lambda *a, phase=phase: channel_intra.channel_intra_grads(
-              *a[:5], None, *a[5:6], *a[7:], chunk=C, skip_phases=phase)), *bwd_args)
+      row(f"{mixer} channel bwd fused without the {name}", fused_with(skip_phases=phase),
+          *bwd_args)
   row(f"{mixer} XLA intra fwd (prepare_chunks)",
       lambda *a: pallas_gpu.prepare_chunks(*a, None, c=C), qs, kf, kt, vt, g)
   _whole_op(row, mixer, args, "xla intra", pallas_gpu.GpuTuning(triton_intra="xla"))
