@@ -273,16 +273,17 @@ def test_intra_backward_is_the_same_at_every_loop_width(fused):
                                  err_msg=f"output {i}, {bk} columns a step")
 
 
+@pytest.mark.parametrize("t", [1, 64, 90])
 @pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule"])
-def test_op_gradients_with_fused_intra_grads_match_scan(monkeypatch, mixer):
-  # The op's every gradient with intra_grads="kernel" (h = hv, so the fused kernel runs;
-  # padding to 96 of T 90 too), against the scan.
+def test_op_gradients_with_fused_intra_grads_match_scan(monkeypatch, mixer, t):
+  # The op's every gradient with intra_grads="kernel" (h = hv, so the fused kernel runs), under
+  # jit, against the scan: T = 1 (one padded chunk), one whole chunk, and T 90 (padded to 96).
   fused_calls = []
   kernel = tic.intra_chunk_bwd
   monkeypatch.setattr(tic, "intra_chunk_bwd", lambda *a, **k: fused_calls.append(
       len(a) > 11 and a[11] is not None) or kernel(*a, **k))
   tuning = ops.GpuTuning(intra_grads="kernel", triton_intra="kernel")
-  args, kw = make_inputs(mixer, b=1, t=90, h=2, hv=2, dk=64, dv=64, seed=4)
+  args, kw = make_inputs(mixer, b=1, t=t, h=2, hv=2, dk=64, dv=64, seed=4)
   got = output_and_state_grads(mixer, args, kw["initial_state"], "triton", tuning=tuning)
   want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
   assert fused_calls == [True], fused_calls
