@@ -13,6 +13,14 @@ TT=${1:-240}; BT=${2:-300}; shift 2
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl/jax_linear_attention-*.whl .whl/fla_core-*.whl .whl/flash_linear_attention-*.whl \
   .whl/einops-*.whl .whl/jax_triton-*.whl > $OUT/pip.log 2>&1 || { cat $OUT/pip.log; exit 1; }
+# FLA_GDN2_PATCH=1 (timing only): fla-core 0.6.0's GDN-2 backward does not compile on triton 3.6
+# (`tl.dot` of the bf16 dv with the float32 w_gate * v in chunk_gdn2_bwd_kernel_wy_dqkg_fused);
+# cast the product to dv's dtype, as the same kernel gets when w_gate is bf16.
+if [ "${FLA_GDN2_PATCH:-0}" = 1 ]; then
+  f=/tmp/site/fla/ops/gdn2/chunk_bwd.py
+  sed -i 's/tl.dot(b_dv, tl.trans(b_v \* b_wg), b_dA)/tl.dot(b_dv, tl.trans((b_v * b_wg).to(b_dv.dtype)), b_dA)/' $f
+  grep -q "(b_v \* b_wg).to(b_dv.dtype)" $f && echo "FLA GDN-2 backward patched (timing only)" || echo "FLA GDN-2 patch did not apply"
+fi
 export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton_cache JAX_PLATFORMS=cuda
 mkdir -p /tmp/triton_cache

@@ -165,7 +165,14 @@ def test_channel_intra_kernel_applies_where_it_should():
   assert ops.GpuTuning.parse("channel_grads=kernel").channel_grads == "kernel"
   with pytest.raises(ValueError, match="intra_grads"):
     ops.GpuTuning(intra_grads="triton")
-  assert ops.GpuTuning().intra_grads == "xla"   # opt-in until timed on a GPU
+  # "auto" (the default) fuses where it was timed faster on the H200: the gated mixer (GDN).
+  from lineax_attn.ops.gpu_tuning import fused_intra_grads  # pylint: disable=g-import-not-at-top
+  assert ops.GpuTuning().intra_grads == "auto"
+  assert fused_intra_grads(ops.GpuTuning(), gated=True)
+  assert not fused_intra_grads(ops.GpuTuning(), gated=False)
+  for gated in (False, True):
+    assert fused_intra_grads(ops.GpuTuning(intra_grads="kernel"), gated)
+    assert not fused_intra_grads(ops.GpuTuning(intra_grads="xla"), gated)
   assert ops.GpuTuning.parse("intra_grads=kernel").intra_grads == "kernel"
   assert not applies(tuning=ops.GpuTuning(intra="xla"))
   assert not applies(g=scalar) and not applies(g=None) and not applies(kt=None)

@@ -13,7 +13,7 @@ INTRA_CHOICES = ("kernel", "xla")
 TRITON_INTRA_CHOICES = ("auto", "kernel", "xla")
 CHANNEL_INTRA_CHOICES = ("auto", "xla", "triton")
 CHANNEL_GRADS_CHOICES = ("xla", "kernel")
-INTRA_GRADS_CHOICES = ("xla", "kernel")
+INTRA_GRADS_CHOICES = ("auto", "xla", "kernel")
 PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
@@ -71,11 +71,14 @@ class GpuTuning:
       (`gpu_prepare.channel_grads`, several passes over float32 [B, HV, Nc, C, K] arrays and
       the layout transposes after the kernel half).
     intra_grads: the same choice for the Triton DeltaNet / GDN intra kernels
-      (`implementation="triton"`): "xla" (the default: the backward kernel's chunk-major dq,
-      dk, dv, then the QG / KG terms, dG and the transposes in XLA,
-      `gpu_vjps._intra_kernel_bwd`) or "kernel" (all of it in the backward kernel, gradients
-      stored in the inputs' layout; without GVA only, H = HV, else XLA's as before). Checked
-      in Triton's interpreter and by ptxas, not yet timed on a GPU: opt-in until it is.
+      (`implementation="triton"`): "xla" (the backward kernel's chunk-major dq, dk, dv, then
+      the QG / KG terms, dG and the transposes in XLA, `gpu_vjps._intra_kernel_bwd`), "kernel"
+      (all of it in the backward kernel, gradients stored in the inputs' layout; without GVA
+      only, H = HV, else XLA's as before) or "auto" (the default: "kernel" for the gated
+      mixer, GDN, "xla" for DeltaNet). Timed on the H200 (docs/BENCHMARKS.md "The Triton
+      path, sixth stage"): GDN fwd+bwd 2.73 ms with XLA's glue against 2.62 fused, where the
+      fused kernel saves the gate's glue passes; DeltaNet 2.53 against 2.68, where there is
+      no gate and the kernel's dG work is waste.
   """
 
   intra: str = "kernel"
@@ -86,7 +89,7 @@ class GpuTuning:
   triton_intra: str = "auto"
   channel_intra: str = "auto"
   channel_grads: str = "kernel"
-  intra_grads: str = "xla"
+  intra_grads: str = "auto"
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
@@ -124,6 +127,14 @@ class GpuTuning:
 
 
 DEFAULT_TUNING = GpuTuning()
+
+
+def fused_intra_grads(tuning: GpuTuning, gated: bool) -> bool:
+  """Whether the Triton DeltaNet / GDN backward kernel finishes the gradients itself
+  (`GpuTuning.intra_grads`; "auto" fuses exactly when the mixer has a decay gate)."""
+  if tuning.intra_grads == "auto":
+    return gated
+  return tuning.intra_grads == "kernel"
 
 
 def check_tuning(tuning) -> GpuTuning:

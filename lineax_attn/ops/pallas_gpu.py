@@ -60,7 +60,8 @@ from lineax_attn.ops.gpu_chunks import from_chunks, segment_masks, to_chunks
 from lineax_attn.ops.gpu_prepare import (channel_intra_kernel, channel_kernel_applies,
                                          prepare_chunks)
 from lineax_attn.ops.gpu_tuning import (DEFAULT_TUNING, INTRA_CHOICES, PAIR_CHOICES,
-                                        SOLVE_CHOICES, GpuTuning, check_tuning)
+                                        SOLVE_CHOICES, GpuTuning, check_tuning,
+                                        fused_intra_grads)
 from lineax_attn.ops.gpu_vjps import (interpret_params, intra_kernel, kernel_module, state_pass,
                                       vma)
 from pallas_kernels.gpu import state_passing as sp
@@ -195,7 +196,7 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
     beta = gates["beta"] if m is None else gates["beta"] * m
     o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                        scale=scale, c=c, interpret=interpret, kernels=kernels,
-                                       fused_grads=tuning.intra_grads == "kernel")
+                                       fused_grads=fused_intra_grads(tuning, g is not None))
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
   q = jnp.repeat(q, n_rep, axis=2) * scale
