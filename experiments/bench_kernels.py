@@ -94,9 +94,10 @@ _CHANNEL_INTRA = flags.DEFINE_enum("channel_intra", "auto", ["auto", "xla", "tri
                                    "pallas_gpu: who computes KDA/GDN-2's intra-chunk part "
                                    "(GpuTuning.channel_intra: auto = the Triton channel kernels "
                                    "where the extra runs, else XLA).")
-_INTRA_GRADS = flags.DEFINE_enum("intra_grads", "xla", ["xla", "kernel"],
+_INTRA_GRADS = flags.DEFINE_enum("intra_grads", "auto", ["auto", "xla", "kernel"],
                                  "triton DeltaNet / GDN: who finishes the intra backward "
-                                 "(GpuTuning.intra_grads: XLA, or fused in the kernel).")
+                                 "(GpuTuning.intra_grads: auto = fused for GDN, XLA for "
+                                 "DeltaNet; XLA; or fused in the kernel).")
 _CHANNEL_GRADS = flags.DEFINE_enum("channel_grads", "kernel", ["xla", "kernel"],
                                    "triton / pallas_gpu with the Triton channel kernels: who "
                                    "computes their backward's elementwise rest and dG "
