@@ -69,7 +69,7 @@ def defaults() -> ml_collections.ConfigDict:
       source="embedded", format="auto", split="train", text_field="text", text_split="file",
       tokenizer="byte", add_bos=False, seed=42, shuffle=True, shuffle_window=256,
       num_epochs=_opt(int), reset_at_document_boundaries=True, worker_count=0, read_threads=2,
-      prefetch_buffer_size=64,
+      prefetch_buffer_size=64, niah_mix=0.0, niah_template="ruler",
       path="", validation_path=""))     # path (if set) replaces source
   config.optim = ml_collections.ConfigDict(dict(
       name="adamw", learning_rate=3e-4, min_learning_rate=3e-5, warmup_steps=200,

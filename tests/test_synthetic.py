@@ -15,6 +15,7 @@ string_match_all on hand cases.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -202,3 +203,50 @@ def test_string_match_all_hand_cases():
     synthetic.string_match_all("a", "a")
   with pytest.raises(ValueError, match="must not be empty"):
     synthetic.string_match_all("a", [])
+
+
+def test_niah_training_documents_answer_their_question_and_mix_by_rows():
+  # NiahDocuments: each document is a needle prompt followed by the queried needle's value
+  # (found in the prompt after its key), within the budget, from seeds no evaluation uses;
+  # the pipeline mixes them in by rows (data.niah_mix = the share of rows), checkpointably.
+  tok = ByteTokenizer()
+  docs = synthetic.NiahDocuments(max_tokens=1024, tokenizer=tok, seed=3)
+  assert docs[5] == synthetic.NiahDocuments(max_tokens=1024, seed=3)[5]     # (seed, i) alone
+  assert docs[5] != synthetic.NiahDocuments(max_tokens=1024, seed=4)[5]
+  for i in range(8):
+    doc = docs[i]
+    prefix = synthetic.ANSWER_PREFIXES["ruler"].split("{")[0]
+    prompt, answer = doc.rsplit(" ", 1)
+    answer = answer.rstrip(".\n")
+    key = re.search(r"magic \w+ for ([\w-]+) mentioned", prompt).group(1)
+    assert f"for {key} is: {answer}." in prompt           # the needle holds the answer
+    assert prefix.strip() in prompt
+    # At least the template and needles (the smallest budget), at most the budget's top.
+    assert docs.low[synthetic.NIAH_TASKS[i % 4]] - 32 <= len(tok.encode(prompt)) <= docs.high
+  # Evaluation prompts (niah_tasks: seeds 0..999) never coincide with training documents.
+  eval_values = {ex.answers[0] for task in synthetic.NIAH_TASKS
+                 for ex in synthetic.niah_tasks(task, [600], num_depths=3, tokenizer=tok)}
+  assert not eval_values & {docs[i].rsplit(" ", 1)[1].rstrip(".\n") for i in range(40)}
+  with pytest.raises(ValueError, match="seq_len"):
+    synthetic.NiahDocuments(max_tokens=256)                # the RULER template alone is 368
+  assert synthetic.NiahDocuments(max_tokens=512, template="short").high == 384
+
+  config = pipeline.DataConfig(seq_len=512, global_batch_size=8, niah_mix=0.5, seed=1,
+                               shuffle_window=0, niah_template="short")
+  it = pipeline.make_iterator(config, shard_index=0, shard_count=1)
+  rows = [tok.decode([int(x) for x in row]) for _ in range(8) for row in next(it)["inputs"]]
+  share = np.mean(["What is the special magic" in r for r in rows])
+  assert 0.3 <= share <= 0.7, share                      # 64 rows drawn at weight 1/2
+  state = it.get_state()
+  following = next(it)
+  it.set_state(state)
+  np.testing.assert_array_equal(next(it)["inputs"], following["inputs"])
+  plain = pipeline.make_iterator(dataclasses.replace(config, niah_mix=0.0), shard_index=0,
+                                 shard_count=1)
+  assert not any("special magic" in tok.decode([int(x) for x in row])
+                 for _ in range(4) for row in next(plain)["inputs"])
+  for bad, word in ((dict(niah_mix=1.0), "niah_mix"), (dict(niah_mix=-0.1), "niah_mix"),
+                    (dict(niah_template="long"), "niah_template"),
+                    (dict(niah_mix=0.2, source="mqar:vocab=64"), "niah_mix")):
+    with pytest.raises(ValueError, match=word):
+      dataclasses.replace(config, **bad)

@@ -108,6 +108,10 @@ class DataConfig:
   worker_count: int = 0               # grain worker processes; 0 = in this process
   read_threads: int = 2               # threads reading + tokenizing documents
   prefetch_buffer_size: int = 64
+  # Share of documents that are synthetic needle prompts with their answers
+  # (`synthetic.NiahDocuments`, the train plays as haystack), mixed into a text source; 0: off.
+  niah_mix: float = 0.0
+  niah_template: str = "ruler"        # the needles' prompt template: "ruler" or "short"
 
   @classmethod
   def from_mapping(cls, values: Mapping[str, Any] | None = None, **overrides) -> "DataConfig":
@@ -129,6 +133,14 @@ class DataConfig:
                        f"{self.global_batch_size} must be >= 1")
     if self.num_epochs is not None and self.num_epochs < 1:
       raise ValueError(f"data.num_epochs={self.num_epochs} must be None or >= 1")
+    if not 0.0 <= float(self.niah_mix) < 1.0:
+      raise ValueError(f"data.niah_mix={self.niah_mix} must be in [0, 1)")
+    if self.niah_template not in synthetic_lib.TEMPLATES:
+      raise ValueError(f"data.niah_template={self.niah_template!r}; expected one of "
+                       f"{sorted(synthetic_lib.TEMPLATES)}")
+    if self.niah_mix > 0 and synthetic_lib.is_mqar_source(self.source):
+      raise ValueError("data.niah_mix mixes needle documents into a text corpus; an MQAR "
+                       f"source ({self.source!r}) has no documents")
 
 
 # ----------------------------------------------------------------------------------- sources
@@ -318,6 +330,20 @@ def build_dataset(
       num_threads=config.read_threads, prefetch_buffer_size=config.prefetch_buffer_size))
   ds = grain.experimental.ConcatThenSplitIterDataset(
       ds, length_struct={"tokens": config.seq_len + 1})
+  if config.niah_mix > 0:
+    # Needle documents packed into rows of their own, mixed in by rows, so niah_mix is the
+    # share of training tokens (corpus documents can be whole plays: a mix by documents would
+    # give needles almost none). Made on demand by index, a fresh one per draw, a shard per
+    # process; the mix ends with the corpus (num_epochs).
+    needles = grain.MapDataset.source(synthetic_lib.NiahDocuments(
+        max_tokens=config.seq_len, tokenizer=tokenizer, seed=config.seed,
+        template=config.niah_template))[shard_index::shard_count]
+    needle_rows = grain.experimental.ConcatThenSplitIterDataset(
+        needles.map(transforms.Tokenize(tokenizer, config.add_bos)).to_iter_dataset(),
+        length_struct={"tokens": config.seq_len + 1})
+    ds = grain.IterDataset.mix({"corpus": ds, "needles": needle_rows},
+                               weights={"corpus": 1.0 - config.niah_mix,
+                                        "needles": config.niah_mix})
   if config.shuffle and config.shuffle_window > 1:
     # A seed distinct from the document shuffle's.
     ds = grain.experimental.WindowShuffleIterDataset(

@@ -37,6 +37,12 @@ and the answer prefix (RULER's template, or a one-line "short" one), and fits in
 the embedded corpus's validation plays (text a model trained on the train split has not seen).
 `string_match_all(prediction, answers)` is RULER's score: the share of answers that occur in the
 prediction (case-insensitive), x100.
+
+`NiahDocuments` is the training side of the same tasks: documents made of a needle prompt and
+its answer, from the train split's haystack and seeds no evaluation uses, which
+`pipeline.build_dataset` mixes into a text corpus (`data.niah_mix`). A model trained on the
+corpus alone never sees the pattern the needle tasks ask for, so it cannot score on them at any
+context length (docs/EXPERIMENTS.md, "NIAH of the small models").
 """
 
 from __future__ import annotations
@@ -462,6 +468,81 @@ def niah_tasks(task: str, lengths: Sequence[int], *, num_depths: int = 5,
   return [niah_example(task, int(n), float(d), tokenizer=tokenizer, seed=seed * 1000 + s,
                        split=split, template=template)
           for n in lengths for d in depths for s in range(samples_per_depth)]
+
+
+# Training needles draw their seeds from here on: `niah_tasks` uses seed * 1000 + sample.
+TRAIN_SEED_BASE = 1 << 40
+
+
+class NiahDocuments:
+  """A random-access source of training documents: a needle prompt, then its answer.
+
+  Document i is `prompt + " " + answer + ".\n"` for task `NIAH_TASKS[i % 4]`, the needle at a
+  uniform random depth, the prompt's budget uniform between the task's smallest (its template
+  and needles with 32 tokens of haystack) and 3/4 of `max_tokens`. The budget stays below the
+  row so that most documents are packed whole into a training row: the pipeline concatenates
+  documents and splits rows at `seq_len`, and a needle split from its question teaches nothing.
+  Haystacks come from `split` (the train plays by default; the evaluation uses the validation
+  ones), seeds from `TRAIN_SEED_BASE` up. Example i is a function of (seed, i) alone.
+  """
+
+  def __init__(self, *, max_tokens: int, tokenizer=None, seed: int = 0, split: str = "train",
+               template: str = "ruler", count: int = 1 << 30):
+    if template not in TEMPLATES:
+      raise ValueError(f"template must be one of {sorted(TEMPLATES)}, got {template!r}.")
+    if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 2:
+      raise ValueError(f"max_tokens must be an int >= 2, got {max_tokens!r}.")
+    if count < 1:
+      raise ValueError(f"count must be >= 1, got {count}.")
+    if tokenizer is None:
+      from lineax_attn.data.tokenizers import ByteTokenizer  # pylint: disable=g-import-not-at-top
+      tokenizer = ByteTokenizer()
+    self.max_tokens, self.tokenizer, self.seed = int(max_tokens), tokenizer, int(seed)
+    self.split, self.template, self.count = split, template, int(count)
+    self.high = self.max_tokens * 3 // 4
+    self.low = {task: self._smallest_budget(task) + 32 for task in NIAH_TASKS}
+    too_long = {task: low for task, low in self.low.items() if low > self.high}
+    if too_long:
+      raise ValueError(f"max_tokens={max_tokens} (the training seq_len) leaves {self.high} "
+                       f"tokens for a needle document, fewer than the {template!r} template "
+                       f"needs ({too_long}): use a longer seq_len or template='short'.")
+
+  def _fits(self, task: str, budget: int) -> bool:
+    try:
+      niah_example(task, budget, 0.5, tokenizer=self.tokenizer, seed=TRAIN_SEED_BASE,
+                   split=self.split, template=self.template)
+    except ValueError:
+      return False
+    return True
+
+  def _smallest_budget(self, task: str) -> int:
+    """The fewest tokens that hold the task's template and needles (binary search)."""
+    lo, hi = 0, max(self.max_tokens, 1)      # lo does not fit; hi may
+    if not self._fits(task, hi):
+      return hi + 1
+    while hi - lo > 1:
+      mid = (lo + hi) // 2
+      lo, hi = (lo, mid) if self._fits(task, mid) else (mid, hi)
+    return hi
+
+  def __len__(self) -> int:
+    return self.count
+
+  def __getitem__(self, index: int) -> str:
+    index = int(index)
+    if not 0 <= index < self.count:
+      raise IndexError(f"needle document {index} out of range [0, {self.count}).")
+    rng = np.random.default_rng(np.random.SeedSequence((TRAIN_SEED_BASE, self.seed, index)))
+    task = NIAH_TASKS[index % len(NIAH_TASKS)]
+    example = niah_example(task, int(rng.integers(self.low[task], self.high + 1)),
+                           float(rng.random()), tokenizer=self.tokenizer,
+                           seed=TRAIN_SEED_BASE + int(rng.integers(0, 1 << 30)),
+                           split=self.split, template=self.template)
+    return f"{example.prompt} {example.answers[0]}.\n"
+
+  def __repr__(self):
+    return (f"NiahDocuments(max_tokens={self.max_tokens}, seed={self.seed}, "
+            f"split={self.split!r}, template={self.template!r})")
 
 
 def string_match_all(prediction: str, answers: Sequence[str]) -> float:

@@ -360,8 +360,10 @@ def _data_configs(config, train: TrainSettings):
       raise ValueError("train.eval_batches > 0 needs data.validation_path for a corpus given by "
                        "path (or set train.eval_batches=0)")
   if eval_data is not None:
-    # Validation batches are a fixed, unshuffled-window sample; a different seed from training.
-    eval_data = dataclasses.replace(eval_data, shuffle_window=0, seed=eval_data.seed + 1)
+    # Validation batches are a fixed, unshuffled-window sample; a different seed from training;
+    # the corpus alone (no needle documents), so validation losses compare across data mixes.
+    eval_data = dataclasses.replace(eval_data, shuffle_window=0, seed=eval_data.seed + 1,
+                                    niah_mix=0.0)
   return train_data, eval_data
 
 
