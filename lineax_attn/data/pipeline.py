@@ -108,7 +108,7 @@ class DataConfig:
   worker_count: int = 0               # grain worker processes; 0 = in this process
   read_threads: int = 2               # threads reading + tokenizing documents
   prefetch_buffer_size: int = 64
-  # Share of documents that are synthetic needle prompts with their answers
+  # Share of training rows packed from synthetic needle prompts with their answers
   # (`synthetic.NiahDocuments`, the train plays as haystack), mixed into a text source; 0: off.
   niah_mix: float = 0.0
   niah_template: str = "ruler"        # the needles' prompt template: "ruler" or "short"
