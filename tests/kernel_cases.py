@@ -66,14 +66,17 @@ def packed_segments(t=128):
   return tuple(jnp.asarray(x, jnp.float32) for x in (ids, cont, keep))
 
 
-def intra_backward_pairs(kernel, case, hv=2):
+def intra_backward_pairs(kernel, case, hv=2, zero_gates=False):
   """(name, got, want) of dq, dk, dv, dβ, dG: `kernel(q, k, v, beta_t, G, segidx, scale)` (the
   kernels as one differentiable function, `gpu_vjps.intra_kernel`) against autodiff of the
-  exact float32 reference, for cotangents of every output; one q/k head, `hv` value heads."""
+  exact float32 reference, for cotangents of every output; one q/k head, `hv` value heads.
+  zero_gates: G = 0 (DeltaNet)."""
   q, k, v, beta, g, _ = intra_inputs(3, correlated=False, hv=hv)
   b, t, h, dk = q.shape
   hv = v.shape[2]
   G = g.reshape(b, hv, t // 64, 64)
+  if zero_gates:
+    G = jnp.zeros_like(G)
   beta_t = jnp.moveaxis(beta, 1, 2)            # the op's [B, T, HV] layout
   segidx = jnp.asarray(packed_segments()[0], jnp.int32) if case == "packed" else None
   scale = 64 ** -0.5

@@ -226,6 +226,39 @@ def test_intra_kernel_backward_matches_autodiff_of_exact_reference(case):
     assert_close(g_, w, 5e-3, f"d{name} ({case})")
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", ["random", "packed"])
+def test_ungated_intra_backward_matches_the_gated_kernel_and_the_exact_reference(case, fused):
+  # gated=False (DeltaNet) skips dG's work in the backward kernel. At G = 0 its dq, dk, dv, dβ
+  # are the gated kernel's (the same float32 sums: equal to rounding), and no dG comes back.
+  q, k, v, beta, g, gx = kernel_cases.intra_inputs(3, correlated=False, hv=1)
+  g, gx = jnp.zeros_like(g), jnp.zeros_like(gx)
+  segs = (tuple(jnp.asarray(x) for x in kernel_cases.packed_segments()) if case == "packed"
+          else None)
+  m = tic.intra_chunk_fwd(q, k, v, beta, g, gx, segs, scale=0.125, with_inverse=True)[-1]
+  keys = jax.random.split(jax.random.key(4), 5)
+  ct = lambda i, shape: jax.random.normal(keys[i], shape).astype(jnp.bfloat16)
+  dny, du, dqg, dkg = (ct(i, (1, 1, 2, 64, 64)) for i in range(4))
+  dp = ct(4, (1, 1, 2, 64, 64))
+  cts = (dqg, dkg) if fused else None
+  run = lambda gated: tic.intra_chunk_bwd(q, k, v, beta, g, gx, segs, m, dny, dp, du, cts,
+                                          scale=0.125, gated=gated)
+  gated, ungated = run(True), run(False)
+  assert len(gated) == len(ungated) == (5 if fused else 6)
+  assert all(x is None for x in ungated[4:]), [type(x) for x in ungated[4:]]
+  for name, a, b in zip(("dq", "dk", "dv", "dbeta"), ungated, gated):
+    assert a.shape == b.shape, name
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6,
+                               err_msg=f"{name} ungated vs gated ({case}, fused={fused})")
+  # Through the custom VJP, against autodiff of the exact reference at G = 0 (G's own
+  # cotangent is not the kernel's: it takes no G).
+  kernel = lambda q, k, v, beta_t, G, segidx, scale: gpu_vjps.intra_kernel(
+      q, k, v, beta_t, None, segidx, scale, 64, None, "triton", fused_grads=fused, gated=False)
+  pairs = kernel_cases.intra_backward_pairs(kernel, case, hv=1, zero_gates=True)
+  for name, g_, w in pairs[:4]:
+    assert_close(g_, w, 5e-3, f"d{name} ungated ({case}, fused={fused})")
+
+
 @pytest.mark.parametrize("case", ["random", "packed"])
 def test_fused_intra_grads_match_the_glue_and_the_exact_reference(case):
   # GpuTuning(intra_grads="kernel"): the backward kernel also finishes the QG / KG terms and dG
@@ -289,6 +322,35 @@ def test_op_gradients_with_fused_intra_grads_match_scan(monkeypatch, mixer, t):
   assert fused_calls == [True], fused_calls
   for i, (g_, w) in enumerate(zip(got, want)):
     assert_close(g_, w, GRAD_TOL, f"{mixer} fused intra grads, grad {i}")
+
+
+@pytest.mark.parametrize("t", [1, 64, 90])
+@pytest.mark.parametrize("intra_grads", ["kernel", "xla"])
+def test_delta_rule_op_gradients_through_the_ungated_backward_match_scan(monkeypatch,
+                                                                         intra_grads, t):
+  # DeltaNet has no gate: the backward kernel runs ungated (gated=False, no dG work), fused or
+  # with XLA's glue; every op gradient under jit against the scan, T = 1, 64 and 90 (padded).
+  calls = []
+  kernel = tic.intra_chunk_bwd
+  monkeypatch.setattr(tic, "intra_chunk_bwd", lambda *a, **k: calls.append(
+      (len(a) > 11 and a[11] is not None, k.get("gated", True))) or kernel(*a, **k))
+  tuning = ops.GpuTuning(intra_grads=intra_grads, triton_intra="kernel")
+  args, kw = make_inputs("delta_rule", b=1, t=t, h=2, hv=2, dk=64, dv=64, seed=4)
+  got = output_and_state_grads("delta_rule", args, kw["initial_state"], "triton", tuning=tuning)
+  want = output_and_state_grads("delta_rule", args, kw["initial_state"], "scan")
+  assert calls == [(intra_grads == "kernel", False)], calls
+  for i, (g_, w) in enumerate(zip(got, want)):
+    assert_close(g_, w, GRAD_TOL, f"delta_rule ungated intra grads={intra_grads}, grad {i}")
+
+
+def test_intra_kernel_refuses_a_gate_that_disagrees_with_gated():
+  q, k, v, beta, g, _ = kernel_cases.intra_inputs(0, correlated=False, hv=1)
+  beta_t = jnp.moveaxis(beta, 1, 2)
+  with pytest.raises(ValueError, match="gated"):
+    gpu_vjps.intra_kernel(q, k, v, beta_t, None, None, 0.125, 64, None, "triton")
+  with pytest.raises(ValueError, match="gated"):
+    gpu_vjps.intra_kernel(q, k, v, beta_t, g.reshape(1, 1, 2, 64), None, 0.125, 64, None,
+                          "triton", gated=False)
 
 
 # Where each mixer's intra kernel is entered: (module, function). The delta-rule kernel's own

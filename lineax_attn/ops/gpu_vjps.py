@@ -139,9 +139,11 @@ _state_pass_vjp.defvjp(_state_pass_fwd, _state_pass_bwd)
 
 def _kernel_inputs(q, k, v, beta, G, segidx, c):
   """The intra-chunk kernels' shared inputs: bf16 q, k, v, the [B, HV, T] rows β, G and
-  Gx = G_C − G, and the segment rows (or None)."""
+  Gx = G_C − G, and the segment rows (or None). G None: ungated, G = Gx = 0."""
   b, t, hv = v.shape[:3]
   flat = lambda x: x.reshape(b, hv, t)
+  if G is None:
+    G = jnp.zeros((b, hv, t // c, c), _F32)
   segments = None if segidx is None else kernel_segments(segidx, c)
   return (q.astype(_MM), k.astype(_MM), v.astype(_MM), jnp.moveaxis(beta.astype(_F32), 1, 2),
           flat(G), flat(G[..., -1:] - G), segments)
@@ -154,49 +156,66 @@ def _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse,
 
 
 def intra_kernel(q, k, v, beta, G, segidx, scale, c, interpret, kernels="mosaic",
-                 fused_grads=False):
+                 fused_grads=False, gated=True):
   """The intra-chunk kernels of DeltaNet / GDN (`kernels`: "mosaic" or "triton") as one
   differentiable function of q, k, v, β `[B, T, HV]` and the chunk gates G; returns the state
   pass's (ny, qg, p, u, kg). fused_grads (Triton only, `GpuTuning.intra_grads="kernel"`): the
   backward kernel also finishes the QG / KG terms and dG and writes the gradients in the
-  inputs' layout, where there is no GVA (H = HV); else those are XLA's, below."""
+  inputs' layout, where there is no GVA (H = HV); else those are XLA's, below.
+  gated=False (DeltaNet): G must be None (the kernels get zeros); nothing is differentiated
+  with respect to a gate, so no part of dG is made (the Triton backward kernel skips it, the
+  Mosaic one's row sums are dropped). That Triton path is untimed: the next GPU session should
+  time DeltaNet with intra_grads="kernel" against "xla" (`experiments.bench_triton_parts`)."""
   kernel_module(kernels, "intra")  # validates `kernels`
+  if gated == (G is None):
+    raise ValueError(f"intra_kernel: G must be None exactly when gated=False, got "
+                     f"gated={gated!r}, G={'None' if G is None else 'an array'}")
   fused = bool(fused_grads) and kernels == "triton" and q.shape[2] == v.shape[2]
-  return _intra_kernel_vjp(q, k, v, beta, G, segidx, scale, c, interpret, kernels, fused)
+  return _intra_kernel_vjp(q, k, v, beta, G, segidx, scale, c, interpret, kernels, fused,
+                           bool(gated))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _intra_kernel_vjp(q, k, v, beta, G, segidx, scale, c, interpret, kernels, fused):
+# G is None when ungated: a pytree without leaves, so its cotangent is None (no gradient
+# claimed for a gate that is not there).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _intra_kernel_vjp(q, k, v, beta, G, segidx, scale, c, interpret, kernels, fused, gated):
+  del gated
   return _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, False, kernels)
 
 
-def _intra_kernel_fwd(q, k, v, beta, G, segidx, scale, c, interpret, kernels, fused):
+def _intra_kernel_fwd(q, k, v, beta, G, segidx, scale, c, interpret, kernels, fused, gated):
+  del gated
   # The backward takes the forward's bf16 inverse (8 KiB per chunk) instead of inverting again.
   *out, m = _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, True, kernels)
   return tuple(out), (q, k, v, beta, G, segidx, m)
 
 
-def _intra_kernel_bwd(scale, c, interpret, kernels, fused, res, cts):
+def _intra_kernel_bwd(scale, c, interpret, kernels, fused, gated, res, cts):
   """The kernel's backward (`intra_chunk_bwd`) plus the elementwise QG / KG terms and the
   chain rule of Gx = G_C − G, the entry factor and GVA's sum over value heads, in XLA; or, with
-  `fused`, all of it in the Triton kernel."""
+  `fused`, all of it in the Triton kernel. Ungated, no dG (G's cotangent is None)."""
   q, k, v, beta, G, segidx, m = res
   d_ny, d_qg, d_p, d_u, d_kg = cts
   b, t, hv = v.shape[:3]
   h, n_rep = q.shape[2], hv // q.shape[2]
   inputs = _kernel_inputs(q, k, v, beta, G, segidx, c)
   segments = inputs[-1]
+  # The Mosaic kernel has no ungated variant: it makes dG's row sums, dropped below.
+  gated_kw = {} if kernels == "mosaic" else {"gated": gated}
   if fused:
     dq, dk, dv, dbeta, dG = kernel_module(kernels, "intra").intra_chunk_bwd(
         *inputs, m, d_ny.astype(_MM), d_p.astype(_MM), d_u.astype(_MM),
-        (d_qg.astype(_MM), d_kg.astype(_MM)), scale=scale)
+        (d_qg.astype(_MM), d_kg.astype(_MM)), scale=scale, **gated_kw)
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype), dG.reshape(G.shape).astype(G.dtype),
-            None)
+            jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype),
+            dG.reshape(G.shape).astype(G.dtype) if gated else None, None)
   dq, dk, dv, dbeta, dg_row, dg_col = kernel_module(kernels, "intra").intra_chunk_bwd(
       *inputs, m, d_ny.astype(_MM), d_p.astype(_MM), d_u.astype(_MM), scale=scale,
-      **_interpret_kw(kernels, interpret))
-  entry, exit_ = jnp.exp(G), jnp.exp(G[..., -1:] - G)       # [B, HV, Nc, C]
+      **gated_kw, **_interpret_kw(kernels, interpret))
+  if gated:
+    entry, exit_ = jnp.exp(G), jnp.exp(G[..., -1:] - G)     # [B, HV, Nc, C]
+  else:
+    entry = exit_ = jnp.ones((b, hv, t // c, c), _F32)
   if segments is not None:
     cont, keep = (x.reshape(b, 1, t // c, c) for x in segments[1:])
     entry, exit_ = entry * cont, exit_ * keep
@@ -205,13 +224,15 @@ def _intra_kernel_bwd(scale, c, interpret, kernels, fused, res, cts):
   d_qg, d_kg = d_qg.astype(_F32), d_kg.astype(_F32)
   dq = dq + scale * entry[..., None] * d_qg
   dk = dk + exit_[..., None] * d_kg
+  heads = lambda x: from_chunks(x).reshape(b, t, h, n_rep, -1).sum(axis=3)
+  grads = (heads(dq).astype(q.dtype), heads(dk).astype(k.dtype),
+           from_chunks(dv).astype(v.dtype), jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype))
+  if not gated:
+    return (*grads, None, None)
   d_exit = exit_ * jnp.sum(d_kg * kc, axis=-1)              # dL/dGx
   dG = (dg_row - dg_col).reshape(G.shape) + scale * entry * jnp.sum(d_qg * qc, axis=-1) - d_exit
   dG = dG.at[..., -1].add(jnp.sum(d_exit, axis=-1))         # Gx = G_C − G
-  heads = lambda x: from_chunks(x).reshape(b, t, h, n_rep, -1).sum(axis=3)
-  return (heads(dq).astype(q.dtype), heads(dk).astype(k.dtype),
-          from_chunks(dv).astype(v.dtype), jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype),
-          dG.astype(G.dtype), None)
+  return (*grads, dG.astype(G.dtype), None)
 
 
 _intra_kernel_vjp.defvjp(_intra_kernel_fwd, _intra_kernel_bwd)

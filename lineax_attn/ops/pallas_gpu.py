@@ -134,8 +134,9 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, ker
     G = jnp.zeros((b, hv, t // c, c), _F32)
   else:
     G, _ = chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))
-  ny, qg, p, u, kg = intra_kernel(q, k, v, beta, G, segidx, float(scale), c, interpret, kernels,
-                                  fused_grads)
+  # DeltaNet: G (zeros) only for gc below; the kernels know it is ungated and make no dG.
+  ny, qg, p, u, kg = intra_kernel(q, k, v, beta, None if g is None else G, segidx, float(scale),
+                                  c, interpret, kernels, fused_grads, gated=g is not None)
   gc = jnp.exp(G[..., -1:])
   if segidx is not None:   # a segment starting inside the chunk resets the entry state
     gc = gc * segment_masks(segidx, c)[1][..., -1:]

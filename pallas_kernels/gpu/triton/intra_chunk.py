@@ -99,14 +99,26 @@ def _chunk_index(t, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.co
 
 
 @triton.jit
-def _gamma(g, seg_ptr, rows, ii, jj, PACKED: tl.constexpr):
-  """Γ [C, C] (i ≥ j, same segment when packed) from G [C]."""
-  lower = ii >= jj
-  gam = tl.where(lower, tl.exp(tl.where(lower, g[:, None] - g[None, :], 0.0)), 0.0)
+def _same_segment(gam, seg_ptr, rows, PACKED: tl.constexpr):
+  """gam [C, C] zeroed between rows of different segments when packed."""
   if PACKED:
     seg = tl.load(seg_ptr + rows)
     gam = tl.where(seg[:, None] == seg[None, :], gam, 0.0)
   return gam
+
+
+@triton.jit
+def _gamma(g, seg_ptr, rows, ii, jj, PACKED: tl.constexpr):
+  """Γ [C, C] (i ≥ j, same segment when packed) from G [C]."""
+  lower = ii >= jj
+  gam = tl.where(lower, tl.exp(tl.where(lower, g[:, None] - g[None, :], 0.0)), 0.0)
+  return _same_segment(gam, seg_ptr, rows, PACKED)
+
+
+@triton.jit
+def _ungated_gamma(seg_ptr, rows, ii, jj, PACKED: tl.constexpr):
+  """Γ at G = 0: the lower triangle, same segment when packed."""
+  return _same_segment(tl.where(ii >= jj, 1.0, 0.0), seg_ptr, rows, PACKED)
 
 
 @triton.jit
@@ -182,11 +194,14 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_pt
                 dbeta_ptr, dgr_ptr, dgc_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 C: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
-                SLICE_STAGES: tl.constexpr, GBK: tl.constexpr, GRADS: tl.constexpr):
+                SLICE_STAGES: tl.constexpr, GBK: tl.constexpr, GRADS: tl.constexpr,
+                GATED: tl.constexpr):
   """The backward through the C×C products, the inverse and the pseudo-values: dq, dk, dv
   chunk-major, dβ, and G's two row sums (dgr, dgc), the elementwise QG / KG terms left to the
   caller; with GRADS (H = HV only) those terms too, whole dq, dk, dv stored in the inputs'
-  `[B, T, H, D]` layout and the whole dG in dgr (`intra_chunk_bwd`'s docstring)."""
+  `[B, T, H, D]` layout and the whole dG in dgr (`intra_chunk_bwd`'s docstring).
+  Without GATED (DeltaNet: G = 0, so e = cont, x = keep and Γ the same-segment lower mask)
+  G is not read and no part of dG is made: no q kᵀ loop, no W sums; dgr, dgc are not written."""
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % GBK == 0))
   tl.static_assert((not GRADS) or (H == HV))
   rc, rows, qk_base, v_base, vec0, chunk = _chunk_index(t, H, HV, K, V, C)
@@ -208,8 +223,16 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_pt
     dq_ptr += chunk * C * K
     dk_ptr += chunk * C * K
     dv_ptr += chunk * C * V
-  rb, ii, jj, beta, g, entry = _row_factors(beta_ptr, g_ptr, cont_ptr, vec0, rc, rows, BK,
-                                            PACKED)
+  if GATED:
+    rb, ii, jj, beta, g, entry = _row_factors(beta_ptr, g_ptr, cont_ptr, vec0, rc, rows, BK,
+                                              PACKED)
+  else:   # e = e^0 · cont
+    rb, ii, jj = tl.arange(0, BK), rc[:, None], rc[None, :]
+    beta = tl.load(beta_ptr + vec0 + rc)
+    if PACKED:
+      entry = tl.load(cont_ptr + rows)
+    else:
+      entry = tl.full((C,), 1.0, tl.float32)
   cc = ii * C + jj
   m = tl.load(m_ptr + cc)                                 # bf16, as the forward applied it
   mt = tl.trans(m)
@@ -246,26 +269,35 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_pt
   for s in tl.range(K // BK, num_stages=SLICE_STAGES):
     k = tl.load(k_ptr + ii * (H * K) + (s * BK + rb)[None, :])
     kk = tl.dot(k, tl.trans(k), kk)
-  gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
+  if GATED:
+    gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
+  else:
+    gam = _ungated_gamma(seg_ptr, rows, ii, jj, PACKED)
   strict = ii > jj
   d_b = tl.where(strict, d_l * beta[:, None] * gam, 0.0)
   d_beta = tl.sum(tl.where(strict, d_l * kk * gam, 0.0), axis=1) + entry * rk_dot + rv_dot
   tl.store(dbeta_ptr + vec0 + rc, d_beta)
-  w_b = d_b * kk                                          # W = dA ⊙ q kᵀ + dB ⊙ k kᵀ: its k kᵀ half
-  w_row = tl.sum(w_b, axis=1)
-  w_col = tl.sum(w_b, axis=0)
+  if GATED:
+    w_b = d_b * kk                      # W = dA ⊙ q kᵀ + dB ⊙ k kᵀ: its k kᵀ half
+    w_row = tl.sum(w_b, axis=1)
+    w_col = tl.sum(w_b, axis=0)
   d_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam
   d_a16 = d_a.to(tl.bfloat16)
   d_bs = (d_b + tl.trans(d_b)).to(tl.bfloat16)
   # dq = dA k, dk = dAᵀ q + (dB + dBᵀ) k + β e ⊙ dR_k (dR_k made again), GBK columns a step
   # (`blocks.grads_bk`: triton 3.6 converts dA and dB + dBᵀ to the products' operand layout
-  # inside every step); then q kᵀ over the slices for W's other half.
+  # inside every step); then, GATED, q kᵀ over the slices for W's other half.
   # With GRADS, also the QG = scale q e and KG = k x terms (x = e^{G_C − G}, the exit factor)
-  # and their row sums for dG.
+  # and, GATED, their row sums for dG.
   rg = tl.arange(0, GBK)
-  exit_ = tl.exp(tl.load(g_ptr + vec0 + C - 1) - g)
-  if PACKED:
-    exit_ = exit_ * tl.load(keep_ptr + rows)
+  if GATED:
+    exit_ = tl.exp(tl.load(g_ptr + vec0 + C - 1) - g)
+    if PACKED:
+      exit_ = exit_ * tl.load(keep_ptr + rows)
+  elif PACKED:   # x = e^0 · keep
+    exit_ = tl.load(keep_ptr + rows)
+  else:
+    exit_ = tl.full((C,), 1.0, tl.float32)
   q_row = tl.zeros((C,), tl.float32)
   k_row = tl.zeros((C,), tl.float32)
   for s in tl.range(K // GBK, num_stages=SLICE_STAGES):
@@ -284,31 +316,34 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_pt
       d_kg = tl.load(dkg_ptr + ck).to(tl.float32)
       dq += (scale * entry)[:, None] * d_qg
       dk += exit_[:, None] * d_kg
-      q_row += tl.sum(d_qg * q.to(tl.float32), axis=1)
-      k_row += tl.sum(d_kg * k.to(tl.float32), axis=1)
+      if GATED:
+        q_row += tl.sum(d_qg * q.to(tl.float32), axis=1)
+        k_row += tl.sum(d_kg * k.to(tl.float32), axis=1)
       tl.store(dq_ptr + src, dq)
       tl.store(dk_ptr + src, dk)
     else:
       tl.store(dq_ptr + ck, dq)
       tl.store(dk_ptr + ck, dk)
-  qk = tl.zeros((C, C), tl.float32)
-  for s in tl.range(K // BK, num_stages=SLICE_STAGES):
-    src = ii * (H * K) + (s * BK + rb)[None, :]
-    qk = tl.dot(tl.load(q_ptr + src), tl.trans(tl.load(k_ptr + src)), qk)
-  # dA again from memory and Γ again from G (held over the loops, their float32 tiles spilled).
-  g = tl.load(g_ptr + vec0 + rc)
-  gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
-  w_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam * qk
-  d_row = entry * beta * rk_dot + (tl.sum(w_a, axis=1) + w_row)
-  d_col = tl.sum(w_a, axis=0) + w_col
-  if GRADS:   # dG = row sums − column sums + the QG / KG terms; G_C also enters every x
-    d_exit = exit_ * k_row
-    d_g = d_row - d_col + scale * entry * q_row - d_exit
-    d_g += tl.where(rc == C - 1, tl.sum(d_exit, axis=0), 0.0)
-    tl.store(dgr_ptr + vec0 + rc, d_g)
-  else:
-    tl.store(dgr_ptr + vec0 + rc, d_row)
-    tl.store(dgc_ptr + vec0 + rc, d_col)
+  if GATED:   # the rest is dG's: q kᵀ for W's other half, the row and column sums
+    qk = tl.zeros((C, C), tl.float32)
+    for s in tl.range(K // BK, num_stages=SLICE_STAGES):
+      src = ii * (H * K) + (s * BK + rb)[None, :]
+      qk = tl.dot(tl.load(q_ptr + src), tl.trans(tl.load(k_ptr + src)), qk)
+    # dA again from memory and Γ again from G (held over the loops, their float32 tiles
+    # spilled).
+    g = tl.load(g_ptr + vec0 + rc)
+    gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
+    w_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam * qk
+    d_row = entry * beta * rk_dot + (tl.sum(w_a, axis=1) + w_row)
+    d_col = tl.sum(w_a, axis=0) + w_col
+    if GRADS:   # dG = row sums − column sums + the QG / KG terms; G_C also enters every x
+      d_exit = exit_ * k_row
+      d_g = d_row - d_col + scale * entry * q_row - d_exit
+      d_g += tl.where(rc == C - 1, tl.sum(d_exit, axis=0), 0.0)
+      tl.store(dgr_ptr + vec0 + rc, d_g)
+    else:
+      tl.store(dgr_ptr + vec0 + rc, d_row)
+      tl.store(dgc_ptr + vec0 + rc, d_col)
 
 
 def supported(chunk: int, dk: int, dv: int) -> str | None:
@@ -357,15 +392,21 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_i
   return (ny, qg, p, u, kg, m) if with_inverse else (ny, qg, p, u, kg)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_warps", "slice_stages", "grads_bk"))
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "num_warps", "slice_stages",
+                                             "grads_bk"))
 def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, cotangents=None, *,
-                    scale: float, num_warps: int = blocks.INTRA_WARPS,
+                    scale: float, gated: bool = True, num_warps: int = blocks.INTRA_WARPS,
                     slice_stages: int = blocks.INTRA_SLICE_STAGES, grads_bk: int | None = None):
   """As `pallas_kernels.gpu.intra_chunk.intra_chunk_bwd` (same arguments and results), or, with
   `cotangents` = (dqg, dkg) (the cotangents of the forward's QG and KG, chunk-major), the whole
   backward in one kernel (H = HV only): (dq, dk `[B, T, H, K]`, dv `[B, T, HV, V]`, dβ and dG
   `[B, HV, T]`), all float32: what `lineax_attn.ops.gpu_vjps` otherwise adds in XLA (the QG / KG
   terms, dG from the row sums, the chunk-major-to-row transposes).
+  gated=False: for G = 0 (DeltaNet; `g` is then not read, and must be zeros for the other
+  results to hold): the kernel makes no part of dG (no q kᵀ loop, no W or QG / KG row sums),
+  and None stands in the results for dg_row and dg_col (or for the fused dG). Untimed: the
+  next GPU session should time DeltaNet with intra_grads="kernel" against "xla"
+  (`experiments.bench_triton_parts`' "delta_rule whole op" rows) on this path.
   grads_bk: columns a step of the dq / dk loop (None: `blocks.grads_bk`'s; for benchmarks)."""
   del gx   # the kernel makes the exit factor from G
   (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
@@ -375,13 +416,14 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, cotangents=N
                      f"H={h}, HV={hv} (GVA sums dq, dk over value heads: the caller's)")
   bk = blocks.INTRA_BK
   f32 = jnp.float32
+  dg_shape = (b, hv, t) if gated else (1,)   # ungated: dgr, dgc unwritten placeholders
   if grads:
     out_shape = _structs(((b, t, h, dk), f32), ((b, t, h, dk), f32), ((b, t, hv, dv), f32),
-                         ((b, hv, t), f32), ((b, hv, t), f32), ((1,), f32))
+                         ((b, hv, t), f32), (dg_shape, f32), ((1,), f32))
     dqg, dkg = (x.astype(MM_DTYPE) for x in cotangents)
   else:
     out_shape = _structs(((b, hv, nc, c, dk), f32), ((b, hv, nc, c, dk), f32),
-                         ((b, hv, nc, c, dv), f32), *[((b, hv, t), f32)] * 3)
+                         ((b, hv, nc, c, dv), f32), ((b, hv, t), f32), *[(dg_shape, f32)] * 2)
     dqg = dkg = dny.astype(MM_DTYPE)   # unread placeholders
   outs = tuple(_jax_triton().triton_call(
       q.astype(MM_DTYPE), k.astype(MM_DTYPE), v.astype(MM_DTYPE), beta.astype(f32),
@@ -389,5 +431,8 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, cotangents=N
       dp.astype(MM_DTYPE), du.astype(MM_DTYPE), dqg, dkg, t, float(scale),
       kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps, num_stages=1,
       H=h, HV=hv, K=dk, V=dv, C=c, BK=bk, PACKED=packed, SLICE_STAGES=slice_stages,
-      GBK=grads_bk or blocks.grads_bk(dk, hopper=_on_hopper(), fused=grads), GRADS=grads))
+      GBK=grads_bk or blocks.grads_bk(dk, hopper=_on_hopper(), fused=grads), GRADS=grads,
+      GATED=gated))
+  if not gated:
+    outs = outs[:4] + (None, None)
   return outs[:5] if grads else outs
