@@ -96,8 +96,8 @@ _CHANNEL_INTRA = flags.DEFINE_enum("channel_intra", "auto", ["auto", "xla", "tri
                                    "where the extra runs, else XLA).")
 _INTRA_GRADS = flags.DEFINE_enum("intra_grads", "auto", ["auto", "xla", "kernel"],
                                  "triton DeltaNet / GDN: who finishes the intra backward "
-                                 "(GpuTuning.intra_grads: auto = fused for GDN, XLA for "
-                                 "DeltaNet; XLA; or fused in the kernel).")
+                                 "(GpuTuning.intra_grads: auto = fused in the kernel for "
+                                 "both; xla; or kernel).")
 _CHANNEL_GRADS = flags.DEFINE_enum("channel_grads", "kernel", ["xla", "kernel"],
                                    "triton / pallas_gpu with the Triton channel kernels: who "
                                    "computes their backward's elementwise rest and dG "

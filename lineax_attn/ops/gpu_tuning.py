@@ -74,11 +74,11 @@ class GpuTuning:
       (`implementation="triton"`): "xla" (the backward kernel's chunk-major dq, dk, dv, then
       the QG / KG terms, dG and the transposes in XLA, `gpu_vjps._intra_kernel_bwd`), "kernel"
       (all of it in the backward kernel, gradients stored in the inputs' layout; without GVA
-      only, H = HV, else XLA's as before) or "auto" (the default: "kernel" for the gated
-      mixer, GDN, "xla" for DeltaNet). Timed on the H200 (docs/BENCHMARKS.md "The Triton
-      path, sixth stage"): GDN fwd+bwd 2.73 ms with XLA's glue against 2.62 fused, where the
-      fused kernel saves the gate's glue passes; DeltaNet 2.53 against 2.68, where there is
-      no gate and the kernel's dG work is waste.
+      only, H = HV, else XLA's as before) or "auto" (the default: "kernel" for both). Timed
+      on the H200 (docs/BENCHMARKS.md "The Triton path, seventh stage"): GDN fwd+bwd 2.55 ms
+      fused against 2.53 with XLA's glue, DeltaNet 2.24 against 2.41 since the backward kernel
+      skips all dG work when there is no gate (`GATED=False`); before that skip DeltaNet was
+      faster with XLA's glue (2.53 against 2.68, "sixth stage").
   """
 
   intra: str = "kernel"
@@ -131,10 +131,10 @@ DEFAULT_TUNING = GpuTuning()
 
 def fused_intra_grads(tuning: GpuTuning, gated: bool) -> bool:
   """Whether the Triton DeltaNet / GDN backward kernel finishes the gradients itself
-  (`GpuTuning.intra_grads`; "auto" fuses exactly when the mixer has a decay gate)."""
-  if tuning.intra_grads == "auto":
-    return gated
-  return tuning.intra_grads == "kernel"
+  (`GpuTuning.intra_grads`; "auto" fuses for both mixers, gated or not: the ungated kernel
+  skips the gate's work). `gated` is kept so that a future default can differ by mixer."""
+  del gated
+  return tuning.intra_grads in ("auto", "kernel")
 
 
 def check_tuning(tuning) -> GpuTuning:
