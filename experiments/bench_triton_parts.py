@@ -38,6 +38,10 @@ from lineax_attn.ops import pallas_gpu, specs, triton_gpu
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per row (median reported).")
 _WARPS = flags.DEFINE_list("warps", "4,8", "Warp counts of the intra-chunk kernels to time.")
+_PRECISIONS = flags.DEFINE_list("precisions", "ieee,tf32x3,tf32",
+                                "Inverse product precisions of the delta-rule intra forward.")
+_INVERSES = flags.DEFINE_list("inverses", "tiles,batched",
+                              "How that forward builds its inverse (blocks.INTRA_INVERSES).")
 _STATE_LAUNCHES = flags.DEFINE_list(
     "state_launches", "64:4:2,32:4:2,64:8:2,64:4:3,128:8:2",
     "Triton state-pass launches to time besides `blocks`' own, as BLOCK_V:warps:stages.")
@@ -209,15 +213,16 @@ def rows_for(b, t, h, d, iters, warps):
 
   kin = jax.block_until_ready(_kernel_inputs(q, k, v, g, beta))
   want = jax.jit(functools.partial(mosaic_intra.intra_chunk_reference, scale=scale))(*kin)
-  for prec, w in itertools.product(blocks.INTRA_PRECISIONS, warps):
-    fwd = functools.partial(tic.intra_chunk_fwd, scale=scale, precision=prec, num_warps=w)
+  for prec, w, inv in itertools.product(_PRECISIONS.value, warps, _INVERSES.value):
+    fwd = functools.partial(tic.intra_chunk_fwd, scale=scale, precision=prec, num_warps=w,
+                            inverse=inv)
     try:
       got = fwd(*kin)
       err = max(_rel_rms(got[i], want[i]) for i in (0, 3))   # NY and U: the ones M reaches
     except Exception as e:  # noqa: BLE001
-      log(f"[error] triton intra fwd {prec} w{w}: {type(e).__name__}: {str(e)[:300]}")
+      log(f"[error] triton intra fwd {prec} w{w} {inv}: {type(e).__name__}: {str(e)[:300]}")
       continue
-    row(f"triton intra fwd, inverse {prec}, {w} warps", fwd, *kin, err=err)
+    row(f"triton intra fwd, inverse {prec} {inv}, {w} warps", fwd, *kin, err=err)
   m = tic.intra_chunk_fwd(*kin, scale=scale, with_inverse=True)[-1]
   nc = t // C
   cts = [jnp.ones((b, h, nc, C, d), jnp.bfloat16), jnp.ones((b, h, nc, C, C), jnp.bfloat16),
@@ -285,6 +290,13 @@ def rows_for(b, t, h, d, iters, warps):
     for grads in ("xla", "kernel"):
       _whole_op(row, name, args, f"intra kernel, intra_grads={grads}",
                 pallas_gpu.GpuTuning(triton_intra="kernel", intra_grads=grads))
+    for inv in _INVERSES.value:   # the forward's inverse (blocks.INTRA_INVERSE)
+      tic.intra_chunk_fwd = functools.partial(original, inverse=inv)
+      try:
+        _whole_op(row, name, args, f"intra kernel, intra_grads=kernel, inverse {inv}",
+                  pallas_gpu.GpuTuning(triton_intra="kernel", intra_grads="kernel"))
+      finally:
+        tic.intra_chunk_fwd = original
   return rows
 
 

@@ -190,18 +190,21 @@ def _packed_ids(t=128):
   return jnp.asarray(kernel_cases.packed_segments(t)[0], jnp.int32)
 
 
+@pytest.mark.parametrize("inverse", ["tiles", "batched"])
 @pytest.mark.parametrize("case,dk,dv", [("random", 64, 64), ("random", 128, 128),
                                         ("correlated", 64, 64), ("packed", 64, 128)])
-def test_intra_kernel_forward_matches_exact_reference(case, dk, dv):
+def test_intra_kernel_forward_matches_exact_reference(case, dk, dv, inverse):
   args = _intra_inputs(0, correlated=case == "correlated", dk=dk, dv=dv)
   segments = gpu_chunks.kernel_segments(_packed_ids(), 64) if case == "packed" else None
   scale = dk ** -0.5
-  *got, m = tic.intra_chunk_fwd(*args, segments, scale=scale, with_inverse=True)
+  *got, m = tic.intra_chunk_fwd(*args, segments, scale=scale, with_inverse=True,
+                                inverse=inverse)
   want = ic.intra_chunk_reference(*args, segments, scale=scale)
   for name, g, w in zip(("ny", "qg", "p", "u", "kg"), got, want):
     tol = 2e-2 if (name == "ny" and case == "correlated") else 5e-3
     assert_close(np.asarray(g, np.float32), w, tol, f"{name} ({case})")
-  plain = tic.intra_chunk_fwd(*args, segments, scale=scale)   # with_inverse changes nothing else
+  plain = tic.intra_chunk_fwd(*args, segments, scale=scale,   # with_inverse changes nothing else
+                              inverse=inverse)
   for name, a, b in zip(("ny", "qg", "p", "u", "kg"), plain, got):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), name)
   # M (I + L) = I with L built here in float64 (M is bf16: 2^-9 per entry).

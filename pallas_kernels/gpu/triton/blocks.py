@@ -164,6 +164,13 @@ PHASE_ANCHORED = 2    # the anchored off-diagonal products
 PHASE_BANDS = 4       # the exact diagonal-band loops
 INTRA_PRECISIONS = ("ieee", "tf32x3", "tf32")
 INTRA_PRECISION = "tf32"
+# How the delta-rule intra forward builds M = (I + L)^{-1} (`intra_chunk.intra_chunk_fwd`):
+# "tiles", ten full-tile 64 × 64 products (about 0.475 of the forward's 0.609 ms on the H200,
+# 2026-12-02, docs/BENCHMARKS.md "seventh stage"), or "batched", the 4 → 16 levels as batched
+# products of the four 16 × 16 diagonal blocks and only the 16 → 64 merge full-tile.
+# "tiles" until "batched" is timed on a GPU (`bench_triton_parts --inverses=tiles,batched`).
+INTRA_INVERSES = ("tiles", "batched")
+INTRA_INVERSE = "tiles"
 
 
 def intra_supported(kind: str, chunk: int, dk: int, dv: int) -> str | None:

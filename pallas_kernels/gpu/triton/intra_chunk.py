@@ -81,6 +81,31 @@ def _unit_lower_inverse(lmat, ii, jj, PREC: tl.constexpr):
 
 
 @triton.jit
+def _batched_unit_lower_inverse(lmat, ii, jj, PREC: tl.constexpr):
+  """`_unit_lower_inverse` with its first two levels on the 16 × 16 diagonal blocks alone.
+
+  The full-tile form spends six of its ten 64³ products on block-diagonal matrices (three
+  quarters zeros). Here L's four diagonal blocks are gathered into a [4, 16, 16] batch, the
+  4 → 16 inverse runs as batched 16³ products (the same formulas), the result is put back as
+  a block-diagonal [64, 64] and only the 16 → 64 merge is full-tile. Same maths, fewer FLOPs;
+  whether the reshapes cost less than the products they save is for the GPU to say
+  (`blocks.INTRA_INVERSE`)."""
+  x = tl.permute(tl.reshape(lmat, (4, 16, 4, 16)), (0, 2, 1, 3))      # [row blk, col blk, r, c]
+  a4 = tl.arange(0, 4)
+  diag = (a4[:, None] == a4[None, :])[:, :, None, None]
+  d = tl.sum(tl.where(diag, x, 0.0), axis=1)                           # [blk, r, c]
+  r = tl.arange(0, 16)[None, :, None]
+  c = tl.arange(0, 16)[None, None, :]
+  eye = tl.where(r == c, 1.0, 0.0)
+  d4 = tl.where((r // 4) == (c // 4), d, 0.0)                          # D⁴ = 0 in 4 × 4 blocks
+  inv = _dot32(eye - d4, eye + _dot32(d4, d4, PREC), PREC)
+  f = _dot32(inv, d - d4, PREC)                                        # F⁴ = 0 (4 blocks of 4)
+  inv = _dot32(_dot32(eye - f, eye + _dot32(f, f, PREC), PREC), inv, PREC)
+  inv64 = tl.reshape(tl.permute(tl.where(diag, inv[:, None, :, :], 0.0), (0, 2, 1, 3)), (64, 64))
+  return _merge_blocks(inv64, lmat, ii, jj, 64, PREC)
+
+
+@triton.jit
 def _chunk_index(t, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  C: tl.constexpr):
   """This program's chunk rows [C], its time rows, the int64 bases of its q/k rows, v rows and
@@ -146,7 +171,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 C: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, SLICE_STAGES: tl.constexpr,
-                SBK: tl.constexpr):
+                SBK: tl.constexpr, BATCHED_INVERSE: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0))
   rc, rows, qk_base, v_base, vec0, chunk = _chunk_index(t, H, HV, K, V, C)
   rb, ii, jj, beta, g, entry = _row_factors(beta_ptr, g_ptr, cont_ptr, vec0, rc, rows, BK,
@@ -171,7 +196,10 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
   cc = chunk * C * C + ii * C + jj
   tl.store(p_ptr + cc, (scale * qk * gam).to(tl.bfloat16))
   lmat = tl.where(ii > jj, beta[:, None] * kk * gam, 0.0)
-  m = _unit_lower_inverse(lmat, ii, jj, PREC).to(tl.bfloat16)
+  if BATCHED_INVERSE:
+    m = _batched_unit_lower_inverse(lmat, ii, jj, PREC).to(tl.bfloat16)
+  else:
+    m = _unit_lower_inverse(lmat, ii, jj, PREC).to(tl.bfloat16)
   if WITH_INVERSE:
     tl.store(m_ptr + cc, m)
   # NY = −M (k ⊙ β e) in K slices, U = M (v ⊙ β) in V slices, SBK wide (`blocks.solve_bk`).
@@ -363,18 +391,23 @@ def _dims(q, v, segments, beta):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "with_inverse", "precision", "num_warps",
-                                             "slice_stages"))
+                                             "slice_stages", "inverse"))
 def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_inverse=False,
                     precision: str = blocks.INTRA_PRECISION, num_warps: int = blocks.INTRA_WARPS,
-                    slice_stages: int = blocks.INTRA_SLICE_STAGES):
+                    slice_stages: int = blocks.INTRA_SLICE_STAGES,
+                    inverse: str = blocks.INTRA_INVERSE):
   """As `pallas_kernels.gpu.intra_chunk.intra_chunk_fwd` (same arguments and results).
 
   precision: `tl.dot`'s input_precision for the inverse's float32 products ("ieee", "tf32x3" or
   "tf32"); num_warps: the program's warps; slice_stages: the software-pipelining depth of the
-  slice loops. Their defaults are `blocks`' (how they were chosen is written there); the
-  others are for `experiments.bench_triton_parts`."""
+  slice loops; inverse: "tiles" (`_unit_lower_inverse`, ten full-tile products) or "batched"
+  (`_batched_unit_lower_inverse`, its first levels on the diagonal blocks). Their defaults are
+  `blocks`' (how they were chosen is written there); the others are for
+  `experiments.bench_triton_parts`."""
   if precision not in blocks.INTRA_PRECISIONS:
     raise ValueError(f"precision={precision!r}: expected one of {blocks.INTRA_PRECISIONS}")
+  if inverse not in blocks.INTRA_INVERSES:
+    raise ValueError(f"inverse={inverse!r}: expected one of {blocks.INTRA_INVERSES}")
   (b, t, h, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
   bk = blocks.INTRA_BK
   f32 = jnp.float32
@@ -388,7 +421,7 @@ def intra_chunk_fwd(q, k, v, beta, g, gx, segments=None, *, scale: float, with_i
       kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, H=h, HV=hv, K=dk, V=dv, C=c, PACKED=packed,
       BK=bk, WITH_INVERSE=with_inverse, PREC=precision, SLICE_STAGES=slice_stages,
-      SBK=blocks.solve_bk(dk, dv))
+      SBK=blocks.solve_bk(dk, dv), BATCHED_INVERSE=inverse == "batched")
   return (ny, qg, p, u, kg, m) if with_inverse else (ny, qg, p, u, kg)
 
 
