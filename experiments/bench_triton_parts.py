@@ -34,13 +34,14 @@ import jax.numpy as jnp
 from experiments import cli
 from lineax_attn import bench, ops
 from lineax_attn.ops import pallas_gpu, specs, triton_gpu
+from pallas_kernels.gpu.triton import blocks   # plain Python: no triton import
 
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per row (median reported).")
 _WARPS = flags.DEFINE_list("warps", "4,8", "Warp counts of the intra-chunk kernels to time.")
-_PRECISIONS = flags.DEFINE_list("precisions", "ieee,tf32x3,tf32",
+_PRECISIONS = flags.DEFINE_list("precisions", ",".join(blocks.INTRA_PRECISIONS),
                                 "Inverse product precisions of the delta-rule intra forward.")
-_INVERSES = flags.DEFINE_list("inverses", "tiles,batched",
+_INVERSES = flags.DEFINE_list("inverses", ",".join(blocks.INTRA_INVERSES),
                               "How that forward builds its inverse (blocks.INTRA_INVERSES).")
 _STATE_LAUNCHES = flags.DEFINE_list(
     "state_launches", "64:4:2,32:4:2,64:8:2,64:4:3,128:8:2",
@@ -180,7 +181,6 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
     row(f"{mixer} channel bwd fused, solve loops {sbk} columns a step",
         fused_with(solve_bk=sbk), *bwd_args)
   if _PHASE_COSTS.value:
-    from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
     for name, phase in (("solve loops", blocks.PHASE_SOLVE),
                         ("anchored products", blocks.PHASE_ANCHORED),
                         ("diagonal bands", blocks.PHASE_BANDS)):
@@ -200,7 +200,6 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
 def rows_for(b, t, h, d, iters, warps):
   from pallas_kernels.gpu import intra_chunk as mosaic_intra
   from pallas_kernels.gpu import state_passing as mosaic_state
-  from pallas_kernels.gpu.triton import blocks
   from pallas_kernels.gpu.triton import intra_chunk as tic
   from pallas_kernels.gpu.triton import state_pass as tsp
 
@@ -290,7 +289,7 @@ def rows_for(b, t, h, d, iters, warps):
     for grads in ("xla", "kernel"):
       _whole_op(row, name, args, f"intra kernel, intra_grads={grads}",
                 pallas_gpu.GpuTuning(triton_intra="kernel", intra_grads=grads))
-    for inv in _INVERSES.value:   # the forward's inverse (blocks.INTRA_INVERSE)
+    for inv in set(_INVERSES.value) - {blocks.INTRA_INVERSE}:   # the row above has the default
       tic.intra_chunk_fwd = functools.partial(original, inverse=inv)
       try:
         _whole_op(row, name, args, f"intra kernel, intra_grads=kernel, inverse {inv}",

@@ -70,14 +70,24 @@ def _merge_blocks(inv, lmat, ii, jj, BLK: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(lmat, ii, jj, PREC: tl.constexpr):
-  """(I + L)^{-1} for a strictly lower [64, 64] float32 L: 4 × 4 blocks, merged to 16 and 64
-  (the module docstring)."""
+def _unit_lower_inverse_blocks(lmat, ii, jj, BLK: tl.constexpr, PREC: tl.constexpr):
+  """(I + L_BLK)^{-1} for BLK in (16, 64): 4 × 4 blocks, merged to 16 (and to 64). ii, jj are
+  broadcastable row / column index grids, so lmat may be one [64, 64] tile or a batch
+  [n, 16, 16] of blocks (then `_dot32` makes batched products)."""
   eye = tl.where(ii == jj, 1.0, 0.0)
   d = tl.where((ii // 4) == (jj // 4), lmat, 0.0)            # D⁴ = 0 in 4 × 4 blocks
   inv = _dot32(eye - d, eye + _dot32(d, d, PREC), PREC)
   inv = _merge_blocks(inv, lmat, ii, jj, 16, PREC)
-  return _merge_blocks(inv, lmat, ii, jj, 64, PREC)
+  if BLK == 64:
+    inv = _merge_blocks(inv, lmat, ii, jj, 64, PREC)
+  return inv
+
+
+@triton.jit
+def _unit_lower_inverse(lmat, ii, jj, PREC: tl.constexpr):
+  """(I + L)^{-1} for a strictly lower [64, 64] float32 L: 4 × 4 blocks, merged to 16 and 64
+  (the module docstring)."""
+  return _unit_lower_inverse_blocks(lmat, ii, jj, 64, PREC)
 
 
 @triton.jit
@@ -86,21 +96,16 @@ def _batched_unit_lower_inverse(lmat, ii, jj, PREC: tl.constexpr):
 
   The full-tile form spends six of its ten 64³ products on block-diagonal matrices (three
   quarters zeros). Here L's four diagonal blocks are gathered into a [4, 16, 16] batch, the
-  4 → 16 inverse runs as batched 16³ products (the same formulas), the result is put back as
-  a block-diagonal [64, 64] and only the 16 → 64 merge is full-tile. Same maths, fewer FLOPs;
-  whether the reshapes cost less than the products they save is for the GPU to say
+  4 → 16 inverse runs on it as batched 16³ products (the same formulas), the result is put
+  back as a block-diagonal [64, 64] and only the 16 → 64 merge is full-tile. Same maths, fewer
+  FLOPs; whether the reshapes cost less than the products they save is for the GPU to say
   (`blocks.INTRA_INVERSE`)."""
   x = tl.permute(tl.reshape(lmat, (4, 16, 4, 16)), (0, 2, 1, 3))      # [row blk, col blk, r, c]
   a4 = tl.arange(0, 4)
   diag = (a4[:, None] == a4[None, :])[:, :, None, None]
   d = tl.sum(tl.where(diag, x, 0.0), axis=1)                           # [blk, r, c]
-  r = tl.arange(0, 16)[None, :, None]
-  c = tl.arange(0, 16)[None, None, :]
-  eye = tl.where(r == c, 1.0, 0.0)
-  d4 = tl.where((r // 4) == (c // 4), d, 0.0)                          # D⁴ = 0 in 4 × 4 blocks
-  inv = _dot32(eye - d4, eye + _dot32(d4, d4, PREC), PREC)
-  f = _dot32(inv, d - d4, PREC)                                        # F⁴ = 0 (4 blocks of 4)
-  inv = _dot32(_dot32(eye - f, eye + _dot32(f, f, PREC), PREC), inv, PREC)
+  inv = _unit_lower_inverse_blocks(d, tl.arange(0, 16)[None, :, None],
+                                   tl.arange(0, 16)[None, None, :], 16, PREC)
   inv64 = tl.reshape(tl.permute(tl.where(diag, inv[:, None, :, :], 0.0), (0, 2, 1, 3)), (64, 64))
   return _merge_blocks(inv64, lmat, ii, jj, 64, PREC)
 
