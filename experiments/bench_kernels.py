@@ -44,9 +44,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import cli  # noqa: E402
+from experiments import peer_ops  # noqa: E402
+from experiments.peer_ops import make_inputs  # noqa: E402
 from lineax_attn import bench  # noqa: E402
 from lineax_attn import ops  # noqa: E402
-from lineax_attn.ops import specs  # noqa: E402
 
 _SHAPES = flags.DEFINE_string("shapes", "4,4096,16,128;2,16384,16,128",
                               "';'-separated B,T,H,D (H = q/k and value heads, D = K = V).")
@@ -112,8 +113,6 @@ _BREAKDOWN = flags.DEFINE_enum("breakdown", "none", ["none", "kernels", "all"],
                                "and the whole op with either intra-chunk path ('all').")
 
 BEGIN, END = "<!-- bench_kernels:begin -->", "<!-- bench_kernels:end -->"
-JLA_KIND = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "kda": "kda",
-            "gdn2": "gdn2"}
 ATTN = ("cudnn", "sdpa")  # per shape, not per mixer
 
 
@@ -136,14 +135,6 @@ def log(*a):
 
 
 # ------------------------------------------------------------------------------ inputs
-
-
-def make_inputs(mixer, b, t, h, d, seed=0):
-  """Inputs of docs/MATH.md §9 (`specs.random_inputs`: unit q/k, σ gates, logsigmoid decays) as
-  numpy float32, gates by name."""
-  q, k, v, gates, _ = specs.random_inputs(mixer, b=b, t=t, h=h, dk=d, dv=d, seed=seed,
-                                          with_state=False)
-  return q, k, v, dict(zip(specs.resolve(mixer).gate_names, gates))
 
 
 # ------------------------------------------------------------------------------ timing
@@ -181,14 +172,6 @@ def time_torch(fn):
   return timing.median_ms, timing.p20_ms, timing.p80_ms, peak
 
 
-def _grad_fn(fwd, n_args):
-  """jit-able fwd+bwd: gradients of <o, do> with respect to every input."""
-  def f(do, *args):
-    return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) * do),
-                    argnums=tuple(range(n_args)))(*args)
-  return f
-
-
 # ------------------------------------------------------------------------------ runners
 
 
@@ -203,7 +186,7 @@ def run_ours(mixer, impl, mode, np_in, tuning=None):
     return time_jax(fwd, args)
   do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
                    jnp.bfloat16)
-  return time_jax(_grad_fn(fwd, len(args)), [do] + args)
+  return time_jax(peer_ops.grad_fn(fwd, len(args)), [do] + args)
 
 
 def run_jla(mixer, mode, np_in):
@@ -212,32 +195,13 @@ def run_jla(mixer, mode, np_in):
   args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
   gvals = [jnp.asarray(x, jnp.float32) for x in gates.values()]
   names = list(gates)
-  fwd = lambda *a: jla_la(JLA_KIND[mixer], *a[:3], impl="mosaic_gpu",
+  fwd = lambda *a: jla_la(peer_ops.JLA_KIND[mixer], *a[:3], impl="mosaic_gpu",
                           **dict(zip(names, a[3:])))[0]
   if mode == "fwd":
     return time_jax(fwd, args + gvals)
   do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
                    jnp.bfloat16)
-  return time_jax(_grad_fn(fwd, 3 + len(gvals)), [do] + args + gvals)
-
-
-def _fla_op(mixer):
-  if mixer == "gated_delta_rule":
-    import fla.ops.common.chunk_o as chunk_o
-    chunk_o.TRITON_ABOVE_3_7_1 = True  # lets its Hopper backward run on triton 3.6 (timing only)
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    return lambda q, k, v, g: chunk_gated_delta_rule(q, k, v, g["g"], g["beta"])[0]
-  if mixer == "delta_rule":
-    from fla.ops.delta_rule import chunk_delta_rule
-    return lambda q, k, v, g: chunk_delta_rule(q, k, v, g["beta"])[0]
-  if mixer == "kda":
-    from fla.ops.kda import chunk_kda
-    return lambda q, k, v, g: chunk_kda(q, k, v, g["g"], g["beta"])[0]
-  if mixer == "gdn2":
-    from fla.ops.gdn2 import chunk_gdn2
-    return lambda q, k, v, g: chunk_gdn2(q, k, v, g["g"], g["b"], g["w"])[0]
-  from fla.ops.linear_attn import chunk_linear_attn
-  return lambda q, k, v, g: chunk_linear_attn(q, k, v, normalize=False)[0]
+  return time_jax(peer_ops.grad_fn(fwd, 3 + len(gvals)), [do] + args + gvals)
 
 
 def run_fla(mixer, mode, np_in):
@@ -249,7 +213,7 @@ def run_fla(mixer, mode, np_in):
                 for x in (q, k, v))
   tg = {n: torch.tensor(x, device=dev, dtype=torch.float32, requires_grad=need_grad)
         for n, x in gates.items()}
-  op = _fla_op(mixer)
+  op = peer_ops.fla_op(mixer)
   if mode == "fwd":
     with torch.no_grad():
       return time_torch(lambda: op(tq, tk, tv, tg))
@@ -270,7 +234,7 @@ def run_cudnn(mode, b, t, h, d):
                                                      implementation="cudnn")
   if mode == "fwd":
     return time_jax(fwd, args)
-  return time_jax(_grad_fn(fwd, 3), [args[0]] + args)
+  return time_jax(peer_ops.grad_fn(fwd, 3), [args[0]] + args)
 
 
 def run_sdpa(mode, b, t, h, d):
@@ -694,7 +658,7 @@ def main(argv):
               res.err_vs_chunk = err
           log(f"    err({kernel} vs chunk) = {err:.2e}")
         outs.clear()
-        if have["jla"] and mixer in JLA_KIND:
+        if have["jla"] and mixer in peer_ops.JLA_KIND:
           attempt(Result(shape, mixer, "jla", mode), lambda: run_jla(mixer, mode, np_in))
         if have["fla"] and mixer in _FLA_MIXERS.value:
           attempt(Result(shape, mixer, "fla", mode), lambda: run_fla(mixer, mode, np_in))

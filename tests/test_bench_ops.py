@@ -232,3 +232,33 @@ def test_traffic_floor_counts_each_tensor_once():
   # out) = 744.5 MB: 0.155 ms at 4.8 TB/s.
   assert bench.traffic_floor_ms("gdn", "fwdbwd", batch=4, seq_len=4096, heads=16, v_heads=16,
                                 head_dim_k=128, head_dim_v=128) == pytest.approx(0.1551, rel=1e-3)
+
+
+def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():
+  # experiments/bench_ab.py's logic with stand-in steps (plain Python calls: what is timed is
+  # irrelevant here): every variant runs once per round, the first one rotates, and the ratio
+  # column is the median over rounds of (variant / baseline) in the same round, which a drift
+  # common to both cancels out of.
+  from experiments import bench_ab
+  order = []
+  steps = {n: (lambda n=n: order.append(n)) for n in ("a", "b", "c")}
+  medians = bench_ab.interleave(steps, rounds=4, iters=1, warmup=0)
+  assert order[::3] == ["a", "b", "c", "a"]            # round r starts with variant r mod 3
+  assert all(len(set(order[3 * r:3 * r + 3])) == 3 for r in range(4))
+  assert {n: len(m) for n, m in medians.items()} == {"a": 4, "b": 4, "c": 4}
+  # A baseline that drifts 1 -> 3 ms and a variant at 0.9x of it in every round: a ratio of
+  # the overall medians could say anything between 0.3x and 2.7x; the paired one says 0.9x.
+  rows = {r["variant"]: r for r in bench_ab.summarise(
+      {"base": [1.0, 3.0, 2.0], "fast": [0.9, 2.7, 1.8]}, "base")}
+  assert rows["fast"]["ratio_median"] == pytest.approx(0.9)
+  assert rows["fast"]["ratio_min"] == pytest.approx(0.9)
+  assert rows["fast"]["rounds_faster"] == 3
+  assert rows["base"]["median_ms"] == 2.0 and "ratio_median" not in rows["base"]
+  text = bench_ab.to_markdown({("delta_rule", "fwd"): list(rows.values())},
+                              {"date": "d", "device": "cpu", "shape": [1, 2, 3, 4],
+                               "rounds": 3, "iters": 2, "baseline": "base"})
+  assert "| fast | 1.800 | 0.900-2.700 | 0.900x (0.900-0.900) | 3/3 |" in text
+  with pytest.raises(ValueError, match="unknown implementation"):
+    bench_ab.make_step("nope", "delta_rule", "fwd", None)
+  with pytest.raises(ValueError, match="only our implementations"):
+    bench_ab.make_step("fla:batched", "delta_rule", "fwd", None)

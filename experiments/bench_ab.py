@@ -1,0 +1,234 @@
+"""Interleaved A/B timing of a few implementations of one op, for a GPU that is noisy.
+
+    python3 -m experiments.bench_ab --mixers=delta_rule --variants=triton,triton:batched,fla \
+        --rounds=9 --out_json=/tmp/ab.json --out_md=/tmp/ab.md
+
+`bench_kernels` times each implementation once, one after another; on a shared machine whose
+speed drifts by 20-40 % over minutes (docs/BENCHMARKS.md, "eighth stage") that cannot settle a
+5 % question. Here every variant is compiled first, then timed in `--rounds` rounds; in each
+round every variant runs `--iters` calls (after `--warmup`), in an order rotated from round to
+round so none always runs first. Reported per variant: the median of its round medians and
+their range; per pair (each variant against `--baseline`): the ratio of the two medians *of
+the same round*, whose median and range say whether a difference outlives the drift.
+
+Variants: `pallas_gpu`, `triton`, `chunk` (ours), `triton:batched` / `triton:tiles` (ours with
+the delta-rule intra forward's inverse forced: `blocks.INTRA_INVERSES`), `jla`, `fla`. The
+inverse is a keyword of the kernel wrapper, not of `GpuTuning`; the variant swaps the module's
+`intra_chunk_fwd` for one with that keyword while it is traced, and clears JAX's caches before
+each trace so no variant reuses another's program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave memory for torch
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from experiments import cli  # noqa: E402
+from experiments import peer_ops  # noqa: E402
+from lineax_attn import bench, ops  # noqa: E402
+
+_MIXERS = flags.DEFINE_list("mixers", "delta_rule,gated_delta_rule", "Ops to time.")
+_VARIANTS = flags.DEFINE_list("variants", "triton,triton:batched,fla",
+                              "impl or impl:inverse (see the module docstring).")
+_BASELINE = flags.DEFINE_string("baseline", "fla", "The variant every ratio is against.")
+_SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D.")
+_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "fwd and/or fwdbwd.")
+_ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds; every variant is timed once per round.")
+_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per variant and round.")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls per variant and round.")
+_OUT_JSON = flags.DEFINE_string("out_json", "", "Raw per-round medians as JSON.")
+_OUT_MD = flags.DEFINE_string("out_md", "", "The Markdown tables.")
+
+
+@contextlib.contextmanager
+def forced_inverse(inverse: str | None):
+  """While active, the Triton delta-rule intra forward builds its inverse as `inverse`."""
+  if inverse is None:
+    yield
+    return
+  from pallas_kernels.gpu.triton import blocks, intra_chunk  # pylint: disable=g-import-not-at-top
+  if inverse not in blocks.INTRA_INVERSES:
+    raise ValueError(f"--variants: inverse {inverse!r} is not one of {blocks.INTRA_INVERSES}")
+  original = intra_chunk.intra_chunk_fwd
+  intra_chunk.intra_chunk_fwd = functools.partial(original, inverse=inverse)
+  try:
+    yield
+  finally:
+    intra_chunk.intra_chunk_fwd = original
+
+
+def jax_step(fn, args):
+  """A compiled fn and a zero-argument call of it that waits for its result."""
+  jax.clear_caches()
+  compiled = jax.jit(fn).lower(*args).compile()
+  return lambda: jax.block_until_ready(compiled(*args))
+
+
+def ours_step(mixer, impl, inverse, mode, np_in):
+  q, k, v, gates = np_in
+  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+  args += [jnp.asarray(x, jnp.float32) for x in gates.values()]
+  op = getattr(ops, mixer)
+  fwd = lambda *a: op(*a, implementation=impl)[0]
+  with forced_inverse(inverse):
+    if mode == "fwd":
+      return jax_step(fwd, args)
+    do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
+                     jnp.bfloat16)
+    return jax_step(peer_ops.grad_fn(fwd, len(args)), [do] + args)
+
+
+def jla_step(mixer, mode, np_in):
+  from jla.ops import linear_attention as jla_la  # pylint: disable=g-import-not-at-top
+  q, k, v, gates = np_in
+  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+  args += [jnp.asarray(x, jnp.float32) for x in gates.values()]
+  names = list(gates)
+  fwd = lambda *a: jla_la(peer_ops.JLA_KIND[mixer], *a[:3], impl="mosaic_gpu",
+                          **dict(zip(names, a[3:])))[0]
+  if mode == "fwd":
+    return jax_step(fwd, args)
+  do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
+                   jnp.bfloat16)
+  return jax_step(peer_ops.grad_fn(fwd, len(args)), [do] + args)
+
+
+def fla_step(mixer, mode, np_in):
+  import torch  # pylint: disable=g-import-not-at-top
+  q, k, v, gates = np_in
+  need_grad = mode == "fwdbwd"
+  tq, tk, tv = (torch.tensor(x, device="cuda", dtype=torch.bfloat16, requires_grad=need_grad)
+                for x in (q, k, v))
+  tg = {n: torch.tensor(x, device="cuda", dtype=torch.float32, requires_grad=need_grad)
+        for n, x in gates.items()}
+  op = peer_ops.fla_op(mixer)
+  if mode == "fwd":
+    def step():
+      with torch.no_grad():
+        op(tq, tk, tv, tg)
+      torch.cuda.synchronize()
+  else:
+    do = torch.randn_like(tv)
+
+    def step():
+      for x in (tq, tk, tv, *tg.values()):
+        x.grad = None
+      op(tq, tk, tv, tg).backward(do)
+      torch.cuda.synchronize()
+  step()  # FLA autotunes on its first call
+  return step
+
+
+def make_step(variant, mixer, mode, np_in):
+  impl, _, inverse = variant.partition(":")
+  if impl in ("pallas_gpu", "triton", "chunk"):
+    return ours_step(mixer, impl, inverse or None, mode, np_in)
+  if inverse:
+    raise ValueError(f"--variants: {variant!r}: only our implementations take an inverse")
+  if impl == "jla":
+    return jla_step(mixer, mode, np_in)
+  if impl == "fla":
+    return fla_step(mixer, mode, np_in)
+  raise ValueError(f"--variants: unknown implementation {impl!r}")
+
+
+def time_round(step, iters, warmup):
+  for _ in range(warmup):
+    step()
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    step()
+    times.append((time.perf_counter() - t0) * 1e3)
+  return bench.Timing.from_times(times).median_ms
+
+
+def interleave(steps: dict, rounds: int, iters: int, warmup: int) -> dict[str, list[float]]:
+  """Per variant, its median (ms) in each round; the order rotates by one each round."""
+  names = list(steps)
+  medians = {n: [] for n in names}
+  for r in range(rounds):
+    for n in names[r % len(names):] + names[:r % len(names)]:
+      medians[n].append(time_round(steps[n], iters, warmup))
+  return medians
+
+
+def summarise(medians: dict[str, list[float]], baseline: str) -> list[dict]:
+  rows = []
+  base = np.asarray(medians[baseline]) if baseline in medians else None
+  for name, ms in medians.items():
+    ms = np.asarray(ms)
+    row = {"variant": name, "median_ms": float(np.median(ms)), "min_ms": float(ms.min()),
+           "max_ms": float(ms.max())}
+    if base is not None and name != baseline:
+      ratio = ms / base
+      row.update(ratio_median=float(np.median(ratio)), ratio_min=float(ratio.min()),
+                 ratio_max=float(ratio.max()), rounds_faster=int(np.sum(ratio < 1.0)))
+    rows.append(row)
+  return rows
+
+
+def to_markdown(tables, meta) -> str:
+  lines = [f"Interleaved A/B (`experiments/bench_ab.py`), {meta['date']}, {meta['device']}, "
+           f"shape B,T,H,D = {meta['shape']}, {meta['rounds']} rounds x {meta['iters']} calls; "
+           f"ratios against {meta['baseline']} within each round.", ""]
+  for (mixer, mode), rows in tables.items():
+    lines += [f"**{mixer} {mode}**", "",
+              f"| variant | median of round medians (ms) | range | / {meta['baseline']}, "
+              f"median (range) | rounds faster |", "|---|---|---|---|---|"]
+    for r in rows:
+      ratio = (f"{r['ratio_median']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
+               if "ratio_median" in r else "")
+      faster = f"{r['rounds_faster']}/{meta['rounds']}" if "rounds_faster" in r else ""
+      lines.append(f"| {r['variant']} | {r['median_ms']:.3f} | {r['min_ms']:.3f}-"
+                   f"{r['max_ms']:.3f} | {ratio} | {faster} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  if _ROUNDS.value < 1 or _ITERS.value < 1 or _WARMUP.value < 0:
+    raise ValueError("--rounds and --iters must be >= 1 and --warmup >= 0")
+  b, t, h, d = (int(x) for x in _SHAPE.value.split(","))
+  meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+          "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+          "shape": [b, t, h, d], "rounds": _ROUNDS.value, "iters": _ITERS.value,
+          "warmup": _WARMUP.value, "baseline": _BASELINE.value, "variants": _VARIANTS.value}
+  tables, raw = {}, []
+  for mixer in _MIXERS.value:
+    np_in = peer_ops.make_inputs(mixer, b, t, h, d)
+    for mode in _MODES.value:
+      t0 = time.time()
+      steps = {v: make_step(v, mixer, mode, np_in) for v in _VARIANTS.value}
+      print(f"[compiled] {mixer} {mode}: {time.time() - t0:.0f} s", flush=True)
+      medians = interleave(steps, _ROUNDS.value, _ITERS.value, _WARMUP.value)
+      rows = summarise(medians, _BASELINE.value)
+      tables[(mixer, mode)] = rows
+      raw.append({"mixer": mixer, "mode": mode, "round_medians_ms": medians, "rows": rows})
+      for r in rows:
+        print(f"[ab] {mixer} {mode} {r}", flush=True)
+      del steps
+      text = to_markdown(tables, meta)
+      if _OUT_MD.value:
+        with open(_OUT_MD.value, "w") as f:
+          f.write(text)
+      if _OUT_JSON.value:
+        with open(_OUT_JSON.value, "w") as f:
+          json.dump({"meta": meta, "results": raw}, f, indent=1)
+  print(to_markdown(tables, meta), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,52 @@
+"""What the op benchmarks share (`bench_kernels`, `bench_ab`): their inputs, the fwd+bwd
+function they time, and the peers' spellings of our ops (jax-linear-attention's kinds, FLA's
+functions). No flags, so any benchmark can import it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lineax_attn.ops import specs
+
+# jax-linear-attention 0.1.0's name (`jla.ops.linear_attention(kind, ...)`) of each of our ops.
+JLA_KIND = {"delta_rule": "deltanet", "gated_delta_rule": "gated_deltanet", "kda": "kda",
+            "gdn2": "gdn2"}
+
+
+def make_inputs(mixer, b, t, h, d, seed=0):
+  """Inputs of docs/MATH.md §9 (`specs.random_inputs`: unit q/k, σ gates, logsigmoid decays) as
+  numpy float32, gates by name."""
+  q, k, v, gates, _ = specs.random_inputs(mixer, b=b, t=t, h=h, dk=d, dv=d, seed=seed,
+                                          with_state=False)
+  return q, k, v, dict(zip(specs.resolve(mixer).gate_names, gates))
+
+
+def grad_fn(fwd, n_args):
+  """jit-able fwd+bwd: gradients of <o, do> with respect to every input."""
+  def f(do, *args):
+    return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) * do),
+                    argnums=tuple(range(n_args)))(*args)
+  return f
+
+
+def fla_op(mixer):
+  """FLA's (fla-core) chunk function of `mixer` as f(q, k, v, gates by name) -> o, torch
+  tensors [B, T, H, D]; imports FLA."""
+  # pylint: disable=g-import-not-at-top
+  if mixer == "gated_delta_rule":
+    import fla.ops.common.chunk_o as chunk_o
+    chunk_o.TRITON_ABOVE_3_7_1 = True  # lets its Hopper backward run on triton 3.6 (timing only)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    return lambda q, k, v, g: chunk_gated_delta_rule(q, k, v, g["g"], g["beta"])[0]
+  if mixer == "delta_rule":
+    from fla.ops.delta_rule import chunk_delta_rule
+    return lambda q, k, v, g: chunk_delta_rule(q, k, v, g["beta"])[0]
+  if mixer == "kda":
+    from fla.ops.kda import chunk_kda
+    return lambda q, k, v, g: chunk_kda(q, k, v, g["g"], g["beta"])[0]
+  if mixer == "gdn2":
+    from fla.ops.gdn2 import chunk_gdn2
+    return lambda q, k, v, g: chunk_gdn2(q, k, v, g["g"], g["b"], g["w"])[0]
+  from fla.ops.linear_attn import chunk_linear_attn
+  return lambda q, k, v, g: chunk_linear_attn(q, k, v, normalize=False)[0]
