@@ -168,9 +168,11 @@ INTRA_PRECISION = "tf32"
 # "tiles", ten full-tile 64 × 64 products (about 0.475 of the forward's 0.609 ms on the H200,
 # 2026-12-02, docs/BENCHMARKS.md "seventh stage"), or "batched", the 4 → 16 levels as batched
 # products of the four 16 × 16 diagonal blocks and only the 16 → 64 merge full-tile.
-# "tiles" until "batched" is timed on a GPU (`bench_triton_parts --inverses=tiles,batched`).
+# "batched" since the interleaved A/B of 2026-12-03 (`experiments/bench_ab.py`, 15 rounds,
+# docs/BENCHMARKS.md "ninth stage"): batched / tiles, paired per round, 0.972 (DeltaNet fwd),
+# 0.977 (fwd+bwd), 0.965 (GDN fwd), 1.005 (fwd+bwd); same errors.
 INTRA_INVERSES = ("tiles", "batched")
-INTRA_INVERSE = "tiles"
+INTRA_INVERSE = "batched"
 
 
 def intra_supported(kind: str, chunk: int, dk: int, dv: int) -> str | None:
