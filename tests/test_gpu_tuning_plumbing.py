@@ -80,3 +80,23 @@ def test_the_model_builds_its_linear_layers_with_the_config_tuning():
   mixers = [b.mixer for b in model.blocks if isinstance(b.mixer, LinearMixer)]
   assert mixers and all(m.gpu_tuning == ops.GpuTuning(channel_pair="kernel", remat_intra=False)
                         for m in mixers)
+
+
+def test_state_pass_choice_is_checked_and_needs_the_triton_extra():
+  # GpuTuning.state_pass: "mosaic" (default) or "triton"; anything else is refused by name. The
+  # Triton path runs its own state pass whatever the field says; the Mosaic path refuses the
+  # Triton one where the extra cannot run (here: no CUDA GPU) rather than fall back silently.
+  from lineax_attn.ops import pallas_gpu, triton_gpu
+  assert ops.GpuTuning().state_pass == "mosaic"
+  assert ops.GpuTuning.parse("state_pass=triton").state_pass == "triton"
+  with pytest.raises(ValueError, match="state_pass"):
+    ops.GpuTuning(state_pass="cuda")
+  triton_asked = ops.GpuTuning(state_pass="triton")
+  assert pallas_gpu.state_kernels(ops.GpuTuning(), "mosaic") == "mosaic"
+  assert pallas_gpu.state_kernels(triton_asked, "triton") == "triton"
+  assert pallas_gpu.state_kernels(ops.GpuTuning(), "triton") == "triton"
+  if triton_gpu.available():
+    assert pallas_gpu.state_kernels(triton_asked, "mosaic") == "triton"
+  else:
+    with pytest.raises(ValueError, match="state_pass='mosaic'"):
+      pallas_gpu.state_kernels(triton_asked, "mosaic")

@@ -411,6 +411,38 @@ def test_pallas_gpu_borrows_the_triton_channel_kernels(monkeypatch, mixer):
       assert_close(g_, w, GRAD_TOL, f"{mixer} channel_intra={choice} grad {i}")
 
 
+@pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule", "kda"])
+def test_pallas_gpu_with_the_triton_state_pass_matches_scan(monkeypatch, mixer):
+  # GpuTuning(state_pass="triton"): pallas_gpu's intra part (Mosaic intra kernels for DeltaNet /
+  # GDN, the channel kernels for KDA), then the Triton state pass instead of Mosaic's, which is
+  # not called. Against the scan: output, final state, every gradient; segments and a tail.
+  if not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):   # (on CPU: Mosaic's interpreter)
+    pytest.skip("pallas_gpu needs a Hopper GPU")
+  called = {"triton": 0, "mosaic": 0}
+  for kind, module in (("triton", tsp), ("mosaic", sp)):
+    for name in ("state_passing_fwd", "state_passing_bwd"):
+      fn = getattr(module, name)
+      monkeypatch.setattr(module, name, lambda *a, _fn=fn, _kind=kind, **k: (
+          called.__setitem__(_kind, called[_kind] + 1), _fn(*a, **k))[1])
+  args, kw = make_inputs(mixer, b=1, t=150, h=1, hv=2, dk=64, dv=64, seed=5)
+  s0 = kw["initial_state"]
+  seg = jnp.asarray(np.repeat([[1, 2, 3]], [70, 50, 30]))[None]
+  tuning = ops.GpuTuning(state_pass="triton")
+  want_o, want_s = run(mixer, args, initial_state=s0, output_final_state=True,
+                       segment_ids=seg, implementation="scan")
+  o, s = jax.jit(lambda *a: run(mixer, a[:-1], initial_state=a[-1], output_final_state=True,
+                                segment_ids=seg, implementation="pallas_gpu",
+                                tuning=tuning))(*args, s0)
+  assert called == {"triton": 1, "mosaic": 0}, called
+  assert_close(o, want_o, FWD_TOL, f"{mixer} o")
+  assert_close(s, want_s, FWD_TOL, f"{mixer} final state")
+  got = output_and_state_grads(mixer, args, s0, "pallas_gpu", tuning=tuning)
+  want = output_and_state_grads(mixer, args, s0, "scan")
+  assert called["mosaic"] == 0 and called["triton"] >= 3, called   # fwd, fwd for the vjp, bwd
+  for i, (g_, w) in enumerate(zip(got, want)):
+    assert_close(g_, w, GRAD_TOL, f"{mixer} grad {i}")
+
+
 # ----------------------------------------------------------------------------- channel gates
 
 

@@ -17,6 +17,7 @@ INTRA_GRADS_CHOICES = ("auto", "xla", "kernel")
 PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
+STATE_PASS_CHOICES = ("mosaic", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,12 @@ class GpuTuning:
       fused against 2.53 with XLA's glue, DeltaNet 2.24 against 2.41 since the backward kernel
       skips all dG work when there is no gate (`GATED=False`); before that skip DeltaNet was
       faster with XLA's glue (2.53 against 2.68, "sixth stage").
+    state_pass: whose state-pass kernels `implementation="pallas_gpu"` runs: "mosaic" (the
+      default, `pallas_kernels.gpu.state_passing`) or "triton" (`pallas_kernels.gpu.triton.
+      state_pass`, the same contract; needs the triton extra: a ValueError without it). Alone
+      on the H200 the Triton pass took 0.281 / 0.383 ms forward / reverse against Mosaic's
+      0.456 / 0.430 (docs/BENCHMARKS.md "sixth stage"); the whole op with it is not timed yet,
+      so the default stays "mosaic". The Triton path always runs its own.
   """
 
   intra: str = "kernel"
@@ -90,6 +97,7 @@ class GpuTuning:
   channel_intra: str = "auto"
   channel_grads: str = "kernel"
   intra_grads: str = "auto"
+  state_pass: str = "mosaic"
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
@@ -97,7 +105,8 @@ class GpuTuning:
                           ("triton_intra", TRITON_INTRA_CHOICES),
                           ("channel_intra", CHANNEL_INTRA_CHOICES),
                           ("channel_grads", CHANNEL_GRADS_CHOICES),
-                          ("intra_grads", INTRA_GRADS_CHOICES)):
+                          ("intra_grads", INTRA_GRADS_CHOICES),
+                          ("state_pass", STATE_PASS_CHOICES)):
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")

@@ -113,6 +113,19 @@ def supports(call) -> str | None:
 # ----------------------------------------------------------------------------- composition
 
 
+def state_kernels(tuning: GpuTuning, kernels: str) -> str:
+  """Whose state-pass kernels run: the path's own, or on the Mosaic path the Triton ones
+  where `tuning.state_pass="triton"` asks (ValueError where the triton extra cannot run)."""
+  if kernels != "mosaic" or tuning.state_pass == "mosaic":
+    return kernels
+  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+  if not triton_gpu.available():
+    raise ValueError("GpuTuning(state_pass='triton') needs the triton extra (missing: "
+                     f"{', '.join(triton_gpu.missing_packages()) or 'none'}) and a CUDA GPU "
+                     f"(backend: {jax.default_backend()}); use state_pass='mosaic'.")
+  return "triton"
+
+
 def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernels):
   """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
   if channel_kernel_applies(q, k_erase, v_write, g, c=c, tuning=tuning, kernels=kernels):
@@ -121,13 +134,14 @@ def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernel
   else:
     ny, qg, p, u, kg, gc = prepare_chunks(q, k, k_erase, v_write, g, segidx, c=c,
                                           tuning=tuning)
-  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels)
+  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state_kernels(tuning, kernels))
   return from_chunks(o), from_chunks(e), s_final
 
 
 def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, kernels,
-                       fused_grads=False):
-  """`_core` for DeltaNet / GDN with the intra-chunk kernel; q, k unrepeated and unscaled."""
+                       fused_grads=False, state="mosaic"):
+  """`_core` for DeltaNet / GDN with the intra-chunk kernel; q, k unrepeated and unscaled.
+  state: whose state-pass kernels run ("mosaic" or "triton": `state_kernels`)."""
   b, t, hv = v.shape[:3]
   dk = q.shape[-1]
   if g is None:
@@ -141,7 +155,7 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, ker
   if segidx is not None:   # a segment starting inside the chunk resets the entry state
     gc = gc * segment_masks(segidx, c)[1][..., -1:]
   gc = jnp.broadcast_to(gc, G.shape[:3] + (dk,))
-  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels)
+  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state)
   return from_chunks(o), from_chunks(e), s_final
 
 
@@ -197,7 +211,8 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
     beta = gates["beta"] if m is None else gates["beta"] * m
     o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                        scale=scale, c=c, interpret=interpret, kernels=kernels,
-                                       fused_grads=fused_intra_grads(tuning, g is not None))
+                                       fused_grads=fused_intra_grads(tuning, g is not None),
+                                       state=state_kernels(tuning, kernels))
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
   q = jnp.repeat(q, n_rep, axis=2) * scale
