@@ -1,6 +1,6 @@
 """Interleaved A/B timing of a few implementations of one op, for a GPU that is noisy.
 
-    python3 -m experiments.bench_ab --mixers=delta_rule --variants=triton,triton:batched,fla \
+    python3 -m experiments.bench_ab --mixers=delta_rule --variants=triton,triton:tiles,fla \\
         --rounds=9 --out_json=/tmp/ab.json --out_md=/tmp/ab.md
 
 `bench_kernels` times each implementation once, one after another; on a shared machine whose
@@ -38,17 +38,22 @@ from experiments import cli  # noqa: E402
 from experiments import peer_ops  # noqa: E402
 from lineax_attn import bench, ops  # noqa: E402
 
-_MIXERS = flags.DEFINE_list("mixers", "delta_rule,gated_delta_rule", "Ops to time.")
-_VARIANTS = flags.DEFINE_list("variants", "triton,triton:batched,fla",
-                              "impl or impl:inverse (see the module docstring).")
-_BASELINE = flags.DEFINE_string("baseline", "fla", "The variant every ratio is against.")
-_SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D.")
-_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "fwd and/or fwdbwd.")
-_ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds; every variant is timed once per round.")
-_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per variant and round.")
-_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls per variant and round.")
-_OUT_JSON = flags.DEFINE_string("out_json", "", "Raw per-round medians as JSON.")
-_OUT_MD = flags.DEFINE_string("out_md", "", "The Markdown tables.")
+# The program's own flag set (not absl's global one): its functions are tested in the same
+# process as other programs that define the same names (--modes, --iters, ...).
+FLAGS = flags.FlagValues()
+_F = {"flag_values": FLAGS}
+_MIXERS = flags.DEFINE_list("mixers", "delta_rule,gated_delta_rule", "Ops to time.", **_F)
+_VARIANTS = flags.DEFINE_list("variants", "triton,triton:tiles,fla",
+                              "impl or impl:inverse (see the module docstring).", **_F)
+_BASELINE = flags.DEFINE_string("baseline", "fla", "The variant every ratio is against.", **_F)
+_SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D.", **_F)
+_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "fwd and/or fwdbwd.", **_F)
+_ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds; every variant is timed once per round.",
+                               **_F)
+_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per variant and round.", **_F)
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls per variant and round.", **_F)
+_OUT_JSON = flags.DEFINE_string("out_json", "", "Raw per-round medians as JSON.", **_F)
+_OUT_MD = flags.DEFINE_string("out_md", "", "The Markdown tables.", **_F)
 
 
 @contextlib.contextmanager
@@ -230,5 +235,12 @@ def main(argv):
   print(to_markdown(tables, meta), flush=True)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """This program's flags (`experiments.cli.parse_flags`); absl's own keep their defaults."""
+  rest = cli.parse_flags(argv, FLAGS)
+  flags.FLAGS(rest[:1])
+  return rest
+
+
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.parse_flags)
+  app.run(main, flags_parser=parse_flags)
