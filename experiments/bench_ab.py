@@ -12,7 +12,9 @@ their range; per pair (each variant against `--baseline`): the ratio of the two 
 the same round*, whose median and range say whether a difference outlives the drift.
 
 Variants: `pallas_gpu`, `triton`, `chunk` (ours), `triton:batched` / `triton:tiles` (ours with
-the delta-rule intra forward's inverse forced: `blocks.INTRA_INVERSES`), `jla`, `fla`. The
+the delta-rule intra forward's inverse forced: `blocks.INTRA_INVERSES`), ours with a
+`GpuTuning` after `@` (`GpuTuning.parse`'s fields, `;`-separated, e.g.
+`pallas_gpu@state_pass=triton`), `jla`, `fla`. The
 inverse is a keyword of the kernel wrapper, not of `GpuTuning`; the variant swaps the module's
 `intra_chunk_fwd` for one with that keyword while it is traced, and clears JAX's caches before
 each trace so no variant reuses another's program.
@@ -80,12 +82,12 @@ def jax_step(fn, args):
   return lambda: jax.block_until_ready(compiled(*args))
 
 
-def ours_step(mixer, impl, inverse, mode, np_in):
+def ours_step(mixer, impl, inverse, mode, np_in, tuning=None):
   q, k, v, gates = np_in
   args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
   args += [jnp.asarray(x, jnp.float32) for x in gates.values()]
   op = getattr(ops, mixer)
-  fwd = lambda *a: op(*a, implementation=impl)[0]
+  fwd = lambda *a: op(*a, implementation=impl, tuning=tuning)[0]
   with forced_inverse(inverse):
     if mode == "fwd":
       return jax_step(fwd, args)
@@ -135,12 +137,24 @@ def fla_step(mixer, mode, np_in):
   return step
 
 
+def parse_variant(variant: str) -> tuple[str, str | None, ops.GpuTuning | None]:
+  """"impl[:inverse][@field=value;...]" -> (impl, inverse or None, GpuTuning or None)."""
+  head, _, tuning_text = variant.partition("@")
+  impl, _, inverse = head.partition(":")
+  ours = impl in ("pallas_gpu", "triton", "chunk")
+  if (inverse or tuning_text) and not ours:
+    raise ValueError(f"--variants: {variant!r}: only our implementations take an inverse or "
+                     "a tuning")
+  tuning = ops.GpuTuning.parse(tuning_text.replace(";", ",")) if tuning_text else None
+  if tuning is not None and impl == "chunk":
+    raise ValueError(f"--variants: {variant!r}: chunk takes no GpuTuning")
+  return impl, inverse or None, tuning
+
+
 def make_step(variant, mixer, mode, np_in):
-  impl, _, inverse = variant.partition(":")
+  impl, inverse, tuning = parse_variant(variant)
   if impl in ("pallas_gpu", "triton", "chunk"):
-    return ours_step(mixer, impl, inverse or None, mode, np_in)
-  if inverse:
-    raise ValueError(f"--variants: {variant!r}: only our implementations take an inverse")
+    return ours_step(mixer, impl, inverse, mode, np_in, tuning)
   if impl == "jla":
     return jla_step(mixer, mode, np_in)
   if impl == "fla":

@@ -262,3 +262,10 @@ def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():
     bench_ab.make_step("nope", "delta_rule", "fwd", None)
   with pytest.raises(ValueError, match="only our implementations"):
     bench_ab.make_step("fla:batched", "delta_rule", "fwd", None)
+  with pytest.raises(ValueError, match="only our implementations"):
+    bench_ab.make_step("jla@state_pass=triton", "delta_rule", "fwd", None)
+  assert bench_ab.parse_variant("triton:tiles") == ("triton", "tiles", None)
+  assert bench_ab.parse_variant("pallas_gpu@state_pass=triton;remat_intra=false") == (
+      "pallas_gpu", None, ops.GpuTuning(state_pass="triton", remat_intra=False))
+  with pytest.raises(ValueError, match="state_pass"):
+    bench_ab.parse_variant("pallas_gpu@state_pass=cuda")
