@@ -33,7 +33,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave memory 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments import cli  # noqa: E402
@@ -83,32 +82,18 @@ def jax_step(fn, args):
 
 
 def ours_step(mixer, impl, inverse, mode, np_in, tuning=None):
-  q, k, v, gates = np_in
-  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
-  args += [jnp.asarray(x, jnp.float32) for x in gates.values()]
   op = getattr(ops, mixer)
   fwd = lambda *a: op(*a, implementation=impl, tuning=tuning)[0]
   with forced_inverse(inverse):
-    if mode == "fwd":
-      return jax_step(fwd, args)
-    do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
-                     jnp.bfloat16)
-    return jax_step(peer_ops.grad_fn(fwd, len(args)), [do] + args)
+    return jax_step(*peer_ops.jax_call(fwd, np_in, mode))
 
 
 def jla_step(mixer, mode, np_in):
   from jla.ops import linear_attention as jla_la  # pylint: disable=g-import-not-at-top
-  q, k, v, gates = np_in
-  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
-  args += [jnp.asarray(x, jnp.float32) for x in gates.values()]
-  names = list(gates)
+  names = list(np_in[3])
   fwd = lambda *a: jla_la(peer_ops.JLA_KIND[mixer], *a[:3], impl="mosaic_gpu",
                           **dict(zip(names, a[3:])))[0]
-  if mode == "fwd":
-    return jax_step(fwd, args)
-  do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
-                   jnp.bfloat16)
-  return jax_step(peer_ops.grad_fn(fwd, len(args)), [do] + args)
+  return jax_step(*peer_ops.jax_call(fwd, np_in, mode))
 
 
 def fla_step(mixer, mode, np_in):
@@ -249,12 +234,5 @@ def main(argv):
   print(to_markdown(tables, meta), flush=True)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """This program's flags (`experiments.cli.parse_flags`); absl's own keep their defaults."""
-  rest = cli.parse_flags(argv, FLAGS)
-  flags.FLAGS(rest[:1])
-  return rest
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

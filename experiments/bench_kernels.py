@@ -177,31 +177,17 @@ def time_torch(fn):
 
 def run_ours(mixer, impl, mode, np_in, tuning=None):
   """Times `ops.<mixer>(implementation=impl, tuning=tuning)` (tuning: pallas_gpu's only)."""
-  q, k, v, gates = np_in
-  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
-  args += [jnp.asarray(x, jnp.float32) for x in gates.values()]
   op = getattr(ops, mixer)
   fwd = lambda *a: op(*a, implementation=impl, tuning=tuning)[0]
-  if mode == "fwd":
-    return time_jax(fwd, args)
-  do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
-                   jnp.bfloat16)
-  return time_jax(peer_ops.grad_fn(fwd, len(args)), [do] + args)
+  return time_jax(*peer_ops.jax_call(fwd, np_in, mode))
 
 
 def run_jla(mixer, mode, np_in):
   from jla.ops import linear_attention as jla_la
-  q, k, v, gates = np_in
-  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
-  gvals = [jnp.asarray(x, jnp.float32) for x in gates.values()]
-  names = list(gates)
+  names = list(np_in[3])
   fwd = lambda *a: jla_la(peer_ops.JLA_KIND[mixer], *a[:3], impl="mosaic_gpu",
                           **dict(zip(names, a[3:])))[0]
-  if mode == "fwd":
-    return time_jax(fwd, args + gvals)
-  do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
-                   jnp.bfloat16)
-  return time_jax(peer_ops.grad_fn(fwd, 3 + len(gvals)), [do] + args + gvals)
+  return time_jax(*peer_ops.jax_call(fwd, np_in, mode))
 
 
 def run_fla(mixer, mode, np_in):

@@ -137,12 +137,5 @@ def main(argv) -> None:
   sys.exit(1 if failed else 0)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """This program's flags (`experiments.cli.parse_flags`); absl's own keep their defaults."""
-  rest = cli.parse_flags(argv, FLAGS)
-  flags.FLAGS(rest[:1])
-  return rest
-
-
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))

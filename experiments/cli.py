@@ -49,6 +49,17 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
     sys.exit(2)
 
 
+
+def own_flags_parser(flag_values: flags.FlagValues):
+  """`app.run`'s flags_parser for a program with its own flag set (not absl's global one, so
+  its functions can be imported beside programs defining the same names): parses argv into
+  `flag_values` as `parse_flags` does; absl's own flags keep their defaults."""
+  def parse(argv: list[str]) -> list[str]:
+    rest = parse_flags(argv, flag_values)
+    flags.FLAGS(rest[:1])
+    return rest
+  return parse
+
 def _message(error: Exception, argv: list[str]) -> str:
   """One line for a parse error; an unknown config field names the flag that set it
   (ml_collections raises a KeyError with only the key, wrapped in an AttributeError)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lineax_attn.ops import specs
 
@@ -28,6 +29,19 @@ def grad_fn(fwd, n_args):
     return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) * do),
                     argnums=tuple(range(n_args)))(*args)
   return f
+
+
+def jax_call(fwd, np_in, mode):
+  """(function, arguments) to time for `mode`: "fwd" is fwd(q, k, v, *gates) on bf16 q, k, v
+  and float32 gates; "fwdbwd" is `grad_fn(fwd)` on a fixed bf16 cotangent and the same."""
+  q, k, v, gates = np_in
+  args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
+  args += [jnp.asarray(x, jnp.float32) for x in gates.values()]
+  if mode == "fwd":
+    return fwd, args
+  do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
+                   jnp.bfloat16)
+  return grad_fn(fwd, len(args)), [do] + args
 
 
 def fla_op(mixer):
