@@ -85,18 +85,29 @@ def _lr(x: float) -> str:
   return f"{x:.0e}".replace("e-0", "e-")
 
 
+def _mqar_entry(row: dict, with_steps: bool) -> str:
+  """"acc (lr)", with the steps trained where runs differ ("?" for rows older than the steps
+  field) and † where the time budget cut the run short."""
+  inside = _lr(row["lr"])
+  if with_steps or row.get("partial"):
+    inside += f", {row['steps']} steps" if "steps" in row else ", ? steps"
+  return f"{row['accuracy']:.3f} ({inside})" + (" †" if row.get("partial") else "")
+
+
 def mqar_table(rows: list[dict], mixers: list[str]) -> str:
   """Markdown: one line per (d_model, T, N), a column per mixer ("acc (lr)", best LR)."""
   from lineax_attn import bench  # pylint: disable=g-import-not-at-top
 
   best = {(r["mixer"], r["d_model"], r["seq_len"], r["num_pairs"]): r for r in rows if r["best"]}
   cells = sorted({k[1:] for k in best})
+  # Merged tables join runs of different lengths: then each entry says its steps.
+  steps_vary = len({r.get("steps") for r in best.values()}) > 1
   lines = []
   for d, t, n in cells:
     line = {"d_model": d, "seq_len": t, "num_pairs": n}
     for m in mixers:
       r = best.get((m, d, t, n))
-      line[m] = "" if r is None else f"{r['accuracy']:.3f} ({_lr(r['lr'])})"
+      line[m] = "" if r is None else _mqar_entry(r, steps_vary)
     lines.append(line)
   columns = [("d_model", "d_model"), ("seq_len", "T"), ("num_pairs", "N")]
   columns += [(m, m) for m in mixers]
@@ -111,6 +122,9 @@ def mqar_table(rows: list[dict], mixers: list[str]) -> str:
     else:
       text = f"{next(iter(vals))[1]:,}"
     notes.append(f"{m} d={d}: {text}")
+  if any(r.get("partial") for r in rows):
+    table += ("\n\n† stopped by the time budget before its steps; tested as trained after the "
+              "steps shown.")
   return table + "\n\nState size per layer (d_k·d_v·H_v; softmax: KV cache 2·T·H_kv·d_h): " + \
       "; ".join(notes)
 
@@ -186,7 +200,7 @@ def run_mqar(config, workdir: str | None) -> str:
   elapsed = time.perf_counter() - start
   status = ("complete" if info["complete"] else
             f"stopped by the {config.max_minutes}-minute budget: {len(info['skipped_cells'])} of "
-            f"{info['cells']} runs not done")
+            f"{info['cells']} runs not done, {len(info['partial_cells'])} cut short (marked †)")
   header = (f"# {config.name}: MQAR test accuracy (best LR per cell)\n\nV={config.vocab}, "
             f"{settings.total_steps} steps x {settings.batch_size} examples, LRs "
             f"{', '.join(_lr(x) for x in config.lrs)}, {config.test_examples} test examples per "
@@ -198,7 +212,7 @@ def run_mqar(config, workdir: str | None) -> str:
       f.write(text + "\n")
     bench.write_json(os.path.join(workdir, "mqar.json"), rows, name=config.name,
                      complete=info["complete"], skipped_cells=info["skipped_cells"],
-                     elapsed_s=elapsed, config=config.to_dict())
+                     partial_cells=info["partial_cells"], elapsed_s=elapsed, config=config.to_dict())
     if rows:
       mqar_plot(rows, os.path.join(workdir, "mqar.png"), f"{config.name}: MQAR")
   return text

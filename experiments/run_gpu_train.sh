@@ -10,8 +10,10 @@
 #   bash experiments/run_gpu_train.sh seq LENGTHS STEPS  # bench_seq_scaling --preset=paper
 #   bash experiments/run_gpu_train.sh mqar [--config.x=y ...]      # eval_recall, configs/mqar.py:gpu
 #   bash experiments/run_gpu_train.sh mqar_cells STEPS CELLS [--config.x=y ...]
-#       # MQAR cells as concurrent processes (CELLS = mixer:T:N[:seed],...; one LR, 1e-3 unless
-#       # --config.lrs is given), each in /tmp/mqar_cells/<cell>; one archive of all their rows
+#       # MQAR cells as concurrent processes (CELLS = mixer:T:N[:seed],...; LRs from MQAR_LRS,
+#       # default "(0.001,)", vmapped in each process), each in /tmp/mqar_cells/<cell>; one
+#       # archive of all their rows. (Not --config.lrs after CELLS: ml_collections appends a
+#       # repeated tuple flag to the earlier one instead of replacing it.)
 #   bash experiments/run_gpu_train.sh niah STEPS [--config.x=y ...]
 #       # every arm of configs/mixers.py:small trained at once (as `compare`), then each model
 #       # scored on NIAH at 1x, 2x and 4x its training context (one process per model), merged
@@ -112,7 +114,7 @@ mqar_cells)
     XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $N_CELLS, 3))") \
       timeout ${MQAR_TIMEOUT:-570} python3 -u -m experiments.eval_recall --config=configs/mqar.py:gpu \
       --workdir=$WD/$name --config.steps=$STEPS "--config.mixers=(\"$mixer\",)" \
-      "--config.seq_lens=($T,)" "--config.num_pairs=($N,)" '--config.lrs=(0.001,)' \
+      "--config.seq_lens=($T,)" "--config.num_pairs=($N,)" "--config.lrs=${MQAR_LRS:-(0.001,)}" \
       --config.seed=$SEED --config.max_minutes=$(( ${MQAR_TIMEOUT:-570} / 60 - 1 )) "$@" \
       > $WD/$name/log 2>&1 &
   done

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import jax
@@ -92,6 +93,42 @@ def test_vmapped_lrs_equal_separate_runs():
     recall.train_mqar_lrs(cfg, TASK, [], settings)
 
 
+def test_a_deadline_stops_the_run_after_its_first_call_and_keeps_it():
+  # A deadline already past: the first compiled call (steps_per_call steps) still runs, then the
+  # run stops and returns trained models and their losses, marked partial.
+  cfg = _tiny_config("deltanet").replace(n_layers=1)
+  settings = recall.TrainSettings(steps=12, batch_size=8, steps_per_call=4)
+  full = recall.train_mqar_lrs(cfg, TASK, [1e-2], settings, seed=0)
+  cut = recall.train_mqar_lrs(cfg, TASK, [1e-2], settings, seed=0, deadline=0.0)
+  assert (full.steps, full.partial, full.losses.shape) == (12, False, (12, 1))
+  assert (cut.steps, cut.partial, cut.losses.shape) == (4, True, (4, 1))
+  np.testing.assert_allclose(cut.losses[:, 0], full.losses[:4, 0], rtol=1e-5)  # same 4 steps
+  test = synthetic.mqar(TASK.vocab, TASK.seq_len, TASK.num_pairs, count=16, seed=1)
+  assert 0.0 <= cut.accuracies(*test)[0] <= 1.0
+  # The loss curve: windows of equal length ending at their last step, means of their losses.
+  curve = full.loss_curve(points=3)
+  assert [pt[0] for pt in curve] == [4, 8, 12]
+  np.testing.assert_allclose([pt[1] for pt in curve],
+                             full.losses[:, 0].reshape(3, 4).mean(axis=1), rtol=1e-6)
+  assert len(cut.loss_curve()) == 4  # never more windows than steps
+
+
+def test_mqar_table_entries_say_steps_and_cut_runs():
+  from experiments import eval_recall
+  row = dict(mixer="gdn", d_model=64, seq_len=16, num_pairs=2, lr=1e-3, accuracy=0.5,
+             best=True, state_size=8, steps=300, partial=False)
+  assert eval_recall._mqar_entry(row, False) == "0.500 (1e-3)"
+  assert eval_recall._mqar_entry(row, True) == "0.500 (1e-3, 300 steps)"
+  assert eval_recall._mqar_entry(dict(row, partial=True, steps=250), False) == \
+      "0.500 (1e-3, 250 steps) †"
+  old = {k: v for k, v in row.items() if k not in ("steps", "partial")}   # rows before the field
+  assert eval_recall._mqar_entry(old, True) == "0.500 (1e-3, ? steps)"
+  table = eval_recall.mqar_table([row, dict(row, mixer="kda", steps=100, partial=True)],
+                                 ["gdn", "kda"])
+  assert "0.500 (1e-3, 300 steps)" in table and "0.500 (1e-3, 100 steps) †" in table
+  assert "† stopped by the time budget" in table
+
+
 def test_weight_decay_spares_the_decay_gates():
   model = LanguageModel(_tiny_config("gdn"), rngs=nnx.Rngs(0))
   params = nnx.state(model, nnx.Param)
@@ -155,6 +192,10 @@ def test_eval_program_table(tmp_path, monkeypatch):
   payload = json.loads((workdir / "mqar.json").read_text())
   assert payload["metadata"]["complete"] is True
   assert len(payload["rows"]) == 4 and all(0.0 <= r["accuracy"] <= 1.0 for r in payload["rows"])
+  assert payload["metadata"]["partial_cells"] == []
+  for r in payload["rows"]:   # 10 steps, none cut short; the curve ends at the last step
+    assert (r["steps"], r["partial"], r["loss_curve"][-1][0]) == (10, False, 10)
+    assert len(r["loss_curve"]) == 10 and all(math.isfinite(x) for _, x in r["loss_curve"])
   assert os.path.getsize(workdir / "mqar.png") > 0
   assert len((workdir / "mqar_rows.jsonl").read_text().splitlines()) == 4
   # Merging: these rows and a later file that re-runs one (softmax, N = 2) LR cell and adds a

@@ -218,21 +218,25 @@ def _runner(model_config: ModelConfig, settings: TrainSettings, n_lrs: int):
   return runner
 
 
-class BudgetExceeded(RuntimeError):
-  """The time budget ran out in the middle of a training run."""
-
-
 @dataclasses.dataclass
 class MQARRun:
   """What `train_mqar_lrs` returns: one model per learning rate, their losses, timings."""
 
   lrs: tuple[float, ...]
   models: list[LanguageModel]
-  losses: np.ndarray          # [total_steps, n_lrs]
-  steps: int
+  losses: np.ndarray          # [steps, n_lrs]
+  steps: int                  # steps trained (fewer than asked when `partial`)
   seconds: float              # wall time of the training (compile included)
   first_call_seconds: float   # the first compiled call (compile + chunk steps)
   examples_per_s: float       # steady state, all learning rates together
+  partial: bool = False       # stopped by the deadline before its steps
+
+  def loss_curve(self, points: int = 24) -> list[list[float]]:
+    """[[last step of the window, mean loss per LR...], ...] over `points` equal windows: the
+    shape of training (when a run leaves the chance plateau) in a few numbers per row."""
+    bounds = np.unique(np.linspace(0, len(self.losses), points + 1).round().astype(int))
+    return [[int(hi)] + [float(x) for x in self.losses[lo:hi].mean(axis=0)]
+            for lo, hi in zip(bounds[:-1], bounds[1:])]
 
   def accuracies(self, inputs: np.ndarray, labels: np.ndarray, batch_size: int = 256
                  ) -> list[float]:
@@ -275,8 +279,9 @@ def train_mqar_lrs(model_config: ModelConfig, task: synthetic.MQARConfig, lrs: S
       given: pass test data drawn with another seed).
     train_data: (inputs, labels) `[n, T]`; default: min(train_examples, steps x batch)
       examples drawn with `seed`.
-    deadline: a `time.perf_counter()` value; past it the run raises BudgetExceeded between
-      compiled calls.
+    deadline: a `time.perf_counter()` value; past it the run stops between compiled calls and
+      returns what it trained (`partial`; its first call always runs, so a run started is
+      never wasted).
   """
   _check_task(model_config, task)
   lrs = tuple(float(x) for x in lrs)
@@ -302,9 +307,11 @@ def train_mqar_lrs(model_config: ModelConfig, task: synthetic.MQARConfig, lrs: S
   peaks = jnp.asarray(lrs, jnp.float32)
   losses, call_times = [], []
   order, order_epoch = None, -1
+  partial = False
   for start in range(0, s.total_steps, s.chunk):
-    if deadline is not None and time.perf_counter() > deadline:
-      raise BudgetExceeded(f"time budget reached at step {start}/{s.total_steps}")
+    if start and deadline is not None and time.perf_counter() > deadline:
+      partial = True
+      break
     epoch = (start * s.batch_size) // n
     if epoch != order_epoch:  # a new order per epoch (a chunk that crosses one wraps around)
       order = jnp.asarray(np.random.default_rng((seed, epoch)).permutation(n), jnp.int32)
@@ -319,9 +326,10 @@ def train_mqar_lrs(model_config: ModelConfig, task: synthetic.MQARConfig, lrs: S
   examples_per_s = s.chunk * s.batch_size * len(lrs) / float(np.median(steady))
   models = [nnx.merge(graphdef, jax.tree.map(lambda x, j=j: x[j], states))
             for j in range(len(lrs))]
-  return MQARRun(lrs=lrs, models=models, losses=np.concatenate(losses), steps=s.total_steps,
-                 seconds=seconds, first_call_seconds=call_times[0],
-                 examples_per_s=examples_per_s)
+  losses = np.concatenate(losses)
+  return MQARRun(lrs=lrs, models=models, losses=losses, steps=len(losses), seconds=seconds,
+                 first_call_seconds=call_times[0], examples_per_s=examples_per_s,
+                 partial=partial)
 
 
 def train_mqar(model_config: ModelConfig, task: synthetic.MQARConfig, *, lr: float,
@@ -378,10 +386,13 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
 
   Returns:
     (rows, info). rows: one per (cell, lr): mixer, d_model, seq_len, num_pairs, lr, accuracy,
-    best (whether this LR is the cell's best), state_size, params, final_loss, train_seconds.
-    info: {"complete": bool, "skipped_cells": [...], "elapsed_s": float, "cells": int}.
-    With `max_minutes` the sweep stops before the budget runs out (a run that would cross it
-    is abandoned) and returns the finished cells.
+    best (whether this LR is the cell's best), state_size, params, final_loss, train_seconds,
+    steps (trained), partial (the budget stopped it first), loss_curve ([[step, mean loss], ...]
+    over 24 windows).
+    info: {"complete": bool, "skipped_cells": [...], "partial_cells": [...], "elapsed_s": float,
+    "cells": int}.
+    With `max_minutes` no cell starts past the budget, and the cell running when it passes
+    stops there and is tested as trained (its rows marked partial); the rest are skipped.
   """
   say = log or (lambda m: print(m, file=sys.stderr, flush=True))
   overrides = dict(model_overrides or {})
@@ -415,22 +426,19 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
       test_data = synthetic.mqar(vocab, t, n, count=test_examples, seed=seed + 1, power=power)
       data_key = (t, n)
     cfg = sweep_model_config(mixer, d, vocab, **overrides)
-    try:
-      run = train_mqar_lrs(cfg, task, lrs, settings, seed=seed, train_data=train_data,
-                           deadline=deadline)
-    except BudgetExceeded as e:
-      skipped = cells[i:]
-      say(f"[mqar] {mixer} d={d} T={t} N={n}: {e}; {len(skipped)} of {len(cells)} cells not run")
-      break
+    run = train_mqar_lrs(cfg, task, lrs, settings, seed=seed, train_data=train_data,
+                         deadline=deadline)
     accs = run.accuracies(*test_data)
     finite = [a if math.isfinite(run.losses[-1, j]) else -1.0 for j, a in enumerate(accs)]
     best = int(np.argmax(finite))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(run.models[0])))
+    curve = run.loss_curve()
     for j, lr in enumerate(run.lrs):
       row = dict(mixer=mixer, d_model=d, seq_len=t, num_pairs=n, lr=lr, accuracy=accs[j],
                  best=j == best, state_size=state_size(cfg, t), params=int(params),
                  final_loss=float(np.mean(run.losses[-max(1, settings.chunk):, j])),
-                 train_seconds=run.seconds)
+                 train_seconds=run.seconds, steps=run.steps, partial=run.partial,
+                 loss_curve=[[pt[0], pt[1 + j]] for pt in curve])
       rows.append(row)
       if on_row is not None:
         on_row(row)
@@ -441,7 +449,17 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
         f"{accs[best]:.3f} (lr {run.lrs[best]:g}), {run.seconds:.1f}s (first call "
         f"{run.first_call_seconds:.1f}s), {run.examples_per_s:,.0f} ex/s; elapsed "
         f"{_fmt_time(elapsed)}, eta {_fmt_time((total_tokens - done_tokens) / max(rate, 1e-9))}")
-  info = {"complete": not skipped, "skipped_cells": [list(c) for c in skipped],
+    if run.partial:
+      skipped = cells[i + 1:]
+      say(f"[mqar] time budget of {max_minutes} min reached at step {run.steps}/"
+          f"{settings.total_steps} of this cell (its rows say partial); {len(skipped)} of "
+          f"{len(cells)} cells not run")
+      break
+  partial_cells = sorted({(r["seq_len"], r["num_pairs"], r["d_model"], r["mixer"])
+                          for r in rows if r["partial"]})
+  info = {"complete": not skipped and not partial_cells,
+          "skipped_cells": [list(c) for c in skipped],
+          "partial_cells": [list(c) for c in partial_cells],
           "elapsed_s": time.perf_counter() - start, "cells": len(cells)}
   return rows, info
 
