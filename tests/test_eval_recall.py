@@ -113,6 +113,26 @@ def test_a_deadline_stops_the_run_after_its_first_call_and_keeps_it():
   assert len(cut.loss_curve()) == 4  # never more windows than steps
 
 
+def test_decay_horizons_read_the_gate_parameters():
+  # Oracle: 1 / (exp(A_log) softplus(dt_bias)) from the parameters in numpy, pooled over layers.
+  for mixer in ("gdn", "kda"):
+    cfg = _tiny_config(mixer).replace(gate_init="long")
+    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    want = []
+    for block in model.blocks:
+      a, dt = np.asarray(block.mixer.A_log[...]), np.asarray(block.mixer.dt_bias[...])
+      a = a if dt.ndim == a.ndim else a[..., None]
+      want.append(np.ravel(1.0 / (np.exp(a) * np.log1p(np.exp(dt))) + 0 * a))
+    want = np.concatenate(want)
+    got = recall.decay_horizons(model)
+    np.testing.assert_allclose([got["horizon_p10"], got["horizon_median"], got["horizon_p90"]],
+                               np.percentile(want, [10, 50, 90]), rtol=1e-5)
+    # "long": dt ~ LogU(1e-4, 1e-3), A ~ U(1, 16): horizons of 60 to 10^4 tokens.
+    assert 60 <= got["horizon_p10"] < got["horizon_median"] < got["horizon_p90"] <= 1e4, got
+  assert recall.decay_horizons(LanguageModel(_tiny_config("deltanet"), rngs=nnx.Rngs(0))) is None
+  assert recall.decay_horizons(LanguageModel(_tiny_config("softmax"), rngs=nnx.Rngs(0))) is None
+
+
 def test_mqar_table_entries_say_steps_and_cut_runs():
   from experiments import eval_recall
   row = dict(mixer="gdn", d_model=64, seq_len=16, num_pairs=2, lr=1e-3, accuracy=0.5,
@@ -196,6 +216,7 @@ def test_eval_program_table(tmp_path, monkeypatch):
   for r in payload["rows"]:   # 10 steps, none cut short; the curve ends at the last step
     assert (r["steps"], r["partial"], r["loss_curve"][-1][0]) == (10, False, 10)
     assert len(r["loss_curve"]) == 10 and all(math.isfinite(x) for _, x in r["loss_curve"])
+    assert r["decay_horizons"] is None   # softmax, DeltaNet: no decay
   assert os.path.getsize(workdir / "mqar.png") > 0
   assert len((workdir / "mqar_rows.jsonl").read_text().splitlines()) == 4
   # Merging: these rows and a later file that re-runs one (softmax, N = 2) LR cell and adds a

@@ -36,6 +36,7 @@ import optax
 from flax import nnx
 
 from lineax_attn.data import synthetic
+from lineax_attn.layers import gates as gates_lib
 from lineax_attn.models import losses as losses_lib
 from lineax_attn.models.config import SOFTMAX, ModelConfig
 from lineax_attn.models.lm import LanguageModel
@@ -367,6 +368,26 @@ def sweep_model_config(mixer: str, d_model: int, vocab: int, **overrides) -> Mod
   return ModelConfig(**values)
 
 
+def decay_horizons(model: nnx.Module) -> dict[str, float] | None:
+  """Percentiles (10, 50, 90) over every head / channel of every gated mixer layer of the
+  memory horizon at zero gate input, −1 / g with g = log_decay(0, A_log, dt_bias): the tokens
+  over which a key keeps 1/e of itself when the input does not move the gate. None without a
+  decay. Read after training it says whether the gates kept a long memory or learnt to forget
+  (the data-dependent part of g is left out: a summary of the parameters, not of a sequence)."""
+  horizons = []
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module) and hasattr(node, "A_log") and hasattr(node, "dt_bias"):
+      a_log, dt_bias = node.A_log[...], node.dt_bias[...]
+      a_log = a_log if dt_bias.ndim == a_log.ndim else a_log[..., None]
+      g = gates_lib.log_decay(jnp.zeros(()), a_log, dt_bias,
+                              getattr(node, "gate_lower_bound", None))
+      horizons.append(np.ravel(-1.0 / np.minimum(np.asarray(g), -1e-30)))
+  if not horizons:
+    return None
+  p10, p50, p90 = np.percentile(np.concatenate(horizons), [10, 50, 90])
+  return {"horizon_p10": float(p10), "horizon_median": float(p50), "horizon_p90": float(p90)}
+
+
 def _fmt_time(seconds: float) -> str:
   seconds = max(0, int(round(seconds)))
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
@@ -388,7 +409,7 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
     (rows, info). rows: one per (cell, lr): mixer, d_model, seq_len, num_pairs, lr, accuracy,
     best (whether this LR is the cell's best), state_size, params, final_loss, train_seconds,
     steps (trained), partial (the budget stopped it first), loss_curve ([[step, mean loss], ...]
-    over 24 windows).
+    over 24 windows), decay_horizons (`decay_horizons` of the trained model, None ungated).
     info: {"complete": bool, "skipped_cells": [...], "partial_cells": [...], "elapsed_s": float,
     "cells": int}.
     With `max_minutes` no cell starts past the budget, and the cell running when it passes
@@ -438,7 +459,8 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
                  best=j == best, state_size=state_size(cfg, t), params=int(params),
                  final_loss=float(np.mean(run.losses[-max(1, settings.chunk):, j])),
                  train_seconds=run.seconds, steps=run.steps, partial=run.partial,
-                 loss_curve=[[pt[0], pt[1 + j]] for pt in curve])
+                 loss_curve=[[pt[0], pt[1 + j]] for pt in curve],
+                 decay_horizons=decay_horizons(run.models[j]))
       rows.append(row)
       if on_row is not None:
         on_row(row)
