@@ -14,7 +14,9 @@ the same round*, whose median and range say whether a difference outlives the dr
 Variants: `pallas_gpu`, `triton`, `chunk` (ours), `triton:batched` / `triton:tiles` (ours with
 the delta-rule intra forward's inverse forced: `blocks.INTRA_INVERSES`), ours with a
 `GpuTuning` after `@` (`GpuTuning.parse`'s fields, `;`-separated, e.g.
-`pallas_gpu@state_pass=triton`), `jla`, `fla`. The
+`pallas_gpu@state_pass=triton`), ours with the Triton kernels' custom call forced after `+`
+(`triton+ffi`: XLA's typed-FFI Triton target, which command buffers take; `+legacy`:
+jax-triton's own; `pallas_kernels.gpu.triton.ffi_call`), `jla`, `fla`. The
 inverse is a keyword of the kernel wrapper, not of `GpuTuning`; the variant swaps the module's
 `intra_chunk_fwd` for one with that keyword while it is traced, and clears JAX's caches before
 each trace so no variant reuses another's program.
@@ -74,6 +76,22 @@ def forced_inverse(inverse: str | None):
     intra_chunk.intra_chunk_fwd = original
 
 
+@contextlib.contextmanager
+def forced_call_target(call_target: str | None):
+  """While active, the Triton kernels lower to `call_target`'s custom call (`blocks.CALL_TARGET`;
+  the step is compiled inside, so the choice is baked into its program)."""
+  if call_target is None:
+    yield
+    return
+  from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
+  original = blocks.CALL_TARGET
+  blocks.CALL_TARGET = call_target
+  try:
+    yield
+  finally:
+    blocks.CALL_TARGET = original
+
+
 def jax_step(fn, args):
   """A compiled fn and a zero-argument call of it that waits for its result."""
   jax.clear_caches()
@@ -122,24 +140,30 @@ def fla_step(mixer, mode, np_in):
   return step
 
 
-def parse_variant(variant: str) -> tuple[str, str | None, ops.GpuTuning | None]:
-  """"impl[:inverse][@field=value;...]" -> (impl, inverse or None, GpuTuning or None)."""
+def parse_variant(variant: str) -> tuple[str, str | None, ops.GpuTuning | None, str | None]:
+  """"impl[:inverse][@field=value;...][+call_target]" -> (impl, inverse, GpuTuning,
+  call_target), each None where not given. call_target: `blocks.CALL_TARGETS`, the custom call
+  the Triton kernels lower to (e.g. `triton+ffi`)."""
+  variant, _, call_target = variant.partition("+")
   head, _, tuning_text = variant.partition("@")
   impl, _, inverse = head.partition(":")
   ours = impl in ("pallas_gpu", "triton", "chunk")
-  if (inverse or tuning_text) and not ours:
-    raise ValueError(f"--variants: {variant!r}: only our implementations take an inverse or "
-                     "a tuning")
+  if (inverse or tuning_text or call_target) and not ours:
+    raise ValueError(f"--variants: {variant!r}: only our implementations take an inverse, "
+                     "a tuning or a call target")
   tuning = ops.GpuTuning.parse(tuning_text.replace(";", ",")) if tuning_text else None
   if tuning is not None and impl == "chunk":
     raise ValueError(f"--variants: {variant!r}: chunk takes no GpuTuning")
-  return impl, inverse or None, tuning
+  if call_target and call_target not in ("legacy", "ffi"):
+    raise ValueError(f"--variants: call target {call_target!r} is not 'legacy' or 'ffi'")
+  return impl, inverse or None, tuning, call_target or None
 
 
 def make_step(variant, mixer, mode, np_in):
-  impl, inverse, tuning = parse_variant(variant)
+  impl, inverse, tuning, call_target = parse_variant(variant)
   if impl in ("pallas_gpu", "triton", "chunk"):
-    return ours_step(mixer, impl, inverse, mode, np_in, tuning)
+    with forced_call_target(call_target):
+      return ours_step(mixer, impl, inverse, mode, np_in, tuning)
   if impl == "jla":
     return jla_step(mixer, mode, np_in)
   if impl == "fla":

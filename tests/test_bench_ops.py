@@ -264,8 +264,15 @@ def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():
     bench_ab.make_step("fla:batched", "delta_rule", "fwd", None)
   with pytest.raises(ValueError, match="only our implementations"):
     bench_ab.make_step("jla@state_pass=triton", "delta_rule", "fwd", None)
-  assert bench_ab.parse_variant("triton:tiles") == ("triton", "tiles", None)
+  assert bench_ab.parse_variant("triton:tiles") == ("triton", "tiles", None, None)
   assert bench_ab.parse_variant("pallas_gpu@state_pass=triton;remat_intra=false") == (
-      "pallas_gpu", None, ops.GpuTuning(state_pass="triton", remat_intra=False))
+      "pallas_gpu", None, ops.GpuTuning(state_pass="triton", remat_intra=False), None)
+  assert bench_ab.parse_variant("triton:tiles+ffi") == ("triton", "tiles", None, "ffi")
+  assert bench_ab.parse_variant("pallas_gpu@state_pass=triton+legacy") == (
+      "pallas_gpu", None, ops.GpuTuning(state_pass="triton"), "legacy")
+  with pytest.raises(ValueError, match="call target"):
+    bench_ab.parse_variant("triton+cuda_graph")
+  with pytest.raises(ValueError, match="only our implementations"):
+    bench_ab.parse_variant("jla+ffi")
   with pytest.raises(ValueError, match="state_pass"):
     bench_ab.parse_variant("pallas_gpu@state_pass=cuda")

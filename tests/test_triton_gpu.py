@@ -588,3 +588,33 @@ def test_op_gradients_with_fused_channel_grads_match_scan(mixer, implementation)
   want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
   for i, (g_, w) in enumerate(zip(got, want)):
     assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} fused grads, grad {i}")
+
+
+@pytest.mark.parametrize("mixer", ["gated_delta_rule", "kda"])
+def test_ffi_call_target_lowers_to_the_typed_ffi_handler_and_matches_scan(monkeypatch, mixer):
+  # blocks.CALL_TARGET="ffi": every Triton kernel of the op lowers to jaxlib's typed-FFI
+  # "triton_kernel_call_ffi" (which XLA's command buffers take) instead of jax-triton's legacy
+  # call, and the op still matches the scan, forward and every gradient, with segments.
+  from pallas_kernels.gpu.triton import blocks, ffi_call
+  if triton_gpu.interpreted():
+    pytest.skip("the interpreter runs kernels by host callback: there is no custom call")
+  if not ffi_call.ffi_target_available():
+    pytest.skip("this jaxlib has no typed-FFI Triton handler")
+  monkeypatch.setattr(blocks, "CALL_TARGET", "ffi")
+  args, kw = make_inputs(mixer, b=1, t=150, h=1, hv=2, dk=64, dv=64, seed=6)
+  s0 = kw["initial_state"]
+  seg = jnp.asarray(np.repeat([[1, 2]], [90, 60]))[None]
+  fwd = lambda *a: run(mixer, a[:-1], initial_state=a[-1], output_final_state=True,
+                       segment_ids=seg, implementation="triton")
+  hlo = jax.jit(fwd).lower(*args, s0).as_text()
+  assert "triton_kernel_call_ffi" in hlo and '@triton_kernel_call"' not in hlo
+  assert "@triton_kernel_call(" not in hlo
+  want_o, want_s = run(mixer, args, initial_state=s0, output_final_state=True,
+                       segment_ids=seg, implementation="scan")
+  o, s = jax.jit(fwd)(*args, s0)
+  assert_close(o, want_o, FWD_TOL, f"{mixer} o")
+  assert_close(s, want_s, FWD_TOL, f"{mixer} final state")
+  got = output_and_state_grads(mixer, args, s0, "triton")
+  want = output_and_state_grads(mixer, args, s0, "scan")
+  for i, (g_, w) in enumerate(zip(got, want)):
+    assert_close(g_, w, GRAD_TOL, f"{mixer} grad {i} (ffi call target)")

@@ -183,3 +183,12 @@ def intra_supported(kind: str, chunk: int, dk: int, dv: int) -> str | None:
     return (f"head dims K={dk}, V={dv} (the Triton {kind} intra-chunk kernels need "
             f"{' or '.join(map(str, INTRA_HEAD_DIMS))})")
   return None
+
+
+# The custom call the kernels lower to (`ffi_call`): "legacy" is jax-triton 0.3.1's own
+# ("triton_kernel_call", which XLA never puts into a command buffer, so every Triton kernel
+# splits the op's CUDA graph); "ffi" is jaxlib's typed-FFI twin "triton_kernel_call_ffi", which
+# XLA's command buffers can take (where the running jaxlib lacks it, "ffi" falls back to
+# "legacy"). Read at trace time. Not timed yet on the H200: `bench_ab` variant `triton+ffi`.
+CALL_TARGETS = ("legacy", "ffi")
+CALL_TARGET = "legacy"

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 
 import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from pallas_kernels.gpu.triton import blocks
+from pallas_kernels.gpu.triton import blocks, ffi_call
 
 MM_DTYPE = jnp.bfloat16
 
@@ -131,7 +132,11 @@ def _jax_triton():
     os.environ.pop("TRITON_CACHE_DIR", None)
   else:
     os.environ["TRITON_CACHE_DIR"] = saved
-  return jax_triton
+  # Which custom call the kernels lower to (`blocks.CALL_TARGET`, read at trace time).
+  target = ffi_call.triton_call_kwargs(blocks.CALL_TARGET)
+  if not target:
+    return jax_triton
+  return types.SimpleNamespace(triton_call=functools.partial(jax_triton.triton_call, **target))
 
 
 def _structs(*shapes_dtypes):
