@@ -241,7 +241,8 @@ def _row_files(paths: list[str]) -> list[str]:
 
 def merge_rows(files: list[str]) -> list[dict]:
   """The rows of several `mqar_rows.jsonl` files as one sweep: a (mixer, d_model, T, N, lr) row
-  read later replaces an earlier one (a re-run cell), and each cell's best LR is chosen anew
+  read later replaces an earlier one (a re-run cell), unless it is partial (cut by a time
+  budget) and the earlier one is not; each cell's best LR is chosen anew
   over every LR any file has for it (highest accuracy; the first of a tie)."""
   by_key = {}
   for path in files:
@@ -255,6 +256,8 @@ def merge_rows(files: list[str]) -> list[dict]:
           float(row["accuracy"])
         except (ValueError, KeyError, TypeError) as e:
           raise ValueError(f"{path}:{number}: not an MQAR row ({e})") from e
+        if row.get("partial") and key in by_key and not by_key[key].get("partial"):
+          continue   # a run the budget cut short never replaces a finished one
         by_key[key] = dict(row, source=path)   # a replaced row keeps its first place
   rows = list(by_key.values())
   best = {}

@@ -241,6 +241,12 @@ def test_eval_program_table(tmp_path, monkeypatch):
   n2 = lines[2].split("|")
   assert n2[4].strip().startswith("0.875 (") and n2[6].strip().startswith("0.500 (")
   assert [r["best"] for r in rows if r["mixer"] == "gdn"] == [True, False]
+  # A later row cut short by a time budget does not replace a finished one.
+  cut = tmp_path / "cut" / "mqar_rows.jsonl"
+  cut.parent.mkdir()
+  cut.write_text(json.dumps(dict(rerun, accuracy=0.0, partial=True, steps=5)) + "\n")
+  merged = eval_recall.merge_rows([str(extra), str(cut)])
+  assert [r["accuracy"] for r in merged if r["mixer"] == "softmax"] == [0.875]
   with pytest.raises(SystemExit):
     eval_recall.main(eval_recall.parse_flags(
         ["eval_recall", f"--merge_rows={tmp_path / 'missing'}", f"--workdir={merged_dir}"]))

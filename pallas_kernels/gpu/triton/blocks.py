@@ -189,6 +189,8 @@ def intra_supported(kind: str, chunk: int, dk: int, dv: int) -> str | None:
 # ("triton_kernel_call", which XLA never puts into a command buffer, so every Triton kernel
 # splits the op's CUDA graph); "ffi" is jaxlib's typed-FFI twin "triton_kernel_call_ffi", which
 # XLA's command buffers can take (where the running jaxlib lacks it, "ffi" falls back to
-# "legacy"). Read at trace time. Not timed yet on the H200: `bench_ab` variant `triton+ffi`.
+# "legacy"). Read at trace time. Timed on the H200 (docs/BENCHMARKS.md, "eleventh stage"):
+# no difference in the op's time (each call is GPU-bound), so the default stays the call the
+# whole compiled test file ran on.
 CALL_TARGETS = ("legacy", "ffi")
 CALL_TARGET = "legacy"
