@@ -100,3 +100,21 @@ def test_state_pass_choice_is_checked_and_needs_the_triton_extra():
   else:
     with pytest.raises(ValueError, match="state_pass='mosaic'"):
       pallas_gpu.state_kernels(triton_asked, "mosaic")
+
+
+def test_forward_choice_is_checked_and_needs_the_triton_extra():
+  # GpuTuning.forward: "split" (default) or "fused"; "fused" runs Triton kernels on either GPU
+  # implementation, so without the extra (here: no CUDA GPU) it is refused, never dropped.
+  from lineax_attn.ops import pallas_gpu, triton_gpu
+  assert ops.GpuTuning().forward == "split"
+  assert ops.GpuTuning.parse("forward=fused").forward == "fused"
+  with pytest.raises(ValueError, match="forward"):
+    ops.GpuTuning(forward="fast")
+  fused = ops.GpuTuning(forward="fused")
+  assert not pallas_gpu.fused_forward_applies(ops.GpuTuning(), 128, 128, 64)
+  if triton_gpu.available():
+    assert pallas_gpu.fused_forward_applies(fused, 128, 128, 64)
+    assert not pallas_gpu.fused_forward_applies(fused, 256, 128, 64)  # K > 128: the split
+  else:
+    with pytest.raises(ValueError, match="forward='split'"):
+      pallas_gpu.fused_forward_applies(fused, 128, 128, 64)

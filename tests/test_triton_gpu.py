@@ -618,3 +618,73 @@ def test_ffi_call_target_lowers_to_the_typed_ffi_handler_and_matches_scan(monkey
   want = output_and_state_grads(mixer, args, s0, "scan")
   for i, (g_, w) in enumerate(zip(got, want)):
     assert_close(g_, w, GRAD_TOL, f"{mixer} grad {i} (ffi call target)")
+
+
+_FUSED_CASES = [("triton", "gated_delta_rule"), ("triton", "delta_rule"),
+                ("pallas_gpu", "gated_delta_rule")]
+
+
+@pytest.mark.parametrize("implementation,mixer", _FUSED_CASES)
+def test_fused_forward_matches_scan_and_leaves_gradients_to_the_split(monkeypatch,
+                                                                      implementation, mixer):
+  # GpuTuning(forward="fused"): the undifferentiated call runs the two fused-forward kernels
+  # (and neither the intra-chunk kernel nor the state pass); with GVA, packed segments, a tail,
+  # an initial and a final state and the write residual it matches the scan. Under jax.grad the
+  # split path runs, and every gradient matches the scan too.
+  from pallas_kernels.gpu.triton import fused_forward as ff
+  if implementation == "pallas_gpu" and not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
+    pytest.skip("pallas_gpu needs a Hopper GPU")
+  calls = {"fused": 0, "split": 0}
+  fused_fn = ff.fused_forward
+  monkeypatch.setattr(ff, "fused_forward", lambda *a, **k: (
+      calls.__setitem__("fused", calls["fused"] + 1), fused_fn(*a, **k))[1])
+  for module in (tsp, sp):
+    fn = module.state_passing_fwd
+    monkeypatch.setattr(module, "state_passing_fwd", lambda *a, _fn=fn, **k: (
+        calls.__setitem__("split", calls["split"] + 1), _fn(*a, **k))[1])
+  tuning = ops.GpuTuning(forward="fused")
+  args, kw = make_inputs(mixer, b=2, t=150, h=1, hv=2, dk=64, dv=64, seed=7)
+  s0 = kw["initial_state"]
+  seg = jnp.asarray(np.stack([np.repeat([1, 2, 3], [40, 70, 40]), np.repeat([4, 5], [110, 40])]))
+  want = run(mixer, args, initial_state=s0, output_final_state=True, segment_ids=seg,
+             return_residual=True, implementation="scan")
+  got = jax.jit(lambda *a: run(mixer, a[:-1], initial_state=a[-1], output_final_state=True,
+                               segment_ids=seg, return_residual=True,
+                               implementation=implementation, tuning=tuning))(*args, s0)
+  assert calls == {"fused": 1, "split": 0}, calls
+  for name, g_, w in zip(("o", "final state", "residual"), got, want):
+    assert_close(g_, w, FWD_TOL, f"{implementation} {mixer} {name}")
+  grads = output_and_state_grads(mixer, args, s0, implementation, tuning=tuning)
+  assert calls["split"] >= 1, calls   # the forward rule took the split path
+  for i, (g_, w) in enumerate(zip(grads, output_and_state_grads(mixer, args, s0, "scan"))):
+    assert_close(g_, w, GRAD_TOL, f"{implementation} {mixer} grad {i} (forward='fused')")
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 128])
+def test_fused_forward_at_the_edges_of_t(t):
+  args, _ = make_inputs("gated_delta_rule", b=2, t=t, h=2, dk=64, dv=64, seed=8,
+                        with_state=False)
+  want = run("gated_delta_rule", args, implementation="scan")[0]
+  tuning = ops.GpuTuning(forward="fused")
+  got = jax.jit(lambda *a: run("gated_delta_rule", a, implementation="triton",
+                               tuning=tuning)[0])(*args)
+  assert_close(got, want, FWD_TOL, f"fused forward T={t}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fused_forward_at_k_128_with_minus_1e4_gates(dtype):
+  # The head dims of the benchmark (K = V = 128: BLOCK_V 64, two V-tiles), a full reset by
+  # −1e4 log gates inside the first chunk, bf16 and float32 inputs: finite, and the scan's.
+  args, kw = make_inputs("gated_delta_rule", b=1, t=200, h=2, dk=128, dv=128, seed=9)
+  args = [a.astype(dtype) for a in args[:3]] + list(args[3:])
+  g = np.array(args[3])
+  g[:, 40:50] = -1e4
+  args[3] = jnp.asarray(g)
+  tuning = ops.GpuTuning(forward="fused")
+  got = run("gated_delta_rule", args, **kw, implementation="triton", output_final_state=True,
+            tuning=tuning)
+  want = run("gated_delta_rule", args, **kw, implementation="scan", output_final_state=True)
+  assert got[0].dtype == dtype
+  for name, x, w in zip(("o", "final_state"), got, want):
+    assert np.isfinite(np.asarray(x, np.float32)).all(), f"{name} not finite"
+    assert_close(x.astype(jnp.float32), w.astype(jnp.float32), FWD_TOL, f"{name}, {dtype}")

@@ -18,6 +18,7 @@ PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
 STATE_PASS_CHOICES = ("mosaic", "triton")
+FORWARD_CHOICES = ("split", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,14 @@ class GpuTuning:
       on the H200 the Triton pass took 0.281 / 0.383 ms forward / reverse against Mosaic's
       0.456 / 0.430 (docs/BENCHMARKS.md "sixth stage"); the whole op with it is not timed yet,
       so the default stays "mosaic". The Triton path always runs its own.
+    forward: how DeltaNet / GDN (with the intra kernels) compute a call that is not
+      differentiated (evaluation, prefill; `jax.grad` and friends always take the split path,
+      whose residuals the backward uses): "split" (the default: the intra-chunk kernel, then
+      the state pass) or "fused" (`pallas_kernels.gpu.triton.fused_forward`: a gate-free
+      inverse per chunk, then one chunk walk that applies it with the decay on the fly; only
+      one C × C bf16 matrix a chunk goes through HBM). Triton kernels on either
+      implementation (a ValueError without the triton extra); K > 128 keeps "split". Not timed
+      yet (issue #17).
   """
 
   intra: str = "kernel"
@@ -98,6 +107,7 @@ class GpuTuning:
   channel_grads: str = "kernel"
   intra_grads: str = "auto"
   state_pass: str = "mosaic"
+  forward: str = "split"
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
@@ -106,7 +116,8 @@ class GpuTuning:
                           ("channel_intra", CHANNEL_INTRA_CHOICES),
                           ("channel_grads", CHANNEL_GRADS_CHOICES),
                           ("intra_grads", INTRA_GRADS_CHOICES),
-                          ("state_pass", STATE_PASS_CHOICES)):
+                          ("state_pass", STATE_PASS_CHOICES),
+                          ("forward", FORWARD_CHOICES)):
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")

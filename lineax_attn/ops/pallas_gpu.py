@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from lineax_attn.ops import api
 from lineax_attn.ops import chunked
 from lineax_attn.ops import specs
-from lineax_attn.ops.gpu_chunks import from_chunks, segment_masks, to_chunks
+from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, segment_masks, to_chunks
 # Re-exported: `pallas_gpu.X` stays the public spelling of these (api, benchmarks, tests, docs).
 from lineax_attn.ops.gpu_prepare import (channel_intra_kernel, channel_kernel_applies,
                                          prepare_chunks)
@@ -159,6 +159,59 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, ker
   return from_chunks(o), from_chunks(e), s_final
 
 
+def fused_forward_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int) -> bool:
+  """Whether a DeltaNet / GDN call on the intra-kernel path computes its undifferentiated
+  forward with `pallas_kernels.gpu.triton.fused_forward` (`GpuTuning.forward="fused"`; sizes it
+  does not take keep the split). ValueError where the triton extra cannot run."""
+  if tuning.forward != "fused":
+    return False
+  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+  if not triton_gpu.available():
+    raise ValueError("GpuTuning(forward='fused') needs the triton extra (missing: "
+                     f"{', '.join(triton_gpu.missing_packages()) or 'none'}) and a CUDA GPU "
+                     f"(backend: {jax.default_backend()}); use forward='split'.")
+  from pallas_kernels.gpu.triton import fused_forward as ff  # pylint: disable=g-import-not-at-top
+  return ff.supported(chunk_size, dk, dv) is None
+
+
+# The undifferentiated call runs the fused forward; under differentiation the custom VJP's
+# forward rule runs the split (intra kernel, state pass) through `jax.vjp` and keeps its VJP
+# function as the residual, so the backward is exactly the split's.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _fused_or_split(q, k, v, beta, g, s0, segidx, scale, c, interpret, kernels, fused_grads,
+                    state):
+  del interpret, kernels, fused_grads, state
+  from pallas_kernels.gpu.triton import fused_forward as ff  # pylint: disable=g-import-not-at-top
+  b, t, hv = v.shape[:3]
+  gflat = None
+  if g is not None:
+    G, _ = chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))
+    gflat = G.reshape(b, hv, t)
+  segments = None if segidx is None else kernel_segments(segidx, c)
+  return ff.fused_forward(q, k, v, jnp.moveaxis(beta.astype(_F32), 1, 2), gflat, s0, segments,
+                          scale=float(scale), gated=g is not None)
+
+
+def _split_closure(segidx, scale, c, interpret, kernels, fused_grads, state):
+  return lambda q, k, v, beta, g, s0: _core_intra_kernel(
+      q, k, v, beta, g, s0, segidx, scale=scale, c=c, interpret=interpret, kernels=kernels,
+      fused_grads=fused_grads, state=state)
+
+
+def _fused_or_split_fwd(q, k, v, beta, g, s0, segidx, scale, c, interpret, kernels, fused_grads,
+                        state):
+  split = _split_closure(segidx, scale, c, interpret, kernels, fused_grads, state)
+  out, vjp_fn = jax.vjp(split, q, k, v, beta, g, s0)
+  return out, vjp_fn
+
+
+def _fused_or_split_bwd(scale, c, interpret, kernels, fused_grads, state, vjp_fn, cts):
+  return (*vjp_fn(cts), None)
+
+
+_fused_or_split.defvjp(_fused_or_split_fwd, _fused_or_split_bwd)
+
+
 def _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) -> bool:
   return (tuning.intra == "kernel" and specs.resolve(mixer).gpu_intra_kernel
           and kernel_module(kernels, "intra").supported(chunk_size, dk, dv) is None)
@@ -209,10 +262,15 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   interpret = interpret_params() if kernels == "mosaic" else None
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
-    o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
-                                       scale=scale, c=c, interpret=interpret, kernels=kernels,
-                                       fused_grads=fused_intra_grads(tuning, g is not None),
-                                       state=state_kernels(tuning, kernels))
+    split_kw = dict(scale=scale, c=c, interpret=interpret, kernels=kernels,
+                    fused_grads=fused_intra_grads(tuning, g is not None),
+                    state=state_kernels(tuning, kernels))
+    if fused_forward_applies(tuning, dk, dv, chunk_size):
+      o, e, s_final = _fused_or_split(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
+                                      *split_kw.values())
+    else:
+      o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
+                                         **split_kw)
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
   q = jnp.repeat(q, n_rep, axis=2) * scale

@@ -194,3 +194,13 @@ def intra_supported(kind: str, chunk: int, dk: int, dv: int) -> str | None:
 # whole compiled test file ran on.
 CALL_TARGETS = ("legacy", "ffi")
 CALL_TARGET = "legacy"
+
+
+def fused_walk_launch(dk: int, dv: int, *, hopper: bool = False) -> tuple[int, int, int]:
+  """(BLOCK_V, warps, pipeline stages) of `fused_forward`'s chunk walk (K <= 128). Its tiles per
+  chunk are the state pass forward's less one [C, K] operand plus T0: the state pass's launch,
+  with 2 stages on Hopper (3 stages of q, k, v and T0 are untried there). Not timed yet."""
+  if dk > 128:
+    raise ValueError(f"fused_walk_launch: K={dk} > 128 is not taken by the fused forward")
+  bv, warps, stages = state_launch(dk, dv, hopper=hopper)
+  return bv, warps, min(stages, 2)

@@ -1,0 +1,170 @@
+"""A fused forward of the delta rule (DeltaNet, GDN) in two Triton kernels, for calls that need no
+gradient (evaluation, prefill): the first brick of issue #17's v2 design.
+
+The split of `intra_chunk` + `state_pass` computes, per chunk, the pseudo-value factors
+NY = −M (k ⊙ β e), U = M (v ⊙ β), the gated queries / keys QG, KG and the masked scores P in a
+parallel kernel, writes them to HBM (~73 KB a chunk and head at K = V = 128) and reads them
+back in the chunk walk. Here only one C × C matrix a chunk leaves the chip:
+
+1. `_t0_kernel`, one program per (chunk, batch · value head): the gate-free inverse
+   T0 = (I + diag(β) strict(k kᵀ))^{-1} (same segment only when packed), built as the intra
+   kernel builds M (`intra_chunk._batched_unit_lower_inverse`), stored in bf16.
+2. `_walk_kernel`, one program per (V-tile, batch · value head), walks the chunks with the
+   float32 state tile S [K, BLOCK_V] in registers. The gated inverse is T0 with the decay
+   applied on the fly: with D = diag(e^{G}), L = D L0 D^{-1}, so M = (I + L)^{-1} = D T0 D^{-1},
+   M_ij = T0_ij · Γ_ij (Γ_ij = e^{G_i − G_j} ≤ 1 for i ≥ j: no overflow). Per chunk:
+
+       R = v − e ⊙ (k S)                   E = (M diag β) R      (E = U + NY·S of the split)
+       O = s e ⊙ (q S) + (s q kᵀ ⊙ Γ) E      S' = γ S + (k ⊙ x)ᵀ E
+
+   with e = e^{G} (entry), x = e^{G_C − G} (exit), γ = e^{G_C} (zeroed where a segment starts
+   inside the chunk, as the split does). O and E are stored straight into the op's
+   `[B, T, HV, V]` layout (no transpose after), float32 like the split's.
+
+Products take bf16 operands and float32 accumulators, as the split's kernels; the difference
+from the split is where the bf16 roundings fall (here R and M diag β are rounded, there U, NY
+and M), not how many there are. K ≤ 128 (the walk holds q and k of a chunk whole).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels.gpu.triton import blocks
+from pallas_kernels.gpu.triton.intra_chunk import (_batched_unit_lower_inverse, _chunk_index,
+                                                   _gamma, _ungated_gamma)
+from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _on_hopper, _structs
+
+HEAD_DIMS_K = (16, 32, 64, 128)
+
+
+@triton.jit
+def _t0_kernel(k_ptr, beta_ptr, seg_ptr, t, t0_ptr,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+               BK: tl.constexpr, PACKED: tl.constexpr, PREC: tl.constexpr):
+  rc, rows, qk_base, _, vec0, chunk = _chunk_index(t, H, HV, K, K, C)
+  ii, jj = rc[:, None], rc[None, :]
+  rb = tl.arange(0, BK)
+  kk = tl.zeros((C, C), tl.float32)
+  for s in tl.range(K // BK):
+    k = tl.load(k_ptr + qk_base + ii * (H * K) + (s * BK + rb)[None, :])
+    kk = tl.dot(k, tl.trans(k), kk)
+  beta = tl.load(beta_ptr + vec0 + rc)
+  lmat = tl.where(ii > jj, beta[:, None] * kk * _ungated_gamma(seg_ptr, rows, ii, jj, PACKED),
+                  0.0)
+  t0 = _batched_unit_lower_inverse(lmat, ii, jj, PREC)
+  tl.store(t0_ptr + chunk * C * C + ii * C + jj, t0.to(tl.bfloat16))
+
+
+@triton.jit
+def _walk_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, t0_ptr,
+                 s0_ptr, t, scale, o_ptr, e_ptr, sf_ptr,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 C: tl.constexpr, BV: tl.constexpr, PACKED: tl.constexpr, GATED: tl.constexpr,
+                 STAGES: tl.constexpr):
+  iv = tl.program_id(0)
+  bhv = tl.program_id(1)
+  b = bhv // HV
+  hv = bhv % HV
+  nc = t // C
+  rc = tl.arange(0, C)
+  rk = tl.arange(0, K)
+  rv = iv * BV + tl.arange(0, BV)
+  ii, jj = rc[:, None], rc[None, :]
+  kv = rk[:, None] * V + rv[None, :]
+  state0 = bhv.to(tl.int64) * K * V
+  s = tl.load(s0_ptr + state0 + kv)
+  for ci in tl.range(0, nc, num_stages=STAGES):
+    row0 = b.to(tl.int64) * t + ci * C
+    rows = row0 + rc
+    qk_rows = (row0 * H + hv // (HV // H)) * K + ii * (H * K) + rk[None, :]
+    v_rows = (row0 * HV + hv) * V + ii * (HV * V) + rv[None, :]
+    vec0 = bhv.to(tl.int64) * t + ci * C
+    q = tl.load(q_ptr + qk_rows)
+    k = tl.load(k_ptr + qk_rows)
+    v = tl.load(v_ptr + v_rows).to(tl.float32)
+    beta = tl.load(beta_ptr + vec0 + rc)
+    t0 = tl.load(t0_ptr + (bhv.to(tl.int64) * nc + ci) * C * C + ii * C + jj).to(tl.float32)
+    if GATED:
+      g = tl.load(g_ptr + vec0 + rc)
+      g_last = tl.load(g_ptr + vec0 + C - 1)
+      gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
+      entry = tl.exp(g)
+      exit_ = tl.exp(g_last - g)
+      gc = tl.exp(g_last)
+    else:
+      gam = _ungated_gamma(seg_ptr, rows, ii, jj, PACKED)
+      entry = tl.full((C,), 1.0, tl.float32)
+      exit_ = tl.full((C,), 1.0, tl.float32)
+      gc = 1.0
+    if PACKED:   # a segment starting in the chunk cuts the entry state and the carried state
+      cont = tl.load(cont_ptr + rows)
+      entry = entry * cont
+      exit_ = exit_ * tl.load(keep_ptr + rows)
+      gc = gc * tl.load(cont_ptr + row0 + C - 1)
+    mb = (t0 * gam * beta[None, :]).to(tl.bfloat16)          # M diag(β)
+    p = (scale * tl.dot(q, tl.trans(k)) * gam).to(tl.bfloat16)
+    s_mm = s.to(tl.bfloat16)
+    r = v - entry[:, None] * tl.dot(k, s_mm)
+    e = tl.dot(mb, r.to(tl.bfloat16))
+    e_mm = e.to(tl.bfloat16)
+    o = tl.dot(p, e_mm, (scale * entry)[:, None] * tl.dot(q, s_mm))
+    kg = (k.to(tl.float32) * exit_[:, None]).to(tl.bfloat16)
+    s = tl.dot(tl.trans(kg), e_mm, s * gc)
+    tl.store(o_ptr + v_rows, o)
+    tl.store(e_ptr + v_rows, e)
+  tl.store(sf_ptr + state0 + kv, s)
+
+
+def supported(chunk: int, dk: int, dv: int) -> str | None:
+  """None if the fused forward takes these sizes, else why not."""
+  if chunk != blocks.CHUNK:
+    return f"chunk_size={chunk} (the fused forward needs {blocks.CHUNK})"
+  if dk not in HEAD_DIMS_K:
+    return f"K={dk} (the fused forward holds q, k of a chunk whole: K in {HEAD_DIMS_K})"
+  if dv % 16 or dv > 512:
+    return f"V={dv} (a multiple of 16 up to 512)"
+  return None
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "gated"))
+def fused_forward(q, k, v, beta, g, s0, segments=None, *, scale: float, gated: bool = True):
+  """(o, e, s_final) of the delta rule's chunk form on a padded call.
+
+  q, k `[B, T, H, K]`, v `[B, T, HV, V]` (T a multiple of 64, HV a multiple of H), beta and the
+  chunk-local cumulative log gates g `[B, HV, T]` float32 (g is not read when not `gated`),
+  s0 `[B, HV, K, V]` float32, segments None or the (seg, cont, keep) rows `[B, T]` of
+  `gpu_chunks.kernel_segments`. Returns o and e `[B, T, HV, V]` float32 (the output and the
+  pseudo-values, the write residual) and s_final `[B, HV, K, V]` float32."""
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
+  reason = supported(blocks.CHUNK, dk, dv)
+  if reason:
+    raise ValueError(f"fused_forward: {reason}.")
+  if t % blocks.CHUNK or hv % h:
+    raise ValueError(f"fused_forward: T={t} must be a multiple of {blocks.CHUNK} and HV={hv} a "
+                     f"multiple of H={h}.")
+  c, nc, f32 = blocks.CHUNK, t // blocks.CHUNK, jnp.float32
+  if segments is None:   # unused pointers: the kernels read them only when PACKED
+    seg, packed = (beta,) * 3, False
+  else:
+    seg, packed = tuple(x.astype(f32) for x in segments), True
+  q, k, v = (x.astype(MM_DTYPE) for x in (q, k, v))
+  beta = beta.astype(f32)
+  (t0,) = _jax_triton().triton_call(
+      k, beta, seg[0], t, kernel=_t0_kernel,
+      out_shape=_structs(((b, hv, nc, c, c), MM_DTYPE)), grid=(nc, b * hv),
+      num_warps=blocks.INTRA_WARPS, num_stages=1, H=h, HV=hv, K=dk, C=c, BK=blocks.INTRA_BK,
+      PACKED=packed, PREC=blocks.INTRA_PRECISION)
+  bv, warps, stages = blocks.fused_walk_launch(dk, dv, hopper=_on_hopper())
+  out_shape = _structs(((b, t, hv, dv), f32), ((b, t, hv, dv), f32), ((b, hv, dk, dv), f32))
+  return tuple(_jax_triton().triton_call(
+      q, k, v, beta, beta if g is None else g.astype(f32), *seg, t0, s0.astype(f32), t,
+      float(scale), kernel=_walk_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
+      num_warps=warps, num_stages=stages, H=h, HV=hv, K=dk, V=dv, C=c, BV=bv, PACKED=packed,
+      GATED=gated, STAGES=stages))
