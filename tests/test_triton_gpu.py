@@ -621,16 +621,16 @@ def test_ffi_call_target_lowers_to_the_typed_ffi_handler_and_matches_scan(monkey
 
 
 _FUSED_CASES = [("triton", "gated_delta_rule"), ("triton", "delta_rule"),
-                ("pallas_gpu", "gated_delta_rule")]
+                ("pallas_gpu", "gated_delta_rule"), ("pallas_gpu", "delta_rule")]
 
 
 @pytest.mark.parametrize("implementation,mixer", _FUSED_CASES)
-def test_fused_forward_matches_scan_and_leaves_gradients_to_the_split(monkeypatch,
+def test_fused_path_matches_scan_forward_and_in_every_gradient(monkeypatch,
                                                                       implementation, mixer):
-  # GpuTuning(forward="fused"): the undifferentiated call runs the two fused-forward kernels
-  # (and neither the intra-chunk kernel nor the state pass); with GVA, packed segments, a tail,
-  # an initial and a final state and the write residual it matches the scan. Under jax.grad the
-  # split path runs, and every gradient matches the scan too.
+  # GpuTuning(forward="fused"): the call runs the fused kernels (T0, the walk; under jax.grad
+  # also the reverse walk and the split's intra-chunk backward), never the split's state pass;
+  # with GVA, packed segments, a tail, an initial and a final state and the write residual it
+  # matches the scan, forward and in every gradient.
   from pallas_kernels.gpu.triton import fused_forward as ff
   if implementation == "pallas_gpu" and not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
     pytest.skip("pallas_gpu needs a Hopper GPU")
@@ -655,7 +655,7 @@ def test_fused_forward_matches_scan_and_leaves_gradients_to_the_split(monkeypatc
   for name, g_, w in zip(("o", "final state", "residual"), got, want):
     assert_close(g_, w, FWD_TOL, f"{implementation} {mixer} {name}")
   grads = output_and_state_grads(mixer, args, s0, implementation, tuning=tuning)
-  assert calls["split"] >= 1, calls   # the forward rule took the split path
+  assert calls["split"] == 0 and calls["fused"] >= 2, calls
   for i, (g_, w) in enumerate(zip(grads, output_and_state_grads(mixer, args, s0, "scan"))):
     assert_close(g_, w, GRAD_TOL, f"{implementation} {mixer} grad {i} (forward='fused')")
 
@@ -688,3 +688,29 @@ def test_fused_forward_at_k_128_with_minus_1e4_gates(dtype):
   for name, x, w in zip(("o", "final_state"), got, want):
     assert np.isfinite(np.asarray(x, np.float32)).all(), f"{name} not finite"
     assert_close(x.astype(jnp.float32), w.astype(jnp.float32), FWD_TOL, f"{name}, {dtype}")
+  if dtype == jnp.float32:   # and the gradients through the fused reverse walk
+    grads = output_and_state_grads("gated_delta_rule", tuple(args), kw["initial_state"],
+                                   "triton", tuning=tuning)
+    want = output_and_state_grads("gated_delta_rule", tuple(args), kw["initial_state"], "scan")
+    for i, (g_, w) in enumerate(zip(grads, want)):
+      assert np.isfinite(np.asarray(g_)).all(), f"grad {i} not finite"
+      assert_close(g_, w, GRAD_TOL, f"grad {i} with −1e4 gates")
+
+
+def test_fused_path_gradients_through_the_write_residual():
+  # CLER routes the write residual r (= E): its cotangent enters the fused reverse walk as dE_ext.
+  args, kw = make_inputs("gated_delta_rule", b=1, t=130, h=1, hv=2, dk=64, dv=64, seed=10)
+  w_o = jax.random.normal(jax.random.key(1), args[2].shape)
+  w_r = jax.random.normal(jax.random.key(2), args[2].shape)
+
+  def loss(implementation, tuning=None):
+    def f(*a):
+      o, _, r = run("gated_delta_rule", a, initial_state=kw["initial_state"],
+                    return_residual=True, implementation=implementation, tuning=tuning)
+      return jnp.sum(o * w_o) + jnp.sum(r * w_r)
+    return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
+
+  got = loss("triton", ops.GpuTuning(forward="fused"))
+  want = loss("scan")
+  for i, (g_, w) in enumerate(zip(got, want)):
+    assert_close(g_, w, GRAD_TOL, f"grad {i} through o and the residual")

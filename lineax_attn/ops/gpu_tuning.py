@@ -85,16 +85,19 @@ class GpuTuning:
       default, `pallas_kernels.gpu.state_passing`) or "triton" (`pallas_kernels.gpu.triton.
       state_pass`, the same contract; needs the triton extra: a ValueError without it). Alone
       on the H200 the Triton pass took 0.281 / 0.383 ms forward / reverse against Mosaic's
-      0.456 / 0.430 (docs/BENCHMARKS.md "sixth stage"); the whole op with it is not timed yet,
-      so the default stays "mosaic". The Triton path always runs its own.
-    forward: how DeltaNet / GDN (with the intra kernels) compute a call that is not
-      differentiated (evaluation, prefill; `jax.grad` and friends always take the split path,
-      whose residuals the backward uses): "split" (the default: the intra-chunk kernel, then
-      the state pass) or "fused" (`pallas_kernels.gpu.triton.fused_forward`: a gate-free
-      inverse per chunk, then one chunk walk that applies it with the decay on the fly; only
-      one C × C bf16 matrix a chunk goes through HBM). Triton kernels on either
-      implementation (a ValueError without the triton extra); K > 128 keeps "split". Not timed
-      yet (issue #17).
+      0.456 / 0.430 (docs/BENCHMARKS.md "sixth stage"), but inside the whole op the two are
+      within 2 % ("tenth stage"), so the default stays "mosaic". The Triton path always runs
+      its own.
+    forward: how DeltaNet / GDN (on the intra-kernel path) compute the chunk form: "split"
+      (the default: the intra-chunk kernel writes NY, QG, P, U, KG for the state pass, whose
+      residuals the backward uses) or "fused" (`pallas_kernels.gpu.triton.fused_forward`: a
+      gate-free inverse T0 per chunk, then one chunk walk that applies T0 ⊙ Γ on the fly and
+      stores only O, E (and, for the backward, the chunk states); the backward walks the state
+      cotangent back with the same on-the-fly factors, then runs the split's intra-chunk
+      backward with M = T0 ⊙ Γ). Triton kernels on either implementation (a ValueError without
+      the triton extra); K > 128 keeps "split". Checked in Triton's interpreter against the
+      scan, forward and every gradient; not yet compiled or timed (issue #17;
+      docs/KERNELS_GPU.md "v2, first bricks").
   """
 
   intra: str = "kernel"

@@ -238,6 +238,16 @@ def _intra_kernel_bwd(scale, c, interpret, kernels, fused, gated, res, cts):
 _intra_kernel_vjp.defvjp(_intra_kernel_fwd, _intra_kernel_bwd)
 
 
+def intra_kernel_backward(res, cts, *, scale, c, interpret, kernels, fused):
+  """The intra-chunk kernels' backward outside their custom VJP, for a composition that made
+  the state pass's inputs another way (`pallas_gpu`'s fused forward): res = (q, k, v, β, G,
+  segidx, M bf16), cts = the cotangents of (NY, QG, P, U, KG); returns (dq, dk, dv, dβ, dG),
+  dG None when G is."""
+  q, _, _, _, G = res[:5]
+  del q
+  return _intra_kernel_bwd(scale, c, interpret, kernels, fused, G is not None, res, cts)[:5]
+
+
 # ----------------------------------------------------------------------------- channel pairs
 
 

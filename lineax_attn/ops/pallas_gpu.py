@@ -21,6 +21,12 @@ resources:
   a reverse kernel for the state cotangent (docs/MATH.md §3.6 steps 1-2) plus batched matmuls,
   wired as a `jax.custom_vjp`.
 
+* **Fused (DeltaNet / GDN, `GpuTuning(forward="fused")`, opt-in, untimed):** the Triton
+  kernels of `pallas_kernels.gpu.triton.fused_forward` instead of the intra-chunk kernel and
+  the state pass: a gate-free inverse T0 per chunk, a forward and a reverse chunk walk that make
+  M = T0 ⊙ Γ and the other per-chunk factors on the fly; the split's intra-chunk backward
+  (`_fused_core`).
+
 Handled: all five linear mixers, initial_state / final_state, GVA, segment_ids, T not a multiple
 of the chunk, return_residual. Needs chunk_size 64, K = 64 or 128, V a multiple of 64, and
 B·T·HV < 2^31 rows (TMA coordinates are 32-bit per dimension; docs/KERNELS_GPU.md, "Indexing
@@ -64,6 +70,7 @@ from lineax_attn.ops.gpu_tuning import (DEFAULT_TUNING, INTRA_CHOICES, PAIR_CHOI
                                         fused_intra_grads)
 from lineax_attn.ops.gpu_vjps import (interpret_params, intra_kernel, kernel_module, state_pass,
                                       vma)
+from lineax_attn.ops.gpu_vjps import intra_kernel_backward
 from pallas_kernels.gpu import state_passing as sp
 
 __all__ = ["DEFAULT_TUNING", "INTRA_CHOICES", "PAIR_CHOICES", "SOLVE_CHOICES", "GpuTuning",
@@ -174,42 +181,69 @@ def fused_forward_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int) 
   return ff.supported(chunk_size, dk, dv) is None
 
 
-# The undifferentiated call runs the fused forward; under differentiation the custom VJP's
-# forward rule runs the split (intra kernel, state pass) through `jax.vjp` and keeps its VJP
-# function as the residual, so the backward is exactly the split's.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
-def _fused_or_split(q, k, v, beta, g, s0, segidx, scale, c, interpret, kernels, fused_grads,
-                    state):
-  del interpret, kernels, fused_grads, state
+# forward="fused": the chunk form in the fused kernels of `pallas_kernels.gpu.triton.
+# fused_forward`, forward (T0, then the walk) and reverse (the state cotangent walked back with the
+# same factors made on the fly). The intra-chunk part's backward is the split's own
+# (`gpu_vjps._intra_kernel_bwd`) fed with M = T0 ⊙ Γ, so only the forward intra kernel and the
+# HBM round trips of NY, QG, P, U, KG are gone. G: the chunk cumulative gates (None ungated).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _fused_core(q, k, v, beta, G, s0, segidx, scale, c, interpret, kernels, fused_grads):
+  del interpret, kernels, fused_grads
+  return _fused_forward(q, k, v, beta, G, s0, segidx, scale, c, save_states=False)
+
+
+def _fused_forward(q, k, v, beta, G, s0, segidx, scale, c, *, save_states):
   from pallas_kernels.gpu.triton import fused_forward as ff  # pylint: disable=g-import-not-at-top
   b, t, hv = v.shape[:3]
-  gflat = None
-  if g is not None:
-    G, _ = chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))
-    gflat = G.reshape(b, hv, t)
+  return ff.fused_forward(q, k, v, jnp.moveaxis(beta.astype(_F32), 1, 2),
+                          None if G is None else G.reshape(b, hv, t), s0,
+                          None if segidx is None else kernel_segments(segidx, c),
+                          scale=float(scale), gated=G is not None, save_states=save_states)
+
+
+def _fused_core_fwd(q, k, v, beta, G, s0, segidx, scale, c, interpret, kernels, fused_grads):
+  del interpret, kernels, fused_grads
+  o, e, s_final, t0, h = _fused_forward(q, k, v, beta, G, s0, segidx, scale, c,
+                                        save_states=True)
+  return (o, e, s_final), (q, k, v, beta, G, segidx, t0, h, e)
+
+
+def _fused_core_bwd(scale, c, interpret, kernels, fused_grads, res, cts):
+  from pallas_kernels.gpu.triton import fused_forward as ff  # pylint: disable=g-import-not-at-top
+  q, k, v, beta, G, segidx, t0, h, e = res
+  do, de_ext, ds_final = cts
+  b, t, hv = v.shape[:3]
   segments = None if segidx is None else kernel_segments(segidx, c)
-  return ff.fused_forward(q, k, v, jnp.moveaxis(beta.astype(_F32), 1, 2), gflat, s0, segments,
-                          scale=float(scale), gated=g is not None)
+  de, dh, ds0 = ff.fused_reverse(q, k, jnp.moveaxis(beta.astype(_F32), 1, 2),
+                                 None if G is None else G.reshape(b, hv, t), segments, t0,
+                                 do, de_ext, ds_final, scale=float(scale), gated=G is not None)
+  # The state pass's products (as gpu_vjps._state_pass_bwd makes them from the same residuals).
+  mm = lambda spec, x, y: jnp.einsum(spec, x.astype(jnp.bfloat16), y.astype(jnp.bfloat16),
+                                     preferred_element_type=_F32)
+  do_c, e_c = to_chunks(do, c), to_chunks(e, c)
+  d_ny = mm("...cv,...kv->...ck", de, h)
+  d_qg = mm("...cv,...kv->...ck", do_c, h)
+  d_p = mm("...iv,...jv->...ij", do_c, e_c)
+  d_kg = mm("...cv,...kv->...ck", e_c, dh)
+  m = t0
+  if G is not None:    # M = T0 ⊙ Γ, Γ_ij = e^{G_i − G_j} on i ≥ j (T0 is zero elsewhere)
+    lower = jnp.tril(jnp.ones((c, c), bool))
+    diff = jnp.where(lower, G[..., :, None] - G[..., None, :], 0.0)
+    m = (t0.astype(_F32) * jnp.where(lower, jnp.exp(diff), 0.0)).astype(t0.dtype)
+  fused = bool(fused_grads) and kernels == "triton" and q.shape[2] == hv
+  dq, dk_, dv, dbeta, dG = intra_kernel_backward(
+      (q, k, v, beta, G, segidx, m), (d_ny, d_qg, d_p, de, d_kg), scale=scale, c=c,
+      interpret=interpret, kernels=kernels, fused=fused)
+  if G is not None:    # γ = e^{G_C} (cut by a segment start in the chunk) scales the carry
+    gc = jnp.exp(G[..., -1])
+    if segidx is not None:
+      gc = gc * segment_masks(segidx, c)[1][..., -1]
+    d_gc = jnp.sum(dh.astype(_F32) * h.astype(_F32), axis=(-2, -1))   # Σ_k Σ_v
+    dG = dG.at[..., -1].add((d_gc * gc).astype(dG.dtype))
+  return dq, dk_, dv, dbeta, dG, ds0, None
 
 
-def _split_closure(segidx, scale, c, interpret, kernels, fused_grads, state):
-  return lambda q, k, v, beta, g, s0: _core_intra_kernel(
-      q, k, v, beta, g, s0, segidx, scale=scale, c=c, interpret=interpret, kernels=kernels,
-      fused_grads=fused_grads, state=state)
-
-
-def _fused_or_split_fwd(q, k, v, beta, g, s0, segidx, scale, c, interpret, kernels, fused_grads,
-                        state):
-  split = _split_closure(segidx, scale, c, interpret, kernels, fused_grads, state)
-  out, vjp_fn = jax.vjp(split, q, k, v, beta, g, s0)
-  return out, vjp_fn
-
-
-def _fused_or_split_bwd(scale, c, interpret, kernels, fused_grads, state, vjp_fn, cts):
-  return (*vjp_fn(cts), None)
-
-
-_fused_or_split.defvjp(_fused_or_split_fwd, _fused_or_split_bwd)
+_fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
 
 
 def _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) -> bool:
@@ -262,15 +296,19 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   interpret = interpret_params() if kernels == "mosaic" else None
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
-    split_kw = dict(scale=scale, c=c, interpret=interpret, kernels=kernels,
-                    fused_grads=fused_intra_grads(tuning, g is not None),
-                    state=state_kernels(tuning, kernels))
+    fused_grads = fused_intra_grads(tuning, g is not None)
     if fused_forward_applies(tuning, dk, dv, chunk_size):
-      o, e, s_final = _fused_or_split(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
-                                      *split_kw.values())
+      G = None
+      if g is not None:
+        G, _ = chunked.chunk_cumulative_gates(pad(g).astype(_F32),
+                                              functools.partial(to_chunks, c=c))
+      o, e, s_final = _fused_core(pad(q), pad(k), pad(v), pad(beta), G, s0, segidx, scale, c,
+                                  interpret, kernels, fused_grads)
     else:
       o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
-                                         **split_kw)
+                                         scale=scale, c=c, interpret=interpret, kernels=kernels,
+                                         fused_grads=fused_grads,
+                                         state=state_kernels(tuning, kernels))
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
   q = jnp.repeat(q, n_rep, axis=2) * scale

@@ -1,5 +1,6 @@
-"""A fused forward of the delta rule (DeltaNet, GDN) in two Triton kernels, for calls that need no
-gradient (evaluation, prefill): the first brick of issue #17's v2 design.
+"""The delta rule's chunk form (DeltaNet, GDN) as fused Triton kernels: a gate-free inverse per
+chunk, a forward chunk walk and a reverse one (`GpuTuning(forward="fused")`; issue #17's v2
+design, the structure jla documents for its kernels, after FlashQLA).
 
 The split of `intra_chunk` + `state_pass` computes, per chunk, the pseudo-value factors
 NY = −M (k ⊙ β e), U = M (v ⊙ β), the gated queries / keys QG, KG and the masked scores P in a
@@ -20,6 +21,13 @@ back in the chunk walk. Here only one C × C matrix a chunk leaves the chip:
    with e = e^{G} (entry), x = e^{G_C − G} (exit), γ = e^{G_C} (zeroed where a segment starts
    inside the chunk, as the split does). O and E are stored straight into the op's
    `[B, T, HV, V]` layout (no transpose after), float32 like the split's.
+
+3. `_reverse_walk_kernel`, the same programs walking the chunks backward with the state
+   cotangent dS: the split's reverse pass with NY, QG, P, KG, M made on the fly from q, k, T0
+   and the gates (its docstring). The walk's `SAVE_STATES` gives it the chunk states h.
+
+The rest of the backward (the state pass's dNY / dQG / dP / dKG products and the intra-chunk
+backward fed with M = T0 ⊙ Γ) is the split's, in `lineax_attn.ops.pallas_gpu._fused_core`.
 
 Products take bf16 operands and float32 accumulators, as the split's kernels; the difference
 from the split is where the bf16 roundings fall (here R and M diag β are rounded, there U, NY
@@ -62,11 +70,34 @@ def _t0_kernel(k_ptr, beta_ptr, seg_ptr, t, t0_ptr,
 
 
 @triton.jit
+def _chunk_factors(g_ptr, seg_ptr, cont_ptr, keep_ptr, vec0, row0, rows, rc, ii, jj,
+                   C: tl.constexpr, PACKED: tl.constexpr, GATED: tl.constexpr):
+  """A chunk's Γ [C, C] (i ≥ j, same segment), entry e, exit x [C] and carry decay γ."""
+  if GATED:
+    g = tl.load(g_ptr + vec0 + rc)
+    g_last = tl.load(g_ptr + vec0 + C - 1)
+    gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
+    entry = tl.exp(g)
+    exit_ = tl.exp(g_last - g)
+    gc = tl.exp(g_last)
+  else:
+    gam = _ungated_gamma(seg_ptr, rows, ii, jj, PACKED)
+    entry = tl.full((C,), 1.0, tl.float32)
+    exit_ = tl.full((C,), 1.0, tl.float32)
+    gc = 1.0
+  if PACKED:   # a segment starting in the chunk cuts the entry state and the carried state
+    entry = entry * tl.load(cont_ptr + rows)
+    exit_ = exit_ * tl.load(keep_ptr + rows)
+    gc = gc * tl.load(cont_ptr + row0 + C - 1)
+  return gam, entry, exit_, gc
+
+
+@triton.jit
 def _walk_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, t0_ptr,
-                 s0_ptr, t, scale, o_ptr, e_ptr, sf_ptr,
+                 s0_ptr, t, scale, o_ptr, e_ptr, sf_ptr, h_ptr,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  C: tl.constexpr, BV: tl.constexpr, PACKED: tl.constexpr, GATED: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 STAGES: tl.constexpr, SAVE_STATES: tl.constexpr):
   iv = tl.program_id(0)
   bhv = tl.program_id(1)
   b = bhv // HV
@@ -90,26 +121,13 @@ def _walk_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_p
     v = tl.load(v_ptr + v_rows).to(tl.float32)
     beta = tl.load(beta_ptr + vec0 + rc)
     t0 = tl.load(t0_ptr + (bhv.to(tl.int64) * nc + ci) * C * C + ii * C + jj).to(tl.float32)
-    if GATED:
-      g = tl.load(g_ptr + vec0 + rc)
-      g_last = tl.load(g_ptr + vec0 + C - 1)
-      gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
-      entry = tl.exp(g)
-      exit_ = tl.exp(g_last - g)
-      gc = tl.exp(g_last)
-    else:
-      gam = _ungated_gamma(seg_ptr, rows, ii, jj, PACKED)
-      entry = tl.full((C,), 1.0, tl.float32)
-      exit_ = tl.full((C,), 1.0, tl.float32)
-      gc = 1.0
-    if PACKED:   # a segment starting in the chunk cuts the entry state and the carried state
-      cont = tl.load(cont_ptr + rows)
-      entry = entry * cont
-      exit_ = exit_ * tl.load(keep_ptr + rows)
-      gc = gc * tl.load(cont_ptr + row0 + C - 1)
+    gam, entry, exit_, gc = _chunk_factors(g_ptr, seg_ptr, cont_ptr, keep_ptr, vec0, row0, rows,
+                                           rc, ii, jj, C, PACKED, GATED)
     mb = (t0 * gam * beta[None, :]).to(tl.bfloat16)          # M diag(β)
     p = (scale * tl.dot(q, tl.trans(k)) * gam).to(tl.bfloat16)
     s_mm = s.to(tl.bfloat16)
+    if SAVE_STATES:   # the state entering the chunk, as used here (the backward's h)
+      tl.store(h_ptr + (bhv.to(tl.int64) * nc + ci) * K * V + kv, s_mm)
     r = v - entry[:, None] * tl.dot(k, s_mm)
     e = tl.dot(mb, r.to(tl.bfloat16))
     e_mm = e.to(tl.bfloat16)
@@ -119,6 +137,64 @@ def _walk_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_p
     tl.store(o_ptr + v_rows, o)
     tl.store(e_ptr + v_rows, e)
   tl.store(sf_ptr + state0 + kv, s)
+
+
+@triton.jit
+def _reverse_walk_kernel(q_ptr, k_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, t0_ptr,
+                         do_ptr, dx_ptr, dsf_ptr, t, scale, de_ptr, dh_ptr, ds0_ptr,
+                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         C: tl.constexpr, BV: tl.constexpr, PACKED: tl.constexpr,
+                         GATED: tl.constexpr, STAGES: tl.constexpr):
+  """The state cotangent walked backward, the split's reverse pass with its per-chunk factors
+  made on the fly as the forward walk makes them (NY = −M (k ⊙ β e), QG = s q ⊙ e, KG = k ⊙ x,
+  P = s q kᵀ ⊙ Γ, M = T0 ⊙ Γ):
+
+      dE = dE_ext + Pᵀ dO + KG dS            dS' = γ dS + QGᵀ dO − (k ⊙ β e)ᵀ (Mᵀ dE)
+
+  dO, dE_ext in the op's `[B, T, HV, V]` layout; dE (float32) and dh (bf16, the cotangent of
+  the state leaving each chunk) chunk-major, as the split's reverse kernel writes them."""
+  iv = tl.program_id(0)
+  bhv = tl.program_id(1)
+  b = bhv // HV
+  hv = bhv % HV
+  nc = t // C
+  rc = tl.arange(0, C)
+  rk = tl.arange(0, K)
+  rv = iv * BV + tl.arange(0, BV)
+  ii, jj = rc[:, None], rc[None, :]
+  kv = rk[:, None] * V + rv[None, :]
+  cv = rc[:, None] * V + rv[None, :]
+  state0 = bhv.to(tl.int64) * K * V
+  ds = tl.load(dsf_ptr + state0 + kv)
+  for step in tl.range(0, nc, num_stages=STAGES):
+    ci = nc - 1 - step
+    row0 = b.to(tl.int64) * t + ci * C
+    rows = row0 + rc
+    qk_rows = (row0 * H + hv // (HV // H)) * K + ii * (H * K) + rk[None, :]
+    v_rows = (row0 * HV + hv) * V + ii * (HV * V) + rv[None, :]
+    vec0 = bhv.to(tl.int64) * t + ci * C
+    chunk = bhv.to(tl.int64) * nc + ci
+    q = tl.load(q_ptr + qk_rows)
+    k = tl.load(k_ptr + qk_rows)
+    beta = tl.load(beta_ptr + vec0 + rc)
+    t0 = tl.load(t0_ptr + chunk * C * C + ii * C + jj).to(tl.float32)
+    do = tl.load(do_ptr + v_rows)
+    dx = tl.load(dx_ptr + v_rows)
+    gam, entry, exit_, gc = _chunk_factors(g_ptr, seg_ptr, cont_ptr, keep_ptr, vec0, row0, rows,
+                                           rc, ii, jj, C, PACKED, GATED)
+    p = (scale * tl.dot(q, tl.trans(k)) * gam).to(tl.bfloat16)
+    mt = tl.trans((t0 * gam).to(tl.bfloat16))
+    kf = k.to(tl.float32)
+    kg = (kf * exit_[:, None]).to(tl.bfloat16)
+    ds_mm = ds.to(tl.bfloat16)
+    tl.store(dh_ptr + chunk * K * V + kv, ds_mm)
+    de = tl.dot(kg, ds_mm, tl.dot(tl.trans(p), do, dx))
+    z = tl.dot(mt, de.to(tl.bfloat16))
+    qg = (scale * q.to(tl.float32) * entry[:, None]).to(tl.bfloat16)
+    nyk = (-kf * (beta * entry)[:, None]).to(tl.bfloat16)
+    ds = tl.dot(tl.trans(nyk), z.to(tl.bfloat16), tl.dot(tl.trans(qg), do, ds * gc))
+    tl.store(de_ptr + chunk * C * V + cv, de)
+  tl.store(ds0_ptr + state0 + kv, ds)
 
 
 def supported(chunk: int, dk: int, dv: int) -> str | None:
@@ -132,15 +208,7 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
   return None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated"))
-def fused_forward(q, k, v, beta, g, s0, segments=None, *, scale: float, gated: bool = True):
-  """(o, e, s_final) of the delta rule's chunk form on a padded call.
-
-  q, k `[B, T, H, K]`, v `[B, T, HV, V]` (T a multiple of 64, HV a multiple of H), beta and the
-  chunk-local cumulative log gates g `[B, HV, T]` float32 (g is not read when not `gated`),
-  s0 `[B, HV, K, V]` float32, segments None or the (seg, cont, keep) rows `[B, T]` of
-  `gpu_chunks.kernel_segments`. Returns o and e `[B, T, HV, V]` float32 (the output and the
-  pseudo-values, the write residual) and s_final `[B, HV, K, V]` float32."""
+def _check(q, v):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   reason = supported(blocks.CHUNK, dk, dv)
@@ -149,22 +217,66 @@ def fused_forward(q, k, v, beta, g, s0, segments=None, *, scale: float, gated: b
   if t % blocks.CHUNK or hv % h:
     raise ValueError(f"fused_forward: T={t} must be a multiple of {blocks.CHUNK} and HV={hv} a "
                      f"multiple of H={h}.")
-  c, nc, f32 = blocks.CHUNK, t // blocks.CHUNK, jnp.float32
+  return b, t, h, dk, hv, dv
+
+
+def _segment_rows(segments, beta):
   if segments is None:   # unused pointers: the kernels read them only when PACKED
-    seg, packed = (beta,) * 3, False
-  else:
-    seg, packed = tuple(x.astype(f32) for x in segments), True
-  q, k, v = (x.astype(MM_DTYPE) for x in (q, k, v))
+    return (beta,) * 3, False
+  return tuple(x.astype(jnp.float32) for x in segments), True
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states"))
+def fused_forward(q, k, v, beta, g, s0, segments=None, *, scale: float, gated: bool = True,
+                  save_states: bool = False):
+  """(o, e, s_final) of the delta rule's chunk form on a padded call; with save_states also
+  (t0, h), the backward's residuals.
+
+  q, k `[B, T, H, K]`, v `[B, T, HV, V]` (T a multiple of 64, HV a multiple of H), beta and the
+  chunk-local cumulative log gates g `[B, HV, T]` float32 (g is not read when not `gated`),
+  s0 `[B, HV, K, V]` float32, segments None or the (seg, cont, keep) rows `[B, T]` of
+  `gpu_chunks.kernel_segments`. Returns o and e `[B, T, HV, V]` float32 (the output and the
+  pseudo-values, the write residual), s_final `[B, HV, K, V]` float32, and with save_states
+  t0 `[B, HV, Nc, C, C]` bf16 (the gate-free inverses) and h `[B, HV, Nc, K, V]` bf16 (the
+  state entering each chunk)."""
+  b, t, h, dk, hv, dv = _check(q, v)
+  c, nc, f32 = blocks.CHUNK, t // blocks.CHUNK, jnp.float32
   beta = beta.astype(f32)
+  seg, packed = _segment_rows(segments, beta)
+  q, k, v = (x.astype(MM_DTYPE) for x in (q, k, v))
   (t0,) = _jax_triton().triton_call(
       k, beta, seg[0], t, kernel=_t0_kernel,
       out_shape=_structs(((b, hv, nc, c, c), MM_DTYPE)), grid=(nc, b * hv),
       num_warps=blocks.INTRA_WARPS, num_stages=1, H=h, HV=hv, K=dk, C=c, BK=blocks.INTRA_BK,
       PACKED=packed, PREC=blocks.INTRA_PRECISION)
   bv, warps, stages = blocks.fused_walk_launch(dk, dv, hopper=_on_hopper())
-  out_shape = _structs(((b, t, hv, dv), f32), ((b, t, hv, dv), f32), ((b, hv, dk, dv), f32))
-  return tuple(_jax_triton().triton_call(
+  out_shape = _structs(((b, t, hv, dv), f32), ((b, t, hv, dv), f32), ((b, hv, dk, dv), f32),
+                       ((b, hv, nc, dk, dv) if save_states else (1,), MM_DTYPE))
+  o, e, s_final, states = _jax_triton().triton_call(
       q, k, v, beta, beta if g is None else g.astype(f32), *seg, t0, s0.astype(f32), t,
       float(scale), kernel=_walk_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
+      num_warps=warps, num_stages=stages, H=h, HV=hv, K=dk, V=dv, C=c, BV=bv, PACKED=packed,
+      GATED=gated, STAGES=stages, SAVE_STATES=save_states)
+  return (o, e, s_final, t0, states) if save_states else (o, e, s_final)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "gated"))
+def fused_reverse(q, k, beta, g, segments, t0, do, de_ext, ds_final, *, scale: float,
+                  gated: bool = True):
+  """The reverse state pass of `fused_forward` (`_reverse_walk_kernel`): (de, dh, ds0), as
+  `state_pass.state_passing_bwd` returns them (de `[B, HV, Nc, C, V]` float32, dh
+  `[B, HV, Nc, K, V]` bf16, ds0 `[B, HV, K, V]` float32), from its inputs' t0 and the
+  cotangents do, de_ext `[B, T, HV, V]` and ds_final."""
+  b, t, h, dk, hv, dv = _check(q, do)
+  c, nc, f32 = blocks.CHUNK, t // blocks.CHUNK, jnp.float32
+  beta = beta.astype(f32)
+  seg, packed = _segment_rows(segments, beta)
+  bv, warps, stages = blocks.fused_walk_launch(dk, dv, hopper=_on_hopper())
+  out_shape = _structs(((b, hv, nc, c, dv), f32), ((b, hv, nc, dk, dv), MM_DTYPE),
+                       ((b, hv, dk, dv), f32))
+  return tuple(_jax_triton().triton_call(
+      q.astype(MM_DTYPE), k.astype(MM_DTYPE), beta, beta if g is None else g.astype(f32), *seg,
+      t0, do.astype(MM_DTYPE), de_ext.astype(f32), ds_final.astype(f32), t, float(scale),
+      kernel=_reverse_walk_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
       num_warps=warps, num_stages=stages, H=h, HV=hv, K=dk, V=dv, C=c, BV=bv, PACKED=packed,
       GATED=gated, STAGES=stages))
