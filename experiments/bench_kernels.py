@@ -103,6 +103,10 @@ _CHANNEL_GRADS = flags.DEFINE_enum("channel_grads", "kernel", ["xla", "kernel"],
                                    "triton / pallas_gpu with the Triton channel kernels: who "
                                    "computes their backward's elementwise rest and dG "
                                    "(GpuTuning.channel_grads: XLA, or fused in the kernel).")
+_FORWARD = flags.DEFINE_enum("forward", "split", ["split", "fused"],
+                             "pallas_gpu / triton DeltaNet / GDN: the split (intra kernel, state "
+                             "pass) or the fused kernels (GpuTuning.forward; needs the triton "
+                             "extra).")
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", "", "With --breakdown: also run each intra-chunk kernel once under Mosaic GPU's "
     "in-kernel profiler, write its traces here and log the time per named phase "
@@ -501,14 +505,15 @@ def main(argv):
                                 triton_intra=_TRITON_INTRA.value,
                                 channel_intra=_CHANNEL_INTRA.value,
                                 channel_grads=_CHANNEL_GRADS.value,
-                                intra_grads=_INTRA_GRADS.value)
+                                intra_grads=_INTRA_GRADS.value, forward=_FORWARD.value)
   if _CHANNEL_PAIR.value:
     tuning = dataclasses.replace(tuning, channel_pair=_CHANNEL_PAIR.value)
   dev = jax.devices()[0]
   meta = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
           "remat_intra": _REMAT_INTRA.value, "intra": _INTRA.value,
           "triton_intra": _TRITON_INTRA.value, "channel_intra": _CHANNEL_INTRA.value,
-          "channel_grads": _CHANNEL_GRADS.value, "intra_grads": _INTRA_GRADS.value}
+          "channel_grads": _CHANNEL_GRADS.value, "intra_grads": _INTRA_GRADS.value,
+          "forward": _FORWARD.value}
   impls = list(_IMPLS.value)
   on_gpu = dev.platform == "gpu"
   have = {}

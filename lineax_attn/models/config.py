@@ -61,7 +61,7 @@ class ModelConfig:
       head_dim_k defaults to d_model // num_heads, head_dim_v to head_dim_k, num_v_heads to
       num_heads. All linear layers of a stack share them (routing needs that).
     conv_width, output_gate (None = per-mixer default), gate_rank (KDA low rank, default d_v),
-      gate_init ("repo" | "fla" | "long"), gate_lower_bound, allow_neg_eigval: linear-mixer options.
+      gate_init ("repo" | "fla" | "long" | "very_long"), gate_lower_bound, allow_neg_eigval: linear-mixer options.
     implementation, chunk_size: how the linear ops run ("scan", "chunk", a kernel, None = best).
     gpu_tuning: the linear layers' `pallas_gpu` tuning: an `ops.GpuTuning`, its command-line
       spelling "field=value,..." (`GpuTuning.parse`, e.g. "remat_intra=false"), its fields as a
