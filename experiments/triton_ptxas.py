@@ -35,7 +35,7 @@ from experiments import cli
 _HEAD_DIMS = flags.DEFINE_list("head_dims", "64,128", "Head dims (K = V) to compile at.")
 _ARCH = flags.DEFINE_enum("arch", "90", ["80", "86", "89", "90"],
                           "Compute capability to compile for (90 = Hopper, as sm_90a).")
-_KERNELS = flags.DEFINE_list("kernels", "state_pass,intra_chunk,channel_intra",
+_KERNELS = flags.DEFINE_list("kernels", "state_pass,intra_chunk,channel_intra,fused_forward",
                              "Modules of pallas_kernels/gpu/triton to compile.")
 _OUT_MD = flags.DEFINE_string("out_md", "", "Also write the table here.")
 _FAIL_ON_SPILL = flags.DEFINE_bool("fail_on_spill", False, "Exit 1 if any kernel spills.")
@@ -110,6 +110,24 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
       Launch("channel_intra", "_bwd_kernel+grads", dict(channel_bwd, GRADS=True),
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
+  ] + (_fused_launches(dk, dv, packed, hopper) if dk <= 128 else [])
+
+
+def _fused_launches(dk, dv, packed, hopper):
+  """`fused_forward`'s three kernels (K <= 128), GDN's gated form."""
+  from pallas_kernels.gpu.triton import blocks  # noqa: PLC0415
+  bv, warps, stages = blocks.fused_walk_launch(dk, dv, hopper=hopper)
+  walk = dict(H=16, HV=16, K=dk, V=dv, C=blocks.CHUNK, BV=bv, PACKED=packed, GATED=True,
+              STAGES=stages)
+  f = frozenset
+  return [
+      Launch("fused_forward", "_t0_kernel",
+             dict(H=16, HV=16, K=dk, C=blocks.CHUNK, BK=blocks.INTRA_BK, PACKED=packed,
+                  PREC=blocks.INTRA_PRECISION), f({"k_ptr", "t0_ptr"}), blocks.INTRA_WARPS, 1),
+      Launch("fused_forward", "_walk_kernel", dict(walk, SAVE_STATES=True),
+             f({"q_ptr", "k_ptr", "v_ptr", "t0_ptr", "h_ptr"}), warps, stages),
+      Launch("fused_forward", "_reverse_walk_kernel", walk,
+             f({"q_ptr", "k_ptr", "t0_ptr", "do_ptr", "dh_ptr"}), warps, stages),
   ]
 
 

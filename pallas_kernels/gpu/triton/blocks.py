@@ -197,10 +197,17 @@ CALL_TARGET = "legacy"
 
 
 def fused_walk_launch(dk: int, dv: int, *, hopper: bool = False) -> tuple[int, int, int]:
-  """(BLOCK_V, warps, pipeline stages) of `fused_forward`'s chunk walk (K <= 128). Its tiles per
-  chunk are the state pass forward's less one [C, K] operand plus T0: the state pass's launch,
-  with 2 stages on Hopper (3 stages of q, k, v and T0 are untried there). Not timed yet."""
+  """(BLOCK_V, warps, pipeline stages) of `fused_forward`'s two chunk walks (K <= 128).
+
+  Chosen by ptxas off GPU (`python -m experiments.triton_ptxas --kernels=fused_forward`, GDN,
+  unpacked, 2026-12-03), untimed. Each program holds q, k of a chunk whole ([C, K] bf16), the
+  [C, C] factors and the float32 state tile [K, BLOCK_V]; BLOCK_V 64 at 4 warps spilled 156 B
+  (walk) / 584 B (reverse walk) a thread at K = V = 128 on sm_90a, 8 warps more. BLOCK_V 32:
+  on sm_90a at 4 warps 96 / 120 B at K = 128 and 28 / 108 B at K = 64 (the state pass
+  forward's own launch spills 80 B at K = 128); on sm_80 at 8 warps 40 / 80 B (K = 128) and
+  32 / 0 B (K = 64), where 4 warps spilled 276 / 524 B. BLOCK_V 16 spills least but loads q, k
+  and makes q kᵀ once per 16 value columns. So: 32 columns, 4 warps on Hopper, 8 elsewhere,
+  2 stages."""
   if dk > 128:
     raise ValueError(f"fused_walk_launch: K={dk} > 128 is not taken by the fused forward")
-  bv, warps, stages = state_launch(dk, dv, hopper=hopper)
-  return bv, warps, min(stages, 2)
+  return _block_v(dv, 32), 4 if hopper else 8, 2

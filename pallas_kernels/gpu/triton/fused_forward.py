@@ -130,10 +130,10 @@ def _walk_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_p
       tl.store(h_ptr + (bhv.to(tl.int64) * nc + ci) * K * V + kv, s_mm)
     r = v - entry[:, None] * tl.dot(k, s_mm)
     e = tl.dot(mb, r.to(tl.bfloat16))
-    e_mm = e.to(tl.bfloat16)
-    o = tl.dot(p, e_mm, (scale * entry)[:, None] * tl.dot(q, s_mm))
-    kg = (k.to(tl.float32) * exit_[:, None]).to(tl.bfloat16)
-    s = tl.dot(tl.trans(kg), e_mm, s * gc)
+    o = tl.dot(p, e.to(tl.bfloat16), (scale * entry)[:, None] * tl.dot(q, s_mm))
+    # (k ⊙ x)ᵀ E = kᵀ (x ⊙ E): the row factor goes on the [C, BV] side, so no [C, K] tile is
+    # ever made in float32 (at K = 128 those tiles made the walk spill).
+    s = tl.dot(tl.trans(k), (exit_[:, None] * e).to(tl.bfloat16), s * gc)
     tl.store(o_ptr + v_rows, o)
     tl.store(e_ptr + v_rows, e)
   tl.store(sf_ptr + state0 + kv, s)
@@ -184,15 +184,15 @@ def _reverse_walk_kernel(q_ptr, k_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_
                                            rc, ii, jj, C, PACKED, GATED)
     p = (scale * tl.dot(q, tl.trans(k)) * gam).to(tl.bfloat16)
     mt = tl.trans((t0 * gam).to(tl.bfloat16))
-    kf = k.to(tl.float32)
-    kg = (kf * exit_[:, None]).to(tl.bfloat16)
     ds_mm = ds.to(tl.bfloat16)
     tl.store(dh_ptr + chunk * K * V + kv, ds_mm)
-    de = tl.dot(kg, ds_mm, tl.dot(tl.trans(p), do, dx))
+    # Row factors of KG, QG, NY go on the [C, BV] side (no [C, K] tile in float32):
+    # KG dS = x ⊙ (k dS), QGᵀ dO = qᵀ (s e ⊙ dO), NYᵀ dE = −kᵀ (β e ⊙ Mᵀ dE).
+    de = exit_[:, None] * tl.dot(k, ds_mm) + tl.dot(tl.trans(p), do, dx)
     z = tl.dot(mt, de.to(tl.bfloat16))
-    qg = (scale * q.to(tl.float32) * entry[:, None]).to(tl.bfloat16)
-    nyk = (-kf * (beta * entry)[:, None]).to(tl.bfloat16)
-    ds = tl.dot(tl.trans(nyk), z.to(tl.bfloat16), tl.dot(tl.trans(qg), do, ds * gc))
+    ds = tl.dot(tl.trans(q), ((scale * entry)[:, None] * do.to(tl.float32)).to(tl.bfloat16),
+                ds * gc)
+    ds = tl.dot(tl.trans(k), (-(beta * entry)[:, None] * z).to(tl.bfloat16), ds)
     tl.store(de_ptr + chunk * C * V + cv, de)
   tl.store(ds0_ptr + state0 + kv, ds)
 
