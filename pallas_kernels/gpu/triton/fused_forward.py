@@ -48,9 +48,6 @@ from pallas_kernels.gpu.triton.intra_chunk import (_batched_unit_lower_inverse, 
                                                    _gamma, _ungated_gamma)
 from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _on_hopper, _structs
 
-HEAD_DIMS_K = (16, 32, 64, 128)
-
-
 @triton.jit
 def _t0_kernel(k_ptr, beta_ptr, seg_ptr, t, t0_ptr,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
@@ -93,29 +90,42 @@ def _chunk_factors(g_ptr, seg_ptr, cont_ptr, keep_ptr, vec0, row0, rows, rc, ii,
 
 
 @triton.jit
+def _walk_program(t, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
+  """A walk program's (b · HV + hv, chunk count, row / index grids, [K, BV] state offsets and
+  the int64 base of its state)."""
+  bhv = tl.program_id(1)
+  rc = tl.arange(0, C)
+  rv = tl.program_id(0) * BV + tl.arange(0, BV)
+  kv = tl.arange(0, K)[:, None] * V + rv[None, :]
+  return bhv, t // C, rc, rc[:, None], rc[None, :], kv, bhv.to(tl.int64) * K * V
+
+
+@triton.jit
+def _chunk_rows(bhv, ci, t, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
+  """Chunk ci's first time row, its rows [C], the offsets of its q / k tile [C, K] (key head
+  hv // (HV / H)) and v-like tile [C, BV] in the `[B, T, heads, D]` layouts, and the int64 base
+  of its rows in the `[B, HV, T]` vectors."""
+  b = bhv // HV
+  hv = bhv % HV
+  rc = tl.arange(0, C)
+  row0 = b.to(tl.int64) * t + ci * C
+  qk_rows = (row0 * H + hv // (HV // H)) * K + rc[:, None] * (H * K) + tl.arange(0, K)[None, :]
+  v_rows = ((row0 * HV + hv) * V + rc[:, None] * (HV * V)
+            + (tl.program_id(0) * BV + tl.arange(0, BV))[None, :])
+  return row0, row0 + rc, qk_rows, v_rows, bhv.to(tl.int64) * t + ci * C
+
+
+@triton.jit
 def _walk_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, t0_ptr,
                  s0_ptr, t, scale, o_ptr, e_ptr, sf_ptr, h_ptr,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  C: tl.constexpr, BV: tl.constexpr, PACKED: tl.constexpr, GATED: tl.constexpr,
                  STAGES: tl.constexpr, SAVE_STATES: tl.constexpr):
-  iv = tl.program_id(0)
-  bhv = tl.program_id(1)
-  b = bhv // HV
-  hv = bhv % HV
-  nc = t // C
-  rc = tl.arange(0, C)
-  rk = tl.arange(0, K)
-  rv = iv * BV + tl.arange(0, BV)
-  ii, jj = rc[:, None], rc[None, :]
-  kv = rk[:, None] * V + rv[None, :]
-  state0 = bhv.to(tl.int64) * K * V
+  bhv, nc, rc, ii, jj, kv, state0 = _walk_program(t, K, V, C, BV)
   s = tl.load(s0_ptr + state0 + kv)
   for ci in tl.range(0, nc, num_stages=STAGES):
-    row0 = b.to(tl.int64) * t + ci * C
-    rows = row0 + rc
-    qk_rows = (row0 * H + hv // (HV // H)) * K + ii * (H * K) + rk[None, :]
-    v_rows = (row0 * HV + hv) * V + ii * (HV * V) + rv[None, :]
-    vec0 = bhv.to(tl.int64) * t + ci * C
+    row0, rows, qk_rows, v_rows, vec0 = _chunk_rows(bhv, ci, t, H, HV, K, V, C, BV)
     q = tl.load(q_ptr + qk_rows)
     k = tl.load(k_ptr + qk_rows)
     v = tl.load(v_ptr + v_rows).to(tl.float32)
@@ -153,26 +163,12 @@ def _reverse_walk_kernel(q_ptr, k_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_
 
   dO, dE_ext in the op's `[B, T, HV, V]` layout; dE (float32) and dh (bf16, the cotangent of
   the state leaving each chunk) chunk-major, as the split's reverse kernel writes them."""
-  iv = tl.program_id(0)
-  bhv = tl.program_id(1)
-  b = bhv // HV
-  hv = bhv % HV
-  nc = t // C
-  rc = tl.arange(0, C)
-  rk = tl.arange(0, K)
-  rv = iv * BV + tl.arange(0, BV)
-  ii, jj = rc[:, None], rc[None, :]
-  kv = rk[:, None] * V + rv[None, :]
-  cv = rc[:, None] * V + rv[None, :]
-  state0 = bhv.to(tl.int64) * K * V
+  bhv, nc, rc, ii, jj, kv, state0 = _walk_program(t, K, V, C, BV)
+  cv = rc[:, None] * V + (tl.program_id(0) * BV + tl.arange(0, BV))[None, :]
   ds = tl.load(dsf_ptr + state0 + kv)
   for step in tl.range(0, nc, num_stages=STAGES):
     ci = nc - 1 - step
-    row0 = b.to(tl.int64) * t + ci * C
-    rows = row0 + rc
-    qk_rows = (row0 * H + hv // (HV // H)) * K + ii * (H * K) + rk[None, :]
-    v_rows = (row0 * HV + hv) * V + ii * (HV * V) + rv[None, :]
-    vec0 = bhv.to(tl.int64) * t + ci * C
+    row0, rows, qk_rows, v_rows, vec0 = _chunk_rows(bhv, ci, t, H, HV, K, V, C, BV)
     chunk = bhv.to(tl.int64) * nc + ci
     q = tl.load(q_ptr + qk_rows)
     k = tl.load(k_ptr + qk_rows)
@@ -198,14 +194,11 @@ def _reverse_walk_kernel(q_ptr, k_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_
 
 
 def supported(chunk: int, dk: int, dv: int) -> str | None:
-  """None if the fused forward takes these sizes, else why not."""
-  if chunk != blocks.CHUNK:
-    return f"chunk_size={chunk} (the fused forward needs {blocks.CHUNK})"
-  if dk not in HEAD_DIMS_K:
-    return f"K={dk} (the fused forward holds q, k of a chunk whole: K in {HEAD_DIMS_K})"
-  if dv % 16 or dv > 512:
-    return f"V={dv} (a multiple of 16 up to 512)"
-  return None
+  """None if the fused kernels take these sizes (the Triton kernels' sizes, K <= 128), else why."""
+  reason = blocks.supported(chunk, dk, dv)
+  if reason is None and dk > 128:
+    reason = f"K={dk} (the fused walks hold q, k of a chunk whole: K <= 128)"
+  return reason
 
 
 def _check(q, v):
