@@ -113,18 +113,25 @@ def _mm(spec, a, b):
   return jnp.einsum(spec, a.astype(_MM), b.astype(_MM), preferred_element_type=_F32)
 
 
+def state_pass_products(de, do, e, h, dh):
+  """The state pass's cotangents that are batched products (chunk-major arrays): of NY, QG, P,
+  KG and the carry decay gc, from dE, dO, E, the state entering each chunk (h) and the
+  cotangent of the state leaving it (dh)."""
+  d_ny = _mm("...cv,...kv->...ck", de, h)           # E = U + NY·S
+  d_qg = _mm("...cv,...kv->...ck", do, h)           # O = QG·S + P·E
+  d_p = _mm("...iv,...jv->...ij", do, e)
+  d_kg = _mm("...cv,...kv->...ck", e, dh)           # S' = gc⊙S + KGᵀ·E
+  d_gc = jnp.sum(dh.astype(_F32) * h.astype(_F32), axis=-1)
+  return d_ny, d_qg, d_p, d_kg, d_gc
+
+
 def _state_pass_bwd(interpret, axes, kernels, res, cts):
   ny, qg, p, kg, gc, h, e = res
   do, de_ext, ds_final = cts
   de, dh, ds0 = kernel_module(kernels, "state").state_passing_bwd(
       ny, qg, p, kg, gc, do.astype(_MM), de_ext.astype(_F32), ds_final.astype(_F32),
       **_interpret_kw(kernels, interpret))
-  # h = state entering each chunk, dh = cotangent of the state leaving it.
-  d_ny = _mm("...cv,...kv->...ck", de, h)           # E = U + NY·S
-  d_qg = _mm("...cv,...kv->...ck", do, h)           # O = QG·S + P·E
-  d_p = _mm("...iv,...jv->...ij", do, e)
-  d_kg = _mm("...cv,...kv->...ck", e, dh)           # S' = gc⊙S + KGᵀ·E
-  d_gc = jnp.sum(dh.astype(_F32) * h.astype(_F32), axis=-1)
+  d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, do, e, h, dh)
   axes = frozenset(axes)
   cts = (d_ny.astype(ny.dtype), d_qg.astype(qg.dtype), d_p.astype(p.dtype), de,
          d_kg.astype(kg.dtype), d_gc, ds0)

@@ -70,7 +70,7 @@ from lineax_attn.ops.gpu_tuning import (DEFAULT_TUNING, INTRA_CHOICES, PAIR_CHOI
                                         fused_intra_grads)
 from lineax_attn.ops.gpu_vjps import (interpret_params, intra_kernel, kernel_module, state_pass,
                                       vma)
-from lineax_attn.ops.gpu_vjps import intra_kernel_backward
+from lineax_attn.ops.gpu_vjps import intra_kernel_backward, state_pass_products
 from pallas_kernels.gpu import state_passing as sp
 
 __all__ = ["DEFAULT_TUNING", "INTRA_CHOICES", "PAIR_CHOICES", "SOLVE_CHOICES", "GpuTuning",
@@ -217,14 +217,8 @@ def _fused_core_bwd(scale, c, interpret, kernels, fused_grads, res, cts):
   de, dh, ds0 = ff.fused_reverse(q, k, jnp.moveaxis(beta.astype(_F32), 1, 2),
                                  None if G is None else G.reshape(b, hv, t), segments, t0,
                                  do, de_ext, ds_final, scale=float(scale), gated=G is not None)
-  # The state pass's products (as gpu_vjps._state_pass_bwd makes them from the same residuals).
-  mm = lambda spec, x, y: jnp.einsum(spec, x.astype(jnp.bfloat16), y.astype(jnp.bfloat16),
-                                     preferred_element_type=_F32)
-  do_c, e_c = to_chunks(do, c), to_chunks(e, c)
-  d_ny = mm("...cv,...kv->...ck", de, h)
-  d_qg = mm("...cv,...kv->...ck", do_c, h)
-  d_p = mm("...iv,...jv->...ij", do_c, e_c)
-  d_kg = mm("...cv,...kv->...ck", e_c, dh)
+  d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, to_chunks(do, c), to_chunks(e, c), h,
+                                                    dh)
   m = t0
   if G is not None:    # M = T0 ⊙ Γ, Γ_ij = e^{G_i − G_j} on i ≥ j (T0 is zero elsewhere)
     lower = jnp.tril(jnp.ones((c, c), bool))
@@ -238,8 +232,7 @@ def _fused_core_bwd(scale, c, interpret, kernels, fused_grads, res, cts):
     gc = jnp.exp(G[..., -1])
     if segidx is not None:
       gc = gc * segment_masks(segidx, c)[1][..., -1]
-    d_gc = jnp.sum(dh.astype(_F32) * h.astype(_F32), axis=(-2, -1))   # Σ_k Σ_v
-    dG = dG.at[..., -1].add((d_gc * gc).astype(dG.dtype))
+    dG = dG.at[..., -1].add((jnp.sum(d_gc, axis=-1) * gc).astype(dG.dtype))
   return dq, dk_, dv, dbeta, dG, ds0, None
 
 
