@@ -159,6 +159,43 @@ def mqar_plot(rows: list[dict], path: str, title: str) -> None:
   plt.close(fig)
 
 
+def mqar_curves_plot(rows: list[dict], path: str, title: str) -> bool:
+  """Training loss against step, a panel per (d_model, T, N) cell and a line per mixer (its
+  best LR), from the rows' `loss_curve`s: where each mixer leaves the chance plateau (the
+  dashed line, log(V/2)). Rows without a curve (older than the field) are left out; returns
+  whether there was anything to draw."""
+  import math  # pylint: disable=g-import-not-at-top
+
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  best = [r for r in rows if r["best"] and r.get("loss_curve")]
+  panels = sorted({(r["d_model"], r["seq_len"], r["num_pairs"]) for r in best})
+  if not panels:
+    return False
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+  for ax, (d, t, n) in zip(axes[0], panels):
+    for r in best:
+      if (r["d_model"], r["seq_len"], r["num_pairs"]) == (d, t, n):
+        steps, losses = zip(*r["loss_curve"])
+        ax.plot(steps, losses, label=f"{r['mixer']} ({_lr(r['lr'])})" +
+                (" †" if r.get("partial") else ""))
+    vocab = next((r.get("vocab") for r in best if r.get("vocab")), None)
+    if vocab:
+      ax.axhline(math.log(vocab // 2), color="gray", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(f"d_model={d}, T={t}, N={n}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
 def run_mqar(config, workdir: str | None) -> str:
   import jax  # pylint: disable=g-import-not-at-top
   from lineax_attn import bench  # pylint: disable=g-import-not-at-top
@@ -215,6 +252,8 @@ def run_mqar(config, workdir: str | None) -> str:
                      partial_cells=info["partial_cells"], elapsed_s=elapsed, config=config.to_dict())
     if rows:
       mqar_plot(rows, os.path.join(workdir, "mqar.png"), f"{config.name}: MQAR")
+      mqar_curves_plot(rows, os.path.join(workdir, "mqar_curves.png"),
+                       f"{config.name}: MQAR training loss")
   return text
 
 
@@ -284,6 +323,7 @@ def run_merge(paths: list[str], workdir: str | None) -> str:
     bench.write_json(os.path.join(workdir, "mqar.json"), rows, name="merged", complete=True,
                      sources=files)
     mqar_plot(rows, os.path.join(workdir, "mqar.png"), "MQAR (merged)")
+    mqar_curves_plot(rows, os.path.join(workdir, "mqar_curves.png"), "MQAR training loss (merged)")
   return text
 
 

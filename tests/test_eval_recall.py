@@ -218,6 +218,7 @@ def test_eval_program_table(tmp_path, monkeypatch):
     assert len(r["loss_curve"]) == 10 and all(math.isfinite(x) for _, x in r["loss_curve"])
     assert r["decay_horizons"] is None   # softmax, DeltaNet: no decay
   assert os.path.getsize(workdir / "mqar.png") > 0
+  assert os.path.getsize(workdir / "mqar_curves.png") > 0   # the rows' loss curves
   assert len((workdir / "mqar_rows.jsonl").read_text().splitlines()) == 4
   # Merging: these rows and a later file that re-runs one (softmax, N = 2) LR cell and adds a
   # GDN cell. The re-run row replaces its earlier self, and each cell's best LR is chosen anew.
@@ -235,6 +236,9 @@ def test_eval_program_table(tmp_path, monkeypatch):
   eval_recall.main(eval_recall.parse_flags(argv))
   rows = json.loads((merged_dir / "mqar.json").read_text())["rows"]
   assert len(rows) == 4 + 2     # the re-run replaced its row; GDN added two
+  assert os.path.getsize(merged_dir / "mqar_curves.png") > 0
+  assert not eval_recall.mqar_curves_plot([dict(r, loss_curve=None) for r in rows],
+                                          str(tmp_path / "none.png"), "no curves")
   lines = [x for x in (merged_dir / "mqar.md").read_text().splitlines() if x.startswith("|")]
   assert lines[0].split("|")[1:-1] == [" d_model ", " T ", " N ", " softmax ", " deltanet ",
                                        " gdn "]

@@ -406,8 +406,8 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
   with `seed`, test with `seed + 1`), d_model, mixer; all LRs of a cell train together.
 
   Returns:
-    (rows, info). rows: one per (cell, lr): mixer, d_model, seq_len, num_pairs, lr, accuracy,
-    best (whether this LR is the cell's best), state_size, params, final_loss, train_seconds,
+    (rows, info). rows: one per (cell, lr): mixer, d_model, seq_len, num_pairs, vocab, lr,
+    accuracy, best (whether this LR is the cell's best), state_size, params, final_loss, train_seconds,
     steps (trained), partial (the budget stopped it first), loss_curve ([[step, mean loss], ...]
     over 24 windows), decay_horizons (`decay_horizons` of the trained model, None ungated).
     info: {"complete": bool, "skipped_cells": [...], "partial_cells": [...], "elapsed_s": float,
@@ -455,7 +455,8 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
     params = sum(x.size for x in jax.tree.leaves(nnx.state(run.models[0])))
     curve = run.loss_curve()
     for j, lr in enumerate(run.lrs):
-      row = dict(mixer=mixer, d_model=d, seq_len=t, num_pairs=n, lr=lr, accuracy=accs[j],
+      row = dict(mixer=mixer, d_model=d, seq_len=t, num_pairs=n, vocab=vocab, lr=lr,
+                 accuracy=accs[j],
                  best=j == best, state_size=state_size(cfg, t), params=int(params),
                  final_loss=float(np.mean(run.losses[-max(1, settings.chunk):, j])),
                  train_seconds=run.seconds, steps=run.steps, partial=run.partial,
