@@ -62,7 +62,7 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
   state = dict(C=c, K=dk, V=dv)
   intra = dict(H=16, HV=16, K=dk, V=dv, C=c, PACKED=packed, WITH_INVERSE=True,
                PREC=blocks.INTRA_PRECISION, BK=blocks.INTRA_BK,
-               SLICE_STAGES=blocks.INTRA_SLICE_STAGES)
+               SLICE_STAGES=blocks.INTRA_SLICE_STAGES, STATES=False, VS=min(dv, 64))
   channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, PACKED=packed, WITH_INVERSE=True,
                  PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK,
                  BAND_STAGES=blocks.CHANNEL_BAND_STAGES)
@@ -104,6 +104,11 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                   GATED=False),
              f({"q_ptr", "k_ptr", "v_ptr", "m_ptr", "dny_ptr", "dp_ptr", "du_ptr", "dqg_ptr",
                 "dkg_ptr"}), blocks.INTRA_WARPS, 1),
+      Launch("intra_chunk", "_bwd_kernel+grads+states",   # intra_chunk_bwd_from_states
+             dict(intra, GBK=blocks.grads_bk(dk, hopper=hopper, fused=True), GRADS=True,
+                  GATED=True, STATES=True),
+             f({"q_ptr", "k_ptr", "v_ptr", "m_ptr", "dny_ptr", "dp_ptr", "du_ptr", "dqg_ptr",
+                "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr"}), blocks.INTRA_WARPS, 1),
       Launch("channel_intra", "_fwd_kernel", channel_fwd,
              f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}), blocks.CHANNEL_WARPS, 1),
       Launch("channel_intra", "_bwd_kernel", dict(channel_bwd, GRADS=False),

@@ -624,9 +624,10 @@ _FUSED_CASES = [("triton", "gated_delta_rule"), ("triton", "delta_rule"),
                 ("pallas_gpu", "gated_delta_rule"), ("pallas_gpu", "delta_rule")]
 
 
+@pytest.mark.parametrize("hv", [1, 2])   # H = HV: the per-chunk backward kernel; GVA: XLA's
 @pytest.mark.parametrize("implementation,mixer", _FUSED_CASES)
-def test_fused_path_matches_scan_forward_and_in_every_gradient(monkeypatch,
-                                                                      implementation, mixer):
+def test_fused_path_matches_scan_forward_and_in_every_gradient(monkeypatch, implementation,
+                                                               mixer, hv):
   # GpuTuning(forward="fused"): the call runs the fused kernels (T0, the walk; under jax.grad
   # also the reverse walk and the split's intra-chunk backward), never the split's state pass;
   # with GVA, packed segments, a tail, an initial and a final state and the write residual it
@@ -643,7 +644,7 @@ def test_fused_path_matches_scan_forward_and_in_every_gradient(monkeypatch,
     monkeypatch.setattr(module, "state_passing_fwd", lambda *a, _fn=fn, **k: (
         calls.__setitem__("split", calls["split"] + 1), _fn(*a, **k))[1])
   tuning = ops.GpuTuning(forward="fused")
-  args, kw = make_inputs(mixer, b=2, t=150, h=1, hv=2, dk=64, dv=64, seed=7)
+  args, kw = make_inputs(mixer, b=2, t=150, h=1, hv=hv, dk=64, dv=64, seed=7)
   s0 = kw["initial_state"]
   seg = jnp.asarray(np.stack([np.repeat([1, 2, 3], [40, 70, 40]), np.repeat([4, 5], [110, 40])]))
   want = run(mixer, args, initial_state=s0, output_final_state=True, segment_ids=seg,

@@ -217,22 +217,35 @@ def _fused_core_bwd(scale, c, interpret, kernels, fused_grads, res, cts):
   de, dh, ds0 = ff.fused_reverse(q, k, jnp.moveaxis(beta.astype(_F32), 1, 2),
                                  None if G is None else G.reshape(b, hv, t), segments, t0,
                                  do, de_ext, ds_final, scale=float(scale), gated=G is not None)
-  d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, to_chunks(do, c), to_chunks(e, c), h,
-                                                    dh)
   m = t0
   if G is not None:    # M = T0 ⊙ Γ, Γ_ij = e^{G_i − G_j} on i ≥ j (T0 is zero elsewhere)
     lower = jnp.tril(jnp.ones((c, c), bool))
     diff = jnp.where(lower, G[..., :, None] - G[..., None, :], 0.0)
     m = (t0.astype(_F32) * jnp.where(lower, jnp.exp(diff), 0.0)).astype(t0.dtype)
-  fused = bool(fused_grads) and kernels == "triton" and q.shape[2] == hv
-  dq, dk_, dv, dbeta, dG = intra_kernel_backward(
-      (q, k, v, beta, G, segidx, m), (d_ny, d_qg, d_p, de, d_kg), scale=scale, c=c,
-      interpret=interpret, kernels=kernels, fused=fused)
+  if q.shape[2] == hv:
+    # One Triton kernel per chunk: the state pass's products (dNY, dQG, dP, dKG) made inside
+    # from E, dE, dO and the chunk states, never written to HBM, then the intra backward.
+    from pallas_kernels.gpu.triton import intra_chunk as tic  # pylint: disable=g-import-not-at-top
+    g_rows = jnp.zeros((b, hv, t), _F32) if G is None else G.reshape(b, hv, t)
+    dq, dk_, dv, dbeta, dG = tic.intra_chunk_bwd_from_states(
+        q, k, v, jnp.moveaxis(beta.astype(_F32), 1, 2), g_rows, segments, m, de, h, dh, e, do,
+        scale=float(scale), gated=G is not None)
+    dq, dk_, dv = dq.astype(q.dtype), dk_.astype(k.dtype), dv.astype(v.dtype)
+    dbeta = jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype)
+    dG = None if G is None else dG.reshape(G.shape)
+    d_gc = None if G is None else jnp.sum(dh.astype(_F32) * h.astype(_F32), axis=(-2, -1))
+  else:   # GVA: the products in XLA, the split's intra backward (which sums over value heads)
+    d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, to_chunks(do, c), to_chunks(e, c), h,
+                                                      dh)
+    dq, dk_, dv, dbeta, dG = intra_kernel_backward(
+        (q, k, v, beta, G, segidx, m), (d_ny, d_qg, d_p, de, d_kg), scale=scale, c=c,
+        interpret=interpret, kernels=kernels, fused=False)
+    d_gc = None if G is None else jnp.sum(d_gc, axis=-1)
   if G is not None:    # γ = e^{G_C} (cut by a segment start in the chunk) scales the carry
     gc = jnp.exp(G[..., -1])
     if segidx is not None:
       gc = gc * segment_masks(segidx, c)[1][..., -1]
-    dG = dG.at[..., -1].add((jnp.sum(d_gc, axis=-1) * gc).astype(dG.dtype))
+    dG = dG.at[..., -1].add((d_gc * gc).astype(dG.dtype))
   return dq, dk_, dv, dbeta, dG, ds0, None
 
 

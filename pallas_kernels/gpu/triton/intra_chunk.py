@@ -222,13 +222,28 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, gx_ptr, seg_ptr, cont_ptr,
 
 
 @triton.jit
+def _abt(a_ptr, a_stride, b_ptr, b_rows, b_stride, C: tl.constexpr, N: tl.constexpr,
+         V: tl.constexpr, VS: tl.constexpr):
+  """A Bᵀ [C, N], A the [C, V] rows at a_ptr (row stride a_stride), B the [N, V] rows b_rows
+  at b_ptr (row stride b_stride), V walked VS columns a step; bf16 operands, float32 sums."""
+  rc = tl.arange(0, C)
+  acc = tl.zeros((C, N), tl.float32)
+  for s in tl.range(V // VS):
+    vc = s * VS + tl.arange(0, VS)
+    a = tl.load(a_ptr + rc[:, None] * a_stride + vc[None, :]).to(tl.bfloat16)
+    b = tl.load(b_ptr + b_rows[:, None] * b_stride + vc[None, :]).to(tl.bfloat16)
+    acc = tl.dot(a, tl.trans(b), acc)
+  return acc
+
+
+@triton.jit
 def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, m_ptr,
-                dny_ptr, dp_ptr, du_ptr, dqg_ptr, dkg_ptr, t, scale, dq_ptr, dk_ptr, dv_ptr,
-                dbeta_ptr, dgr_ptr, dgc_ptr,
+                dny_ptr, dp_ptr, du_ptr, dqg_ptr, dkg_ptr, h_ptr, dh_ptr, e_ptr, do_ptr,
+                t, scale, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dgr_ptr, dgc_ptr,
                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 C: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 SLICE_STAGES: tl.constexpr, GBK: tl.constexpr, GRADS: tl.constexpr,
-                GATED: tl.constexpr):
+                GATED: tl.constexpr, STATES: tl.constexpr, VS: tl.constexpr):
   """The backward through the C×C products, the inverse and the pseudo-values: dq, dk, dv
   chunk-major, dβ, and G's two row sums (dgr, dgc), the elementwise QG / KG terms left to the
   caller; with GRADS (H = HV only) those terms too, whole dq, dk, dv stored in the inputs'
@@ -237,6 +252,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_pt
   G is not read and no part of dG is made: no q kᵀ loop, no W sums; dgr, dgc are not written."""
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % GBK == 0))
   tl.static_assert((not GRADS) or (H == HV))
+  tl.static_assert((not STATES) or GRADS)
   rc, rows, qk_base, v_base, vec0, chunk = _chunk_index(t, H, HV, K, V, C)
   q_ptr += qk_base           # int64 bases in the pointers, so that tile offsets are int32
   # (the forward kept int64 tile offsets: ptxas gave it more registers with these shifts)
@@ -246,6 +262,11 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_pt
   dp_ptr += chunk * C * C
   dny_ptr += chunk * C * K
   du_ptr += chunk * C * V
+  if STATES:   # the state pass's products made here (`intra_chunk_bwd_from_states`)
+    h_ptr += chunk * K * V
+    dh_ptr += chunk * K * V
+    e_ptr += v_base
+    do_ptr += v_base
   if GRADS:                  # whole gradients in the inputs' layout
     dq_ptr += qk_base
     dk_ptr += qk_base
@@ -279,8 +300,11 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_pt
     cols = s * BK + rb
     k = tl.load(k_ptr + ii * (H * K) + cols[None, :])
     y = tl.dot(m, (k.to(tl.float32) * (beta * entry)[:, None]).to(tl.bfloat16))
-    d_y = (-tl.load(dny_ptr + ii * K + cols[None, :]).to(tl.float32)
-           ).to(tl.bfloat16)                              # dY = −dNY (exact)
+    if STATES:                                            # dNY = dE hᵀ
+      d_y = (-_abt(du_ptr, V, h_ptr, cols, V, C, BK, V, VS)).to(tl.bfloat16)
+    else:
+      d_y = (-tl.load(dny_ptr + ii * K + cols[None, :]).to(tl.float32)
+             ).to(tl.bfloat16)                            # dY = −dNY (exact)
     d_rk = tl.dot(mt, d_y)
     d_l = tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)), d_l)
     rk_dot += tl.sum(d_rk * k.to(tl.float32), axis=1)
@@ -314,7 +338,11 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_pt
     w_b = d_b * kk                      # W = dA ⊙ q kᵀ + dB ⊙ k kᵀ: its k kᵀ half
     w_row = tl.sum(w_b, axis=1)
     w_col = tl.sum(w_b, axis=0)
-  d_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam
+  if STATES:                                              # dP = dO Eᵀ
+    d_p = _abt(do_ptr, HV * V, e_ptr, rc, HV * V, C, C, V, VS)
+  else:
+    d_p = tl.load(dp_ptr + cc).to(tl.float32)
+  d_a = scale * d_p * gam
   d_a16 = d_a.to(tl.bfloat16)
   d_bs = (d_b + tl.trans(d_b)).to(tl.bfloat16)
   # dq = dA k, dk = dAᵀ q + (dB + dBᵀ) k + β e ⊙ dR_k (dR_k made again), GBK columns a step
@@ -342,11 +370,18 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_pt
     dq = tl.dot(d_a16, k)
     dk = tl.dot(tl.trans(d_a16), q)
     dk = tl.dot(d_bs, k, dk)
-    d_rk = tl.dot(mt, (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16))
+    if STATES:
+      d_rk = tl.dot(mt, (-_abt(du_ptr, V, h_ptr, cols, V, C, GBK, V, VS)).to(tl.bfloat16))
+    else:
+      d_rk = tl.dot(mt, (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16))
     dk += (beta * entry)[:, None] * d_rk
-    if GRADS:
+    if STATES:                     # dQG = dO hᵀ, dKG = E dhᵀ
+      d_qg = _abt(do_ptr, HV * V, h_ptr, cols, V, C, GBK, V, VS)
+      d_kg = _abt(e_ptr, HV * V, dh_ptr, cols, V, C, GBK, V, VS)
+    elif GRADS:
       d_qg = tl.load(dqg_ptr + ck).to(tl.float32)
       d_kg = tl.load(dkg_ptr + ck).to(tl.float32)
+    if GRADS:
       dq += (scale * entry)[:, None] * d_qg
       dk += exit_[:, None] * d_kg
       if GATED:
@@ -366,7 +401,10 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_pt
     # spilled).
     g = tl.load(g_ptr + vec0 + rc)
     gam = _gamma(g, seg_ptr, rows, ii, jj, PACKED)
-    w_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam * qk
+    if STATES:
+      w_a = scale * _abt(do_ptr, HV * V, e_ptr, rc, HV * V, C, C, V, VS) * gam * qk
+    else:
+      w_a = scale * tl.load(dp_ptr + cc).to(tl.float32) * gam * qk
     d_row = entry * beta * rk_dot + (tl.sum(w_a, axis=1) + w_row)
     d_col = tl.sum(w_a, axis=0) + w_col
     if GRADS:   # dG = row sums − column sums + the QG / KG terms; G_C also enters every x
@@ -466,11 +504,46 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, cotangents=N
   outs = tuple(_jax_triton().triton_call(
       q.astype(MM_DTYPE), k.astype(MM_DTYPE), v.astype(MM_DTYPE), beta.astype(f32),
       g.astype(f32), seg[0], seg[1], seg[2], m.astype(MM_DTYPE), dny.astype(MM_DTYPE),
-      dp.astype(MM_DTYPE), du.astype(MM_DTYPE), dqg, dkg, t, float(scale),
+      dp.astype(MM_DTYPE), du.astype(MM_DTYPE), dqg, dkg, *(dqg,) * 4, t, float(scale),
       kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps, num_stages=1,
       H=h, HV=hv, K=dk, V=dv, C=c, BK=bk, PACKED=packed, SLICE_STAGES=slice_stages,
       GBK=grads_bk or blocks.grads_bk(dk, hopper=_on_hopper(), fused=grads), GRADS=grads,
-      GATED=gated))
+      GATED=gated, STATES=False, VS=min(dv, 64)))
   if not gated:
     outs = outs[:4] + (None, None)
   return outs[:5] if grads else outs
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "num_warps", "slice_stages"))
+def intra_chunk_bwd_from_states(q, k, v, beta, g, segments, m, de, h, dh, e, do, *,
+                                scale: float, gated: bool = True,
+                                num_warps: int = blocks.INTRA_WARPS,
+                                slice_stages: int = blocks.INTRA_SLICE_STAGES):
+  """`intra_chunk_bwd` with `cotangents` (the whole backward, H = HV), its inputs' cotangents
+  made in the kernel from the state pass's arrays instead of read: dNY = dE hᵀ, dQG = dO hᵀ,
+  dP = dO Eᵀ, dKG = E dhᵀ, dU = dE (what `gpu_vjps.state_pass_products` would write to HBM).
+
+  de, h, dh chunk-major (`[B, HV, Nc, C, V]` float32, `[B, HV, Nc, K, V]` bf16 twice: the
+  cotangent of E, the state entering each chunk, the cotangent of the state leaving it); e, do
+  in the op's `[B, T, HV, V]` layout (E float32, dO). Returns (dq, dk, dv, dβ, dG) as
+  `intra_chunk_bwd` with cotangents does (dG None when not gated); gc's term of dG is the
+  caller's."""
+  (b, t, h_, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
+  if h_ != hv:
+    raise ValueError(f"intra_chunk_bwd_from_states needs H = HV, got H={h_}, HV={hv}")
+  f32 = jnp.float32
+  dg_shape = (b, hv, t) if gated else (1,)
+  out_shape = _structs(((b, t, h_, dk), f32), ((b, t, h_, dk), f32), ((b, t, hv, dv), f32),
+                       ((b, hv, t), f32), (dg_shape, f32), ((1,), f32))
+  m = m.astype(MM_DTYPE)
+  outs = _jax_triton().triton_call(
+      q.astype(MM_DTYPE), k.astype(MM_DTYPE), v.astype(MM_DTYPE), beta.astype(f32),
+      g.astype(f32), seg[0], seg[1], seg[2], m, m, m, de.astype(MM_DTYPE), m, m,
+      h.astype(MM_DTYPE), dh.astype(MM_DTYPE), e.astype(f32), do.astype(MM_DTYPE), t,
+      float(scale), kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv),
+      num_warps=num_warps, num_stages=1, H=h_, HV=hv, K=dk, V=dv, C=c, BK=blocks.INTRA_BK,
+      PACKED=packed, SLICE_STAGES=slice_stages,
+      GBK=blocks.grads_bk(dk, hopper=_on_hopper(), fused=True), GRADS=True, GATED=gated,
+      STATES=True, VS=min(dv, 64))
+  dq, dk_, dv_, dbeta, dg = outs[:5]
+  return dq, dk_, dv_, dbeta, dg if gated else None
