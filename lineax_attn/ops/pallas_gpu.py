@@ -24,8 +24,8 @@ resources:
 * **Fused (DeltaNet / GDN, `GpuTuning(forward="fused")`, opt-in, untimed):** the Triton
   kernels of `pallas_kernels.gpu.triton.fused_forward` instead of the intra-chunk kernel and
   the state pass: a gate-free inverse T0 per chunk, a forward and a reverse chunk walk that make
-  M = T0 ⊙ Γ and the other per-chunk factors on the fly; the split's intra-chunk backward
-  (`_fused_core`).
+  M = T0 ⊙ Γ and the other per-chunk factors on the fly; then one Triton kernel per chunk for
+  dq, dk, dv, dβ, dG that also makes the state pass's products (`_fused_core`).
 
 Handled: all five linear mixers, initial_state / final_state, GVA, segment_ids, T not a multiple
 of the chunk, return_residual. Needs chunk_size 64, K = 64 or 128, V a multiple of 64, and
@@ -167,9 +167,9 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, ker
 
 
 def fused_forward_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int) -> bool:
-  """Whether a DeltaNet / GDN call on the intra-kernel path computes its undifferentiated
-  forward with `pallas_kernels.gpu.triton.fused_forward` (`GpuTuning.forward="fused"`; sizes it
-  does not take keep the split). ValueError where the triton extra cannot run."""
+  """Whether a DeltaNet / GDN call on the intra-kernel path runs the fused kernels of
+  `pallas_kernels.gpu.triton.fused_forward` (`GpuTuning.forward="fused"`; sizes they do not
+  take keep the split). ValueError where the triton extra cannot run."""
   if tuning.forward != "fused":
     return False
   from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
@@ -183,12 +183,12 @@ def fused_forward_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int) 
 
 # forward="fused": the chunk form in the fused kernels of `pallas_kernels.gpu.triton.
 # fused_forward`, forward (T0, then the walk) and reverse (the state cotangent walked back with the
-# same factors made on the fly). The intra-chunk part's backward is the split's own
-# (`gpu_vjps._intra_kernel_bwd`) fed with M = T0 ⊙ Γ, so only the forward intra kernel and the
-# HBM round trips of NY, QG, P, U, KG are gone. G: the chunk cumulative gates (None ungated).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _fused_core(q, k, v, beta, G, s0, segidx, scale, c, interpret, kernels, fused_grads):
-  del interpret, kernels, fused_grads
+# same factors made on the fly), then the intra-chunk backward fed with M = T0 ⊙ Γ: with H = HV
+# the Triton kernel that also makes the state pass's products (`intra_chunk_bwd_from_states`),
+# with GVA XLA's products and the split's backward. G: the chunk cumulative gates (None ungated).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _fused_core(q, k, v, beta, G, s0, segidx, scale, c, interpret, kernels):
+  del interpret, kernels
   return _fused_forward(q, k, v, beta, G, s0, segidx, scale, c, save_states=False)
 
 
@@ -201,14 +201,14 @@ def _fused_forward(q, k, v, beta, G, s0, segidx, scale, c, *, save_states):
                           scale=float(scale), gated=G is not None, save_states=save_states)
 
 
-def _fused_core_fwd(q, k, v, beta, G, s0, segidx, scale, c, interpret, kernels, fused_grads):
-  del interpret, kernels, fused_grads
+def _fused_core_fwd(q, k, v, beta, G, s0, segidx, scale, c, interpret, kernels):
+  del interpret, kernels
   o, e, s_final, t0, h = _fused_forward(q, k, v, beta, G, s0, segidx, scale, c,
                                         save_states=True)
   return (o, e, s_final), (q, k, v, beta, G, segidx, t0, h, e)
 
 
-def _fused_core_bwd(scale, c, interpret, kernels, fused_grads, res, cts):
+def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
   from pallas_kernels.gpu.triton import fused_forward as ff  # pylint: disable=g-import-not-at-top
   q, k, v, beta, G, segidx, t0, h, e = res
   do, de_ext, ds_final = cts
@@ -309,7 +309,7 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
         G, _ = chunked.chunk_cumulative_gates(pad(g).astype(_F32),
                                               functools.partial(to_chunks, c=c))
       o, e, s_final = _fused_core(pad(q), pad(k), pad(v), pad(beta), G, s0, segidx, scale, c,
-                                  interpret, kernels, fused_grads)
+                                  interpret, kernels)
     else:
       o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                          scale=scale, c=c, interpret=interpret, kernels=kernels,
