@@ -100,18 +100,12 @@ def jax_step(fn, args):
 
 
 def ours_step(mixer, impl, inverse, mode, np_in, tuning=None):
-  op = getattr(ops, mixer)
-  fwd = lambda *a: op(*a, implementation=impl, tuning=tuning)[0]
   with forced_inverse(inverse):
-    return jax_step(*peer_ops.jax_call(fwd, np_in, mode))
+    return jax_step(*peer_ops.jax_call(peer_ops.ours_op(mixer, impl, tuning), np_in, mode))
 
 
 def jla_step(mixer, mode, np_in):
-  from jla.ops import linear_attention as jla_la  # pylint: disable=g-import-not-at-top
-  names = list(np_in[3])
-  fwd = lambda *a: jla_la(peer_ops.JLA_KIND[mixer], *a[:3], impl="mosaic_gpu",
-                          **dict(zip(names, a[3:])))[0]
-  return jax_step(*peer_ops.jax_call(fwd, np_in, mode))
+  return jax_step(*peer_ops.jax_call(peer_ops.jla_op(mixer, np_in[3]), np_in, mode))
 
 
 def fla_step(mixer, mode, np_in):

@@ -181,17 +181,11 @@ def time_torch(fn):
 
 def run_ours(mixer, impl, mode, np_in, tuning=None):
   """Times `ops.<mixer>(implementation=impl, tuning=tuning)` (tuning: pallas_gpu's only)."""
-  op = getattr(ops, mixer)
-  fwd = lambda *a: op(*a, implementation=impl, tuning=tuning)[0]
-  return time_jax(*peer_ops.jax_call(fwd, np_in, mode))
+  return time_jax(*peer_ops.jax_call(peer_ops.ours_op(mixer, impl, tuning), np_in, mode))
 
 
 def run_jla(mixer, mode, np_in):
-  from jla.ops import linear_attention as jla_la
-  names = list(np_in[3])
-  fwd = lambda *a: jla_la(peer_ops.JLA_KIND[mixer], *a[:3], impl="mosaic_gpu",
-                          **dict(zip(names, a[3:])))[0]
-  return time_jax(*peer_ops.jax_call(fwd, np_in, mode))
+  return time_jax(*peer_ops.jax_call(peer_ops.jla_op(mixer, np_in[3]), np_in, mode))
 
 
 def run_fla(mixer, mode, np_in):

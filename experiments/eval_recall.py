@@ -249,7 +249,8 @@ def run_mqar(config, workdir: str | None) -> str:
       f.write(text + "\n")
     bench.write_json(os.path.join(workdir, "mqar.json"), rows, name=config.name,
                      complete=info["complete"], skipped_cells=info["skipped_cells"],
-                     partial_cells=info["partial_cells"], elapsed_s=elapsed, config=config.to_dict())
+                     partial_cells=info["partial_cells"], elapsed_s=elapsed,
+                     config=config.to_dict())
     if rows:
       mqar_plot(rows, os.path.join(workdir, "mqar.png"), f"{config.name}: MQAR")
       mqar_curves_plot(rows, os.path.join(workdir, "mqar_curves.png"),

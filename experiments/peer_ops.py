@@ -44,6 +44,22 @@ def jax_call(fwd, np_in, mode):
   return grad_fn(fwd, len(args)), [do] + args
 
 
+def ours_op(mixer, impl, tuning=None):
+  """f(q, k, v, *gates) -> o of our op `mixer` with `implementation=impl` (and `tuning`)."""
+  from lineax_attn import ops  # pylint: disable=g-import-not-at-top
+  op = getattr(ops, mixer)
+  return lambda *a: op(*a, implementation=impl, tuning=tuning)[0]
+
+
+def jla_op(mixer, gate_names):
+  """f(q, k, v, *gates in `gate_names` order) -> o of jax-linear-attention's Mosaic GPU kernels
+  for `mixer`; imports jla."""
+  from jla.ops import linear_attention as jla_la  # pylint: disable=g-import-not-at-top
+  names = list(gate_names)
+  return lambda *a: jla_la(JLA_KIND[mixer], *a[:3], impl="mosaic_gpu",
+                           **dict(zip(names, a[3:])))[0]
+
+
 def fla_op(mixer):
   """FLA's (fla-core) chunk function of `mixer` as f(q, k, v, gates by name) -> o, torch
   tensors [B, T, H, D]; imports FLA."""

@@ -407,9 +407,10 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
 
   Returns:
     (rows, info). rows: one per (cell, lr): mixer, d_model, seq_len, num_pairs, vocab, lr,
-    accuracy, best (whether this LR is the cell's best), state_size, params, final_loss, train_seconds,
-    steps (trained), partial (the budget stopped it first), loss_curve ([[step, mean loss], ...]
-    over 24 windows), decay_horizons (`decay_horizons` of the trained model, None ungated).
+    accuracy, best (whether this LR is the cell's best), state_size, params, final_loss,
+    train_seconds, steps (trained), partial (the budget stopped it first), loss_curve
+    ([[step, mean loss], ...] over 24 windows), decay_horizons (`decay_horizons` of the trained
+    model, None ungated).
     info: {"complete": bool, "skipped_cells": [...], "partial_cells": [...], "elapsed_s": float,
     "cells": int}.
     With `max_minutes` no cell starts past the budget, and the cell running when it passes

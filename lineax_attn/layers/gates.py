@@ -49,8 +49,8 @@ def dt_bias_ones_init(key, shape, dtype=jnp.float32):
 
 def gate_initializers(kind: str, gate_init: str):
   """(A_log init, dt_bias init) of docs/MATH.md §4.4 for a mixer kind and preset ("repo", "fla",
-  "long": a slow initial decay for short synthetic runs, or "very_long": ten times slower). The "repo" / "fla" values are the
-  mixer's `specs.LayerSpec.decay_init`."""
+  "long": a slow initial decay for short synthetic runs, or "very_long": ten times slower).
+  The "repo" / "fla" values are the mixer's `specs.LayerSpec.decay_init`."""
   if gate_init not in GATE_INITS:
     raise ValueError(f"unknown gate_init {gate_init!r}; expected one of {GATE_INITS}.")
   spec = specs.resolve(kind)

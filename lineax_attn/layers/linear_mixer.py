@@ -110,8 +110,8 @@ class LinearMixer(nnx.Module):
     conv_width: short-conv width W (4); 1 makes it a per-channel scale.
     output_gate: "none", "silu" or "sigmoid"; None = the mixer's docs/MATH.md §4.3 default.
     gate_rank: rank of KDA's low-rank f/z branch (default d_v).
-    gate_init: "repo" (paper reproduction), "fla" (§4.4), "long" or "very_long" (slow initial decay, for
-      short synthetic runs) initialisation of A_log / dt_bias.
+    gate_init: "repo" (paper reproduction), "fla" (§4.4), "long" or "very_long" (slow
+      initial decay, for short synthetic runs) initialisation of A_log / dt_bias.
     gate_lower_bound: KDA-style bounded decay lb·σ(·) with lb in [−5, 0); gated kinds only.
     allow_neg_eigval: β (GDN-2: b) = 2σ(·) ∈ (0, 2) instead of σ(·).
     norm_eps: output RMSNorm epsilon.

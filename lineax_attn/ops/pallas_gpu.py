@@ -214,9 +214,10 @@ def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
   do, de_ext, ds_final = cts
   b, t, hv = v.shape[:3]
   segments = None if segidx is None else kernel_segments(segidx, c)
-  de, dh, ds0 = ff.fused_reverse(q, k, jnp.moveaxis(beta.astype(_F32), 1, 2),
-                                 None if G is None else G.reshape(b, hv, t), segments, t0,
-                                 do, de_ext, ds_final, scale=float(scale), gated=G is not None)
+  beta_rows = jnp.moveaxis(beta.astype(_F32), 1, 2)                 # [B, HV, T]
+  de, dh, ds0 = ff.fused_reverse(q, k, beta_rows, None if G is None else G.reshape(b, hv, t),
+                                 segments, t0, do, de_ext, ds_final, scale=float(scale),
+                                 gated=G is not None)
   m = t0
   if G is not None:    # M = T0 ⊙ Γ, Γ_ij = e^{G_i − G_j} on i ≥ j (T0 is zero elsewhere)
     lower = jnp.tril(jnp.ones((c, c), bool))
@@ -228,7 +229,7 @@ def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
     from pallas_kernels.gpu.triton import intra_chunk as tic  # pylint: disable=g-import-not-at-top
     g_rows = jnp.zeros((b, hv, t), _F32) if G is None else G.reshape(b, hv, t)
     dq, dk_, dv, dbeta, dG = tic.intra_chunk_bwd_from_states(
-        q, k, v, jnp.moveaxis(beta.astype(_F32), 1, 2), g_rows, segments, m, de, h, dh, e, do,
+        q, k, v, beta_rows, g_rows, segments, m, de, h, dh, e, do,
         scale=float(scale), gated=G is not None)
     dq, dk_, dv = dq.astype(q.dtype), dk_.astype(k.dtype), dv.astype(v.dtype)
     dbeta = jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype)

@@ -37,6 +37,7 @@ _lock = threading.Lock()
 _installed = False
 
 
+@functools.cache
 def ffi_target_available() -> bool:
   """Whether this process's jaxlib registers the typed-FFI Triton handler for CUDA."""
   try:
