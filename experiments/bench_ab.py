@@ -14,7 +14,10 @@ the same round*, whose median and range say whether a difference outlives the dr
 Variants: `pallas_gpu`, `triton`, `chunk` (ours), `triton:batched` / `triton:tiles` (ours with
 the delta-rule intra forward's inverse forced: `blocks.INTRA_INVERSES`), ours with a
 `GpuTuning` after `@` (`GpuTuning.parse`'s fields, `;`-separated, e.g.
-`pallas_gpu@state_pass=triton`), ours with the Triton kernels' custom call forced after `+`
+`pallas_gpu@state_pass=triton`), ours with the fused walks' kernel knobs after `#`
+(`;`-separated: `scores=walk|stored`, `blocks.FUSED_SCORES`; `launch=BLOCK_V:warps:stages`,
+`blocks.FUSED_WALK_LAUNCH`; e.g. `triton@forward=fused#scores=stored;launch=16:4:2`), ours
+with the Triton kernels' custom call forced after `+`
 (`triton+ffi`: XLA's typed-FFI Triton target, which command buffers take; `+legacy`:
 jax-triton's own; `pallas_kernels.gpu.triton.ffi_call`), `jla`, `fla`. The
 inverse is a keyword of the kernel wrapper, not of `GpuTuning`; the variant swaps the module's
@@ -92,6 +95,39 @@ def forced_call_target(call_target: str | None):
     blocks.CALL_TARGET = original
 
 
+@contextlib.contextmanager
+def forced_fused_knobs(knobs: dict | None):
+  """While active, the fused walks (`GpuTuning(forward="fused")`) use these knobs: "scores"
+  (`blocks.FUSED_SCORES`) and "launch" (`blocks.FUSED_WALK_LAUNCH`), read at trace time."""
+  if not knobs:
+    yield
+    return
+  from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
+  original = blocks.FUSED_SCORES, blocks.FUSED_WALK_LAUNCH
+  blocks.FUSED_SCORES = knobs.get("scores", original[0])
+  blocks.FUSED_WALK_LAUNCH = knobs.get("launch", original[1])
+  try:
+    yield
+  finally:
+    blocks.FUSED_SCORES, blocks.FUSED_WALK_LAUNCH = original
+
+
+def parse_fused_knobs(text: str) -> dict:
+  """"scores=stored;launch=16:4:2" -> {"scores": "stored", "launch": (16, 4, 2)}."""
+  from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
+  knobs = {}
+  for item in filter(None, text.split(";")):
+    key, _, value = item.partition("=")
+    if key == "scores" and value in blocks.FUSED_SCORES_CHOICES:
+      knobs["scores"] = value
+    elif key == "launch" and len(value.split(":")) == 3 and value.replace(":", "").isdigit():
+      knobs["launch"] = tuple(int(x) for x in value.split(":"))
+    else:
+      raise ValueError(f"--variants: fused knob {item!r} is not scores="
+                       f"{'|'.join(blocks.FUSED_SCORES_CHOICES)} or launch=BLOCK_V:warps:stages")
+  return knobs
+
+
 def jax_step(fn, args):
   """A compiled fn and a zero-argument call of it that waits for its result."""
   jax.clear_caches()
@@ -134,29 +170,34 @@ def fla_step(mixer, mode, np_in):
   return step
 
 
-def parse_variant(variant: str) -> tuple[str, str | None, ops.GpuTuning | None, str | None]:
-  """"impl[:inverse][@field=value;...][+call_target]" -> (impl, inverse, GpuTuning,
-  call_target), each None where not given. call_target: `blocks.CALL_TARGETS`, the custom call
-  the Triton kernels lower to (e.g. `triton+ffi`)."""
+def parse_variant(variant: str) -> tuple[str, str | None, ops.GpuTuning | None, str | None,
+                                         dict]:
+  """"impl[:inverse][@field=value;...][#knob=value;...][+call_target]" -> (impl, inverse,
+  GpuTuning, call_target, fused knobs), each None (knobs: empty) where not given. call_target:
+  `blocks.CALL_TARGETS`, the custom call the Triton kernels lower to (e.g. `triton+ffi`)."""
   variant, _, call_target = variant.partition("+")
+  variant, _, knob_text = variant.partition("#")
   head, _, tuning_text = variant.partition("@")
   impl, _, inverse = head.partition(":")
   ours = impl in ("pallas_gpu", "triton", "chunk")
-  if (inverse or tuning_text or call_target) and not ours:
+  if (inverse or tuning_text or call_target or knob_text) and not ours:
     raise ValueError(f"--variants: {variant!r}: only our implementations take an inverse, "
-                     "a tuning or a call target")
+                     "a tuning, fused knobs or a call target")
   tuning = ops.GpuTuning.parse(tuning_text.replace(";", ",")) if tuning_text else None
   if tuning is not None and impl == "chunk":
     raise ValueError(f"--variants: {variant!r}: chunk takes no GpuTuning")
   if call_target and call_target not in ("legacy", "ffi"):
     raise ValueError(f"--variants: call target {call_target!r} is not 'legacy' or 'ffi'")
-  return impl, inverse or None, tuning, call_target or None
+  knobs = parse_fused_knobs(knob_text) if knob_text else {}
+  if knobs and (tuning is None or tuning.forward != "fused"):
+    raise ValueError(f"--variants: {variant!r}: fused knobs need @forward=fused")
+  return impl, inverse or None, tuning, call_target or None, knobs
 
 
 def make_step(variant, mixer, mode, np_in):
-  impl, inverse, tuning, call_target = parse_variant(variant)
+  impl, inverse, tuning, call_target, knobs = parse_variant(variant)
   if impl in ("pallas_gpu", "triton", "chunk"):
-    with forced_call_target(call_target):
+    with forced_call_target(call_target), forced_fused_knobs(knobs):
       return ours_step(mixer, impl, inverse, mode, np_in, tuning)
   if impl == "jla":
     return jla_step(mixer, mode, np_in)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import itertools
 import inspect
 import os
 import re
@@ -38,6 +39,9 @@ _ARCH = flags.DEFINE_enum("arch", "90", ["80", "86", "89", "90"],
 _KERNELS = flags.DEFINE_list("kernels", "state_pass,intra_chunk,channel_intra,fused_forward",
                              "Modules of pallas_kernels/gpu/triton to compile.")
 _OUT_MD = flags.DEFINE_string("out_md", "", "Also write the table here.")
+_FUSED_LAUNCHES = flags.DEFINE_list(
+    "fused_launches", "", "BLOCK_V:warps:stages of the fused walks to compile at besides "
+    "`blocks.fused_walk_launch`'s (e.g. 64:4:1,16:4:2).")
 _FAIL_ON_SPILL = flags.DEFINE_bool("fail_on_spill", False, "Exit 1 if any kernel spills.")
 
 
@@ -121,19 +125,32 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
 def _fused_launches(dk, dv, packed, hopper):
   """`fused_forward`'s three kernels (K <= 128), GDN's gated form."""
   from pallas_kernels.gpu.triton import blocks  # noqa: PLC0415
-  bv, warps, stages = blocks.fused_walk_launch(dk, dv, hopper=hopper)
-  walk = dict(H=16, HV=16, K=dk, V=dv, C=blocks.CHUNK, BV=bv, PACKED=packed, GATED=True,
-              STAGES=stages)
   f = frozenset
-  return [
-      Launch("fused_forward", "_t0_kernel",
-             dict(H=16, HV=16, K=dk, C=blocks.CHUNK, BK=blocks.INTRA_BK, PACKED=packed,
-                  PREC=blocks.INTRA_PRECISION), f({"k_ptr", "t0_ptr"}), blocks.INTRA_WARPS, 1),
-      Launch("fused_forward", "_walk_kernel", dict(walk, SAVE_STATES=True),
-             f({"q_ptr", "k_ptr", "v_ptr", "t0_ptr", "h_ptr"}), warps, stages),
-      Launch("fused_forward", "_reverse_walk_kernel", walk,
-             f({"q_ptr", "k_ptr", "t0_ptr", "do_ptr", "dh_ptr"}), warps, stages),
-  ]
+  t0 = dict(H=16, HV=16, K=dk, C=blocks.CHUNK, BK=blocks.INTRA_BK, PACKED=packed,
+            PREC=blocks.INTRA_PRECISION)
+  launches = [Launch("fused_forward", f"_t0_kernel{'+stored_scores' * stored}",
+                     dict(t0, STORE_SCORES=stored),
+                     f({"q_ptr", "k_ptr", "t0_ptr"} | ({"p0_ptr"} if stored else set())),
+                     blocks.INTRA_WARPS, 1) for stored in (False, True)]
+  walks = [blocks.fused_walk_launch(dk, dv, hopper=hopper)]
+  walks += [tuple(int(x) for x in w.split(":")) for w in _FUSED_LAUNCHES.value]
+  for (bv, warps, stages), scores in itertools.product(walks, blocks.FUSED_SCORES_CHOICES):
+    if dv % bv:
+      continue
+    stored = scores == "stored"
+    tag = "+stored_scores" if stored else ""
+    tag += "" if (bv, warps, stages) == walks[0] else f"@{bv}:{warps}:{stages}"
+    p0 = {"p0_ptr"} if stored else set()
+    walk = dict(H=16, HV=16, K=dk, V=dv, C=blocks.CHUNK, BV=bv, PACKED=packed, GATED=True,
+                STAGES=stages)
+    launches += [
+        Launch("fused_forward", "_walk_kernel" + tag,
+               dict(walk, SAVE_STATES=True, STORE_SCORES=stored),
+               f({"q_ptr", "k_ptr", "v_ptr", "t0_ptr", "h_ptr"} | p0), warps, stages),
+        Launch("fused_forward", "_reverse_walk_kernel" + tag, dict(walk, STORE_SCORES=stored),
+               f({"q_ptr", "k_ptr", "t0_ptr", "do_ptr", "dh_ptr"} | p0), warps, stages),
+    ]
+  return launches
 
 
 def _signature(fn, constexprs, bf16_pointers):
@@ -157,7 +174,7 @@ def compile_report(launch: Launch, arch: int) -> dict:
   import triton  # noqa: PLC0415 (the optional extra)
   from triton.backends.compiler import GPUTarget  # noqa: PLC0415
   module = importlib.import_module(f"pallas_kernels.gpu.triton.{launch.module}")
-  kernel = getattr(module, launch.kernel.split("+")[0])   # "+name": a variant of the kernel
+  kernel = getattr(module, re.split(r"[+@]", launch.kernel)[0])   # "+name", "@launch": variants
   sig, consts = _signature(kernel.fn, launch.constexprs, launch.bf16_pointers)
   # jax-triton tells Triton that every array argument is 16-byte aligned (`tt.divisibility`),
   # which lets it vectorise loads; without it the report is of other code (more registers and

@@ -264,12 +264,21 @@ def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():
     bench_ab.make_step("fla:batched", "delta_rule", "fwd", None)
   with pytest.raises(ValueError, match="only our implementations"):
     bench_ab.make_step("jla@state_pass=triton", "delta_rule", "fwd", None)
-  assert bench_ab.parse_variant("triton:tiles") == ("triton", "tiles", None, None)
+  assert bench_ab.parse_variant("triton:tiles") == ("triton", "tiles", None, None, {})
   assert bench_ab.parse_variant("pallas_gpu@state_pass=triton;remat_intra=false") == (
-      "pallas_gpu", None, ops.GpuTuning(state_pass="triton", remat_intra=False), None)
-  assert bench_ab.parse_variant("triton:tiles+ffi") == ("triton", "tiles", None, "ffi")
+      "pallas_gpu", None, ops.GpuTuning(state_pass="triton", remat_intra=False), None, {})
+  assert bench_ab.parse_variant("triton:tiles+ffi") == ("triton", "tiles", None, "ffi", {})
   assert bench_ab.parse_variant("pallas_gpu@state_pass=triton+legacy") == (
-      "pallas_gpu", None, ops.GpuTuning(state_pass="triton"), "legacy")
+      "pallas_gpu", None, ops.GpuTuning(state_pass="triton"), "legacy", {})
+  assert bench_ab.parse_variant("triton@forward=fused#scores=stored;launch=16:4:2+ffi") == (
+      "triton", None, ops.GpuTuning(forward="fused"), "ffi",
+      {"scores": "stored", "launch": (16, 4, 2)})
+  with pytest.raises(ValueError, match="need @forward=fused"):
+    bench_ab.parse_variant("triton#scores=stored")
+  with pytest.raises(ValueError, match="fused knob 'launch=16:4'"):
+    bench_ab.parse_variant("triton@forward=fused#launch=16:4")
+  with pytest.raises(ValueError, match="fused knob 'scores=cached'"):
+    bench_ab.parse_variant("triton@forward=fused#scores=cached")
   with pytest.raises(ValueError, match="call target"):
     bench_ab.parse_variant("triton+cuda_graph")
   with pytest.raises(ValueError, match="only our implementations"):

@@ -715,3 +715,39 @@ def test_fused_path_gradients_through_the_write_residual():
   want = loss("scan")
   for i, (g_, w) in enumerate(zip(got, want)):
     assert_close(g_, w, GRAD_TOL, f"grad {i} through o and the residual")
+
+
+@pytest.mark.parametrize("scores,launch", [("stored", None), ("stored", (16, 4, 1)),
+                                           ("walk", (16, 4, 1))])
+def test_fused_walk_knobs_match_scan(monkeypatch, scores, launch):
+  # The fused walks' timing knobs change where the scores are made and how the value columns
+  # are tiled, never the result: with GVA (the T0 kernel's scores per value head), packed
+  # segments and a tail, forward and every gradient against the scan.
+  from pallas_kernels.gpu.triton import blocks
+  monkeypatch.setattr(blocks, "FUSED_SCORES", scores)
+  monkeypatch.setattr(blocks, "FUSED_WALK_LAUNCH", launch)
+  args, kw = make_inputs("gated_delta_rule", b=1, t=150, h=1, hv=2, dk=64, dv=64, seed=11)
+  seg = jnp.asarray(np.repeat([1, 2], [90, 60]))[None]
+  tuning = ops.GpuTuning(forward="fused")
+  got = jax.jit(lambda *a: run("gated_delta_rule", a, **kw, segment_ids=seg,
+                               implementation="triton", tuning=tuning)[0])(*args)
+  want = run("gated_delta_rule", args, **kw, segment_ids=seg, implementation="scan")[0]
+  assert_close(got, want, FWD_TOL, f"o ({scores}, {launch})")
+  grads = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "triton",
+                                 tuning=tuning)
+  want = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "scan")
+  for i, (g_, w) in enumerate(zip(grads, want)):
+    assert_close(g_, w, GRAD_TOL, f"grad {i} ({scores}, {launch})")
+
+
+def test_fused_walk_knobs_are_checked():
+  from pallas_kernels.gpu.triton import fused_forward as ff
+  args, _ = make_inputs("gated_delta_rule", b=1, t=64, h=1, dk=64, dv=64, seed=12,
+                        with_state=False)
+  q, k, v = args[:3]
+  beta = jnp.ones((1, 1, 64), jnp.float32)
+  s0 = jnp.zeros((1, 1, 64, 64), jnp.float32)
+  with pytest.raises(ValueError, match="scores='cached'"):
+    ff.fused_forward(q, k, v, beta, None, s0, scale=1.0, gated=False, scores="cached")
+  with pytest.raises(ValueError, match="launch=.*BLOCK_V"):
+    ff.fused_forward(q, k, v, beta, None, s0, scale=1.0, gated=False, launch=(48, 4, 1))

@@ -203,22 +203,22 @@ def _fused_forward(q, k, v, beta, G, s0, segidx, scale, c, *, save_states):
 
 def _fused_core_fwd(q, k, v, beta, G, s0, segidx, scale, c, interpret, kernels):
   del interpret, kernels
-  o, e, s_final, t0, h = _fused_forward(q, k, v, beta, G, s0, segidx, scale, c,
-                                        save_states=True)
-  return (o, e, s_final), (q, k, v, beta, G, segidx, t0, h, e)
+  o, e, s_final, factors, h = _fused_forward(q, k, v, beta, G, s0, segidx, scale, c,
+                                             save_states=True)
+  return (o, e, s_final), (q, k, v, beta, G, segidx, factors, h, e)
 
 
 def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
   from pallas_kernels.gpu.triton import fused_forward as ff  # pylint: disable=g-import-not-at-top
-  q, k, v, beta, G, segidx, t0, h, e = res
+  q, k, v, beta, G, segidx, factors, h, e = res
   do, de_ext, ds_final = cts
   b, t, hv = v.shape[:3]
   segments = None if segidx is None else kernel_segments(segidx, c)
   beta_rows = jnp.moveaxis(beta.astype(_F32), 1, 2)                 # [B, HV, T]
   de, dh, ds0 = ff.fused_reverse(q, k, beta_rows, None if G is None else G.reshape(b, hv, t),
-                                 segments, t0, do, de_ext, ds_final, scale=float(scale),
+                                 segments, factors, do, de_ext, ds_final, scale=float(scale),
                                  gated=G is not None)
-  m = t0
+  m = t0 = factors[0]
   if G is not None:    # M = T0 ⊙ Γ, Γ_ij = e^{G_i − G_j} on i ≥ j (T0 is zero elsewhere)
     lower = jnp.tril(jnp.ones((c, c), bool))
     diff = jnp.where(lower, G[..., :, None] - G[..., None, :], 0.0)

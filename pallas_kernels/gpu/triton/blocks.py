@@ -196,6 +196,16 @@ CALL_TARGETS = ("legacy", "ffi")
 CALL_TARGET = "legacy"
 
 
+# Where `fused_forward`'s walks get the masked scores s q kᵀ: "walk", each program makes them
+# (once per V-tile of a chunk, the one product of the walk that is not of the state), or
+# "stored", the T0 kernel makes them once per chunk beside T0 and writes them (bf16, 8 KB a
+# chunk), and the walks read them. Untimed; "walk" until an A/B on the GPU says otherwise.
+FUSED_SCORES_CHOICES = ("walk", "stored")
+FUSED_SCORES = "walk"
+# A timing run's override of `fused_walk_launch` (BLOCK_V, warps, stages), None in the library.
+FUSED_WALK_LAUNCH: tuple[int, int, int] | None = None
+
+
 def fused_walk_launch(dk: int, dv: int, *, hopper: bool = False) -> tuple[int, int, int]:
   """(BLOCK_V, warps, pipeline stages) of `fused_forward`'s two chunk walks (K <= 128).
 

@@ -49,21 +49,28 @@ from pallas_kernels.gpu.triton.intra_chunk import (_batched_unit_lower_inverse, 
 from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _on_hopper, _structs
 
 @triton.jit
-def _t0_kernel(k_ptr, beta_ptr, seg_ptr, t, t0_ptr,
+def _t0_kernel(q_ptr, k_ptr, beta_ptr, seg_ptr, t, scale, t0_ptr, p0_ptr,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
-               BK: tl.constexpr, PACKED: tl.constexpr, PREC: tl.constexpr):
+               BK: tl.constexpr, PACKED: tl.constexpr, PREC: tl.constexpr,
+               STORE_SCORES: tl.constexpr):
   rc, rows, qk_base, _, vec0, chunk = _chunk_index(t, H, HV, K, K, C)
   ii, jj = rc[:, None], rc[None, :]
   rb = tl.arange(0, BK)
   kk = tl.zeros((C, C), tl.float32)
+  qk = tl.zeros((C, C), tl.float32)
   for s in tl.range(K // BK):
     k = tl.load(k_ptr + qk_base + ii * (H * K) + (s * BK + rb)[None, :])
     kk = tl.dot(k, tl.trans(k), kk)
+    if STORE_SCORES:
+      q = tl.load(q_ptr + qk_base + ii * (H * K) + (s * BK + rb)[None, :])
+      qk = tl.dot(q, tl.trans(k), qk)
   beta = tl.load(beta_ptr + vec0 + rc)
-  lmat = tl.where(ii > jj, beta[:, None] * kk * _ungated_gamma(seg_ptr, rows, ii, jj, PACKED),
-                  0.0)
+  lower = _ungated_gamma(seg_ptr, rows, ii, jj, PACKED)
+  lmat = tl.where(ii > jj, beta[:, None] * kk * lower, 0.0)
   t0 = _batched_unit_lower_inverse(lmat, ii, jj, PREC)
   tl.store(t0_ptr + chunk * C * C + ii * C + jj, t0.to(tl.bfloat16))
+  if STORE_SCORES:   # the scores s q kᵀ, unmasked: the walks' Γ masks and gates them
+    tl.store(p0_ptr + chunk * C * C + ii * C + jj, (scale * qk).to(tl.bfloat16))
 
 
 @triton.jit
@@ -87,6 +94,16 @@ def _chunk_factors(g_ptr, seg_ptr, cont_ptr, keep_ptr, vec0, row0, rows, rc, ii,
     exit_ = exit_ * tl.load(keep_ptr + rows)
     gc = gc * tl.load(cont_ptr + row0 + C - 1)
   return gam, entry, exit_, gc
+
+
+@triton.jit
+def _scores(q, k, p0_ptr, chunk, ii, jj, gam, scale, C: tl.constexpr,
+            STORE_SCORES: tl.constexpr):
+  """P = s q kᵀ ⊙ Γ (bf16): from the T0 kernel's stored ungated scores, or made here."""
+  if STORE_SCORES:
+    p0 = tl.load(p0_ptr + chunk * C * C + ii * C + jj).to(tl.float32)
+    return (p0 * gam).to(tl.bfloat16)
+  return (scale * tl.dot(q, tl.trans(k)) * gam).to(tl.bfloat16)
 
 
 @triton.jit
@@ -118,10 +135,10 @@ def _chunk_rows(bhv, ci, t, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
 
 @triton.jit
 def _walk_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, t0_ptr,
-                 s0_ptr, t, scale, o_ptr, e_ptr, sf_ptr, h_ptr,
+                 p0_ptr, s0_ptr, t, scale, o_ptr, e_ptr, sf_ptr, h_ptr,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  C: tl.constexpr, BV: tl.constexpr, PACKED: tl.constexpr, GATED: tl.constexpr,
-                 STAGES: tl.constexpr, SAVE_STATES: tl.constexpr):
+                 STAGES: tl.constexpr, SAVE_STATES: tl.constexpr, STORE_SCORES: tl.constexpr):
   bhv, nc, rc, ii, jj, kv, state0 = _walk_program(t, K, V, C, BV)
   s = tl.load(s0_ptr + state0 + kv)
   for ci in tl.range(0, nc, num_stages=STAGES):
@@ -130,14 +147,15 @@ def _walk_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_p
     k = tl.load(k_ptr + qk_rows)
     v = tl.load(v_ptr + v_rows).to(tl.float32)
     beta = tl.load(beta_ptr + vec0 + rc)
-    t0 = tl.load(t0_ptr + (bhv.to(tl.int64) * nc + ci) * C * C + ii * C + jj).to(tl.float32)
+    chunk = bhv.to(tl.int64) * nc + ci
+    t0 = tl.load(t0_ptr + chunk * C * C + ii * C + jj).to(tl.float32)
     gam, entry, exit_, gc = _chunk_factors(g_ptr, seg_ptr, cont_ptr, keep_ptr, vec0, row0, rows,
                                            rc, ii, jj, C, PACKED, GATED)
     mb = (t0 * gam * beta[None, :]).to(tl.bfloat16)          # M diag(β)
-    p = (scale * tl.dot(q, tl.trans(k)) * gam).to(tl.bfloat16)
+    p = _scores(q, k, p0_ptr, chunk, ii, jj, gam, scale, C, STORE_SCORES)
     s_mm = s.to(tl.bfloat16)
     if SAVE_STATES:   # the state entering the chunk, as used here (the backward's h)
-      tl.store(h_ptr + (bhv.to(tl.int64) * nc + ci) * K * V + kv, s_mm)
+      tl.store(h_ptr + chunk * K * V + kv, s_mm)
     r = v - entry[:, None] * tl.dot(k, s_mm)
     e = tl.dot(mb, r.to(tl.bfloat16))
     o = tl.dot(p, e.to(tl.bfloat16), (scale * entry)[:, None] * tl.dot(q, s_mm))
@@ -151,10 +169,10 @@ def _walk_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_p
 
 @triton.jit
 def _reverse_walk_kernel(q_ptr, k_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, t0_ptr,
-                         do_ptr, dx_ptr, dsf_ptr, t, scale, de_ptr, dh_ptr, ds0_ptr,
+                         p0_ptr, do_ptr, dx_ptr, dsf_ptr, t, scale, de_ptr, dh_ptr, ds0_ptr,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          C: tl.constexpr, BV: tl.constexpr, PACKED: tl.constexpr,
-                         GATED: tl.constexpr, STAGES: tl.constexpr):
+                         GATED: tl.constexpr, STAGES: tl.constexpr, STORE_SCORES: tl.constexpr):
   """The state cotangent walked backward, the split's reverse pass with its per-chunk factors
   made on the fly as the forward walk makes them (NY = −M (k ⊙ β e), QG = s q ⊙ e, KG = k ⊙ x,
   P = s q kᵀ ⊙ Γ, M = T0 ⊙ Γ):
@@ -178,7 +196,7 @@ def _reverse_walk_kernel(q_ptr, k_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_
     dx = tl.load(dx_ptr + v_rows)
     gam, entry, exit_, gc = _chunk_factors(g_ptr, seg_ptr, cont_ptr, keep_ptr, vec0, row0, rows,
                                            rc, ii, jj, C, PACKED, GATED)
-    p = (scale * tl.dot(q, tl.trans(k)) * gam).to(tl.bfloat16)
+    p = _scores(q, k, p0_ptr, chunk, ii, jj, gam, scale, C, STORE_SCORES)
     mt = tl.trans((t0 * gam).to(tl.bfloat16))
     ds_mm = ds.to(tl.bfloat16)
     tl.store(dh_ptr + chunk * K * V + kv, ds_mm)
@@ -219,57 +237,107 @@ def _segment_rows(segments, beta):
   return tuple(x.astype(jnp.float32) for x in segments), True
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states"))
+def _launch(dk, dv, launch):
+  """The walks' (BLOCK_V, warps, stages): `launch`, else `blocks.FUSED_WALK_LAUNCH` (a timing
+  run's override), else `blocks.fused_walk_launch`'s."""
+  launch = launch or blocks.FUSED_WALK_LAUNCH or blocks.fused_walk_launch(
+      dk, dv, hopper=_on_hopper())
+  bv, warps, stages = launch
+  if bv not in (16, 32, 64) or dv % bv or warps not in (1, 2, 4, 8) or stages < 1:
+    raise ValueError(f"fused_forward: launch={launch} needs BLOCK_V in (16, 32, 64) dividing "
+                     f"V={dv}, warps in (1, 2, 4, 8) and stages >= 1")
+  return tuple(int(x) for x in launch)
+
+
 def fused_forward(q, k, v, beta, g, s0, segments=None, *, scale: float, gated: bool = True,
-                  save_states: bool = False):
+                  save_states: bool = False, scores: str | None = None,
+                  launch: tuple[int, int, int] | None = None):
   """(o, e, s_final) of the delta rule's chunk form on a padded call; with save_states also
-  (t0, h), the backward's residuals.
+  (factors, h), the backward's residuals.
 
   q, k `[B, T, H, K]`, v `[B, T, HV, V]` (T a multiple of 64, HV a multiple of H), beta and the
   chunk-local cumulative log gates g `[B, HV, T]` float32 (g is not read when not `gated`),
   s0 `[B, HV, K, V]` float32, segments None or the (seg, cont, keep) rows `[B, T]` of
   `gpu_chunks.kernel_segments`. Returns o and e `[B, T, HV, V]` float32 (the output and the
   pseudo-values, the write residual), s_final `[B, HV, K, V]` float32, and with save_states
-  t0 `[B, HV, Nc, C, C]` bf16 (the gate-free inverses) and h `[B, HV, Nc, K, V]` bf16 (the
-  state entering each chunk)."""
+  factors = (t0, p0): t0 `[B, HV, Nc, C, C]` bf16 (the gate-free inverses) and p0 the same
+  shape (the ungated scores, where `scores="stored"`) or None, and h `[B, HV, Nc, K, V]` bf16
+  (the state entering each chunk).
+
+  scores: `blocks.FUSED_SCORES_CHOICES` (None: `blocks.FUSED_SCORES`), whether the walks make
+  the masked scores s q kᵀ themselves, once per V-tile, or read them from the T0 kernel;
+  launch: (BLOCK_V, warps, stages) of the walks (None: `blocks.fused_walk_launch`). Both are
+  read here, outside the jit, so a changed default takes effect at the next call."""
+  scores = _check_scores(scores)
+  return _fused_forward(q, k, v, beta, g, s0, segments, scale=float(scale), gated=gated,
+                        save_states=save_states, scores=scores,
+                        launch=_launch(q.shape[-1], v.shape[-1], launch))
+
+
+def _check_scores(scores):
+  scores = blocks.FUSED_SCORES if scores is None else scores
+  if scores not in blocks.FUSED_SCORES_CHOICES:
+    raise ValueError(f"fused_forward: scores={scores!r} is not one of "
+                     f"{blocks.FUSED_SCORES_CHOICES}")
+  return scores
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "scores",
+                                             "launch"))
+def _fused_forward(q, k, v, beta, g, s0, segments, *, scale, gated, save_states, scores,
+                   launch):
   b, t, h, dk, hv, dv = _check(q, v)
   c, nc, f32 = blocks.CHUNK, t // blocks.CHUNK, jnp.float32
+  stored = scores == "stored"
   beta = beta.astype(f32)
   seg, packed = _segment_rows(segments, beta)
   q, k, v = (x.astype(MM_DTYPE) for x in (q, k, v))
-  (t0,) = _jax_triton().triton_call(
-      k, beta, seg[0], t, kernel=_t0_kernel,
-      out_shape=_structs(((b, hv, nc, c, c), MM_DTYPE)), grid=(nc, b * hv),
-      num_warps=blocks.INTRA_WARPS, num_stages=1, H=h, HV=hv, K=dk, C=c, BK=blocks.INTRA_BK,
-      PACKED=packed, PREC=blocks.INTRA_PRECISION)
-  bv, warps, stages = blocks.fused_walk_launch(dk, dv, hopper=_on_hopper())
+  t0, p0 = _jax_triton().triton_call(
+      q, k, beta, seg[0], t, scale, kernel=_t0_kernel,
+      out_shape=_structs(((b, hv, nc, c, c), MM_DTYPE),
+                         ((b, hv, nc, c, c) if stored else (1,), MM_DTYPE)),
+      grid=(nc, b * hv), num_warps=blocks.INTRA_WARPS, num_stages=1, H=h, HV=hv, K=dk, C=c,
+      BK=blocks.INTRA_BK, PACKED=packed, PREC=blocks.INTRA_PRECISION, STORE_SCORES=stored)
+  bv, warps, stages = launch
   out_shape = _structs(((b, t, hv, dv), f32), ((b, t, hv, dv), f32), ((b, hv, dk, dv), f32),
                        ((b, hv, nc, dk, dv) if save_states else (1,), MM_DTYPE))
   o, e, s_final, states = _jax_triton().triton_call(
-      q, k, v, beta, beta if g is None else g.astype(f32), *seg, t0, s0.astype(f32), t,
-      float(scale), kernel=_walk_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
+      q, k, v, beta, beta if g is None else g.astype(f32), *seg, t0, p0, s0.astype(f32), t,
+      scale, kernel=_walk_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
       num_warps=warps, num_stages=stages, H=h, HV=hv, K=dk, V=dv, C=c, BV=bv, PACKED=packed,
-      GATED=gated, STAGES=stages, SAVE_STATES=save_states)
-  return (o, e, s_final, t0, states) if save_states else (o, e, s_final)
+      GATED=gated, STAGES=stages, SAVE_STATES=save_states, STORE_SCORES=stored)
+  if not save_states:
+    return o, e, s_final
+  return o, e, s_final, (t0, p0 if stored else None), states
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated"))
-def fused_reverse(q, k, beta, g, segments, t0, do, de_ext, ds_final, *, scale: float,
-                  gated: bool = True):
+def fused_reverse(q, k, beta, g, segments, factors, do, de_ext, ds_final, *, scale: float,
+                  gated: bool = True, launch: tuple[int, int, int] | None = None):
   """The reverse state pass of `fused_forward` (`_reverse_walk_kernel`): (de, dh, ds0), as
   `state_pass.state_passing_bwd` returns them (de `[B, HV, Nc, C, V]` float32, dh
-  `[B, HV, Nc, K, V]` bf16, ds0 `[B, HV, K, V]` float32), from its inputs' t0 and the
-  cotangents do, de_ext `[B, T, HV, V]` and ds_final."""
+  `[B, HV, Nc, K, V]` bf16, ds0 `[B, HV, K, V]` float32), from its inputs' factors (t0, p0 or
+  None: the walk makes the scores itself) and the cotangents do, de_ext `[B, T, HV, V]` and
+  ds_final."""
+  return _fused_reverse(q, k, beta, g, segments, factors, do, de_ext, ds_final,
+                        scale=float(scale), gated=gated,
+                        launch=_launch(q.shape[-1], do.shape[-1], launch))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "launch"))
+def _fused_reverse(q, k, beta, g, segments, factors, do, de_ext, ds_final, *, scale, gated,
+                   launch):
   b, t, h, dk, hv, dv = _check(q, do)
   c, nc, f32 = blocks.CHUNK, t // blocks.CHUNK, jnp.float32
+  t0, p0 = factors
+  stored = p0 is not None
   beta = beta.astype(f32)
   seg, packed = _segment_rows(segments, beta)
-  bv, warps, stages = blocks.fused_walk_launch(dk, dv, hopper=_on_hopper())
+  bv, warps, stages = launch
   out_shape = _structs(((b, hv, nc, c, dv), f32), ((b, hv, nc, dk, dv), MM_DTYPE),
                        ((b, hv, dk, dv), f32))
   return tuple(_jax_triton().triton_call(
       q.astype(MM_DTYPE), k.astype(MM_DTYPE), beta, beta if g is None else g.astype(f32), *seg,
-      t0, do.astype(MM_DTYPE), de_ext.astype(f32), ds_final.astype(f32), t, float(scale),
-      kernel=_reverse_walk_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
-      num_warps=warps, num_stages=stages, H=h, HV=hv, K=dk, V=dv, C=c, BV=bv, PACKED=packed,
-      GATED=gated, STAGES=stages))
+      t0, t0 if p0 is None else p0, do.astype(MM_DTYPE), de_ext.astype(f32),
+      ds_final.astype(f32), t, scale, kernel=_reverse_walk_kernel, out_shape=out_shape,
+      grid=(dv // bv, b * hv), num_warps=warps, num_stages=stages, H=h, HV=hv, K=dk, V=dv, C=c,
+      BV=bv, PACKED=packed, GATED=gated, STAGES=stages, STORE_SCORES=stored))
