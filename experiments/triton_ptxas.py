@@ -154,8 +154,10 @@ def _fused_launches(dk, dv, packed, hopper):
 
 
 def _signature(fn, constexprs, bf16_pointers):
-  """Triton's signature of `fn`: constexprs as given, `t`/`nc` int32, `scale` float32, every
-  other argument a pointer (bf16 or float32)."""
+  """Triton's signature of `fn` as jax-triton 0.3.1 makes it: constexprs as given, `t`/`nc`
+  int32, `scale` float64 (jax-triton types a Python float "fp64"; with "fp32" here the fused
+  walks compiled off GPU and failed on it, 2026-12-03), every other argument a pointer (bf16
+  or float32)."""
   sig, consts = {}, {}
   for name in inspect.signature(fn).parameters:
     if name in constexprs:
@@ -163,7 +165,7 @@ def _signature(fn, constexprs, bf16_pointers):
     elif name in ("t", "nc"):
       sig[name] = "i32"
     elif name == "scale":
-      sig[name] = "fp32"
+      sig[name] = "fp64"
     else:
       sig[name] = "*bf16" if name in bf16_pointers else "*fp32"
   return sig, consts

@@ -751,3 +751,37 @@ def test_fused_walk_knobs_are_checked():
     ff.fused_forward(q, k, v, beta, None, s0, scale=1.0, gated=False, scores="cached")
   with pytest.raises(ValueError, match="launch=.*BLOCK_V"):
     ff.fused_forward(q, k, v, beta, None, s0, scale=1.0, gated=False, launch=(48, 4, 1))
+
+
+# The kernel-level check of `intra_chunk_bwd_from_states` the op-level tests lacked: compiled on
+# the H200 its dk was wrong at K = V = 128 (2026-12-03) while the op tests at 64 passed. The
+# variants (slice stages, value columns a step) are there to find which compiles wrong.
+@pytest.mark.parametrize("d,slice_stages,vs", [(64, 2, 64), (128, 2, 64), (128, 1, 64),
+                                               (128, 2, 128), (128, 1, 128)])
+def test_from_states_backward_matches_the_glue(d, slice_stages, vs):
+  # The in-kernel state-pass products (dNY = dE hᵀ, dQG = dO hᵀ, dP = dO Eᵀ, dKG = E dhᵀ)
+  # against XLA's products fed to the fused backward kernel (itself checked against autodiff of
+  # the exact reference above): every result.
+  b, t, h, c = 1, 128, 2, 64
+  nc = t // c
+  rng = np.random.default_rng(13)
+  rnd = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in (rnd(b, t, h, d),
+                                                                   rnd(b, t, h, d)))
+  v = rnd(b, t, h, d)
+  beta = jax.nn.sigmoid(rnd(b, h, t))
+  g = jnp.cumsum(jax.nn.log_sigmoid(rnd(b, h, nc, c)), axis=-1).reshape(b, h, t)
+  m = jnp.tril(0.1 * rnd(b, h, nc, c, c), -1) + jnp.eye(c)
+  m = m.astype(BF)
+  de = rnd(b, h, nc, c, d)
+  hs, dh = rnd(b, h, nc, d, d).astype(BF), rnd(b, h, nc, d, d).astype(BF)
+  e, do = rnd(b, t, h, d), rnd(b, t, h, d).astype(BF)
+  scale = d ** -0.5
+  got = tic.intra_chunk_bwd_from_states(q, k, v, beta, g, None, m, de, hs, dh, e, do,
+                                        scale=scale, slice_stages=slice_stages, vs=vs)
+  d_ny, d_qg, d_p, d_kg, _ = gpu_vjps.state_pass_products(
+      de, gpu_chunks.to_chunks(do, c), gpu_chunks.to_chunks(e, c), hs, dh)
+  want = tic.intra_chunk_bwd(q, k, v, beta, g, None, None, m, d_ny, d_p, de,
+                             cotangents=(d_qg, d_kg), scale=scale)
+  for name, x, w in zip(("dq", "dk", "dv", "dbeta", "dG"), got, want):
+    assert_close(x, w, 1e-2, f"{name} (d={d}, slice_stages={slice_stages}, vs={vs})")

@@ -95,9 +95,9 @@ class GpuTuning:
       stores only O, E (and, for the backward, the chunk states); the backward walks the state
       cotangent back with the same on-the-fly factors, then runs the split's intra-chunk
       backward with M = T0 ⊙ Γ). Triton kernels on either implementation (a ValueError without
-      the triton extra); K > 128 keeps "split". Checked in Triton's interpreter against the
-      scan, forward and every gradient; not yet compiled or timed (issue #17;
-      docs/KERNELS_GPU.md "v2, first bricks").
+      the triton extra); K > 128 keeps "split". On the H200 (2026-12-03) right (forward error
+      3.7-4.7e-3) but not faster: the DeltaNet forward 18 % faster than "split", GDN's level,
+      fwd+bwd slower for both (issue #17; docs/BENCHMARKS.md "twelfth stage").
   """
 
   intra: str = "kernel"

@@ -21,7 +21,8 @@ resources:
   a reverse kernel for the state cotangent (docs/MATH.md §3.6 steps 1-2) plus batched matmuls,
   wired as a `jax.custom_vjp`.
 
-* **Fused (DeltaNet / GDN, `GpuTuning(forward="fused")`, opt-in, untimed):** the Triton
+* **Fused (DeltaNet / GDN, `GpuTuning(forward="fused")`, opt-in; on the H200 slower than the
+  split in fwd+bwd, docs/BENCHMARKS.md "twelfth stage"):** the Triton
   kernels of `pallas_kernels.gpu.triton.fused_forward` instead of the intra-chunk kernel and
   the state pass: a gate-free inverse T0 per chunk, a forward and a reverse chunk walk that make
   M = T0 ⊙ Γ and the other per-chunk factors on the fly; then one Triton kernel per chunk for
@@ -181,6 +182,13 @@ def fused_forward_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int) 
   return ff.supported(chunk_size, dk, dv) is None
 
 
+# `intra_chunk_bwd_from_states` runs only up to these head dims: compiled on the H200
+# (2026-12-03) it matched the scan at K = V = 64, but at K = V = 128 its dk was wrong (relative
+# error 0.59 in every case tried, bf16 or float32, with or without −1e4 gates; dq, dv, dβ, dG
+# right), while Triton's interpreter computes it right. Not found yet; wider heads take XLA's
+# products, which the same run checked right at K = V = 128.
+_FROM_STATES_MAX_DIM = 64
+
 # forward="fused": the chunk form in the fused kernels of `pallas_kernels.gpu.triton.
 # fused_forward`, forward (T0, then the walk) and reverse (the state cotangent walked back with the
 # same factors made on the fly), then the intra-chunk backward fed with M = T0 ⊙ Γ: with H = HV
@@ -223,7 +231,7 @@ def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
     lower = jnp.tril(jnp.ones((c, c), bool))
     diff = jnp.where(lower, G[..., :, None] - G[..., None, :], 0.0)
     m = (t0.astype(_F32) * jnp.where(lower, jnp.exp(diff), 0.0)).astype(t0.dtype)
-  if q.shape[2] == hv:
+  if q.shape[2] == hv and max(q.shape[-1], v.shape[-1]) <= _FROM_STATES_MAX_DIM:
     # One Triton kernel per chunk: the state pass's products (dNY, dQG, dP, dKG) made inside
     # from E, dE, dO and the chunk states, never written to HBM, then the intra backward.
     from pallas_kernels.gpu.triton import intra_chunk as tic  # pylint: disable=g-import-not-at-top
@@ -235,7 +243,8 @@ def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
     dbeta = jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype)
     dG = None if G is None else dG.reshape(G.shape)
     d_gc = None if G is None else jnp.sum(dh.astype(_F32) * h.astype(_F32), axis=(-2, -1))
-  else:   # GVA: the products in XLA, the split's intra backward (which sums over value heads)
+  else:   # GVA, wider heads: the products in XLA, the split's intra backward (which sums
+    # over value heads)
     d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, to_chunks(do, c), to_chunks(e, c), h,
                                                       dh)
     dq, dk_, dv, dbeta, dG = intra_kernel_backward(

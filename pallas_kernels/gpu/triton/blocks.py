@@ -199,7 +199,9 @@ CALL_TARGET = "legacy"
 # Where `fused_forward`'s walks get the masked scores s q kᵀ: "walk", each program makes them
 # (once per V-tile of a chunk, the one product of the walk that is not of the state), or
 # "stored", the T0 kernel makes them once per chunk beside T0 and writes them (bf16, 8 KB a
-# chunk), and the walks read them. Untimed; "walk" until an A/B on the GPU says otherwise.
+# chunk), and the walks read them. "walk": on the H200 (docs/BENCHMARKS.md, "twelfth stage")
+# stored made the GDN forward 0.81 -> 1.05 ms (its walk spills nothing but takes 116 KB of
+# shared memory at two stages: one program an SM), and at one stage 0.86.
 FUSED_SCORES_CHOICES = ("walk", "stored")
 FUSED_SCORES = "walk"
 # A timing run's override of `fused_walk_launch` (BLOCK_V, warps, stages), None in the library.
@@ -217,7 +219,9 @@ def fused_walk_launch(dk: int, dv: int, *, hopper: bool = False) -> tuple[int, i
   forward's own launch spills 80 B at K = 128); on sm_80 at 8 warps 40 / 80 B (K = 128) and
   32 / 0 B (K = 64), where 4 warps spilled 276 / 524 B. BLOCK_V 16 spills least but loads q, k
   and makes q kᵀ once per 16 value columns. So: 32 columns, 4 warps on Hopper, 8 elsewhere,
-  2 stages."""
+  2 stages. Timed on the H200 (GDN / DeltaNet forward, B4 T4096 H16 K = V = 128, 2026-12-03,
+  `bench_ab` variants `#launch=`): 32:4:2 0.768 / 0.596 ms; 32:4:1 0.857 / 0.655; 32:4:3
+  0.919 / 0.592; 64:4:2 0.793 / 0.669; 32:8:2 1.203 / 0.881; 16:4:2 1.049 / 0.737. Kept."""
   if dk > 128:
     raise ValueError(f"fused_walk_launch: K={dk} > 128 is not taken by the fused forward")
   return _block_v(dv, 32), 4 if hopper else 8, 2

@@ -53,6 +53,7 @@ def _t0_kernel(q_ptr, k_ptr, beta_ptr, seg_ptr, t, scale, t0_ptr, p0_ptr,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
                BK: tl.constexpr, PACKED: tl.constexpr, PREC: tl.constexpr,
                STORE_SCORES: tl.constexpr):
+  scale = tl.cast(scale, tl.float32)   # jax-triton passes a Python float as float64
   rc, rows, qk_base, _, vec0, chunk = _chunk_index(t, H, HV, K, K, C)
   ii, jj = rc[:, None], rc[None, :]
   rb = tl.arange(0, BK)
@@ -139,6 +140,7 @@ def _walk_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_p
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                  C: tl.constexpr, BV: tl.constexpr, PACKED: tl.constexpr, GATED: tl.constexpr,
                  STAGES: tl.constexpr, SAVE_STATES: tl.constexpr, STORE_SCORES: tl.constexpr):
+  scale = tl.cast(scale, tl.float32)   # (a float64 scale would make the products' sums float64)
   bhv, nc, rc, ii, jj, kv, state0 = _walk_program(t, K, V, C, BV)
   s = tl.load(s0_ptr + state0 + kv)
   for ci in tl.range(0, nc, num_stages=STAGES):
@@ -181,6 +183,7 @@ def _reverse_walk_kernel(q_ptr, k_ptr, beta_ptr, g_ptr, seg_ptr, cont_ptr, keep_
 
   dO, dE_ext in the op's `[B, T, HV, V]` layout; dE (float32) and dh (bf16, the cotangent of
   the state leaving each chunk) chunk-major, as the split's reverse kernel writes them."""
+  scale = tl.cast(scale, tl.float32)
   bhv, nc, rc, ii, jj, kv, state0 = _walk_program(t, K, V, C, BV)
   cv = rc[:, None] * V + (tl.program_id(0) * BV + tl.arange(0, BV))[None, :]
   ds = tl.load(dsf_ptr + state0 + kv)

@@ -514,11 +514,13 @@ def intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, cotangents=N
   return outs[:5] if grads else outs
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated", "num_warps", "slice_stages"))
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "num_warps", "slice_stages",
+                                             "vs"))
 def intra_chunk_bwd_from_states(q, k, v, beta, g, segments, m, de, h, dh, e, do, *,
                                 scale: float, gated: bool = True,
                                 num_warps: int = blocks.INTRA_WARPS,
-                                slice_stages: int = blocks.INTRA_SLICE_STAGES):
+                                slice_stages: int = blocks.INTRA_SLICE_STAGES,
+                                vs: int | None = None):
   """`intra_chunk_bwd` with `cotangents` (the whole backward, H = HV), its inputs' cotangents
   made in the kernel from the state pass's arrays instead of read: dNY = dE hᵀ, dQG = dO hᵀ,
   dP = dO Eᵀ, dKG = E dhᵀ, dU = dE (what `gpu_vjps.state_pass_products` would write to HBM).
@@ -527,8 +529,14 @@ def intra_chunk_bwd_from_states(q, k, v, beta, g, segments, m, de, h, dh, e, do,
   cotangent of E, the state entering each chunk, the cotangent of the state leaving it); e, do
   in the op's `[B, T, HV, V]` layout (E float32, dO). Returns (dq, dk, dv, dβ, dG) as
   `intra_chunk_bwd` with cotangents does (dG None when not gated); gc's term of dG is the
-  caller's."""
+  caller's. vs: value columns a step of the in-kernel products (None: min(V, 64)).
+
+  Known wrong on the H200 at K = V = 128 (dk; docs/BENCHMARKS.md "twelfth stage"), right in
+  Triton's interpreter: `lineax_attn.ops.pallas_gpu` calls it only up to 64."""
   (b, t, h_, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
+  vs = min(dv, 64) if vs is None else vs
+  if dv % vs:
+    raise ValueError(f"intra_chunk_bwd_from_states: vs={vs} must divide V={dv}")
   if h_ != hv:
     raise ValueError(f"intra_chunk_bwd_from_states needs H = HV, got H={h_}, HV={hv}")
   f32 = jnp.float32
@@ -544,6 +552,6 @@ def intra_chunk_bwd_from_states(q, k, v, beta, g, segments, m, de, h, dh, e, do,
       num_warps=num_warps, num_stages=1, H=h_, HV=hv, K=dk, V=dv, C=c, BK=blocks.INTRA_BK,
       PACKED=packed, SLICE_STAGES=slice_stages,
       GBK=blocks.grads_bk(dk, hopper=_on_hopper(), fused=True), GRADS=True, GATED=gated,
-      STATES=True, VS=min(dv, 64))
+      STATES=True, VS=vs)
   dq, dk_, dv_, dbeta, dg = outs[:5]
   return dq, dk_, dv_, dbeta, dg if gated else None
