@@ -23,7 +23,10 @@ Sizes:
 
 Both sizes use Zoology's blocks (no output gate) and `gate_init="long"` for every mixer: MQAR
 measures the state update, and with the LM's output gates and FLA's gate init the gated mixers
-stay at chance for thousands of steps (docs/EXPERIMENTS.md, "MQAR sweeps").
+stay at chance for thousands of steps (docs/EXPERIMENTS.md, "MQAR sweeps"). At T 512 `long` is
+too short (its ~200-token initial horizons left GDN, KDA and GDN-2 at chance after 6,000
+steps); run T 512 cells with `--config.model.gate_init=very_long` (GDN 0.998, GDN-2 0.996, KDA
+0.94 after 6,300-8,000 steps; docs/EXPERIMENTS.md, "T 512 N 64 with gate_init=very_long").
 
 `max_minutes` (None = no limit) applies to the MQAR sweep; `niah` is used with `--checkpoint`.
 """

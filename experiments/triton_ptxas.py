@@ -110,7 +110,7 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                 "dkg_ptr"}), blocks.INTRA_WARPS, 1),
       Launch("intra_chunk", "_bwd_kernel+grads+states",   # intra_chunk_bwd_from_states
              dict(intra, GBK=blocks.grads_bk(dk, hopper=hopper, fused=True), GRADS=True,
-                  GATED=True, STATES=True),
+                  GATED=True, STATES=True, VS=blocks.from_states_vs(dv)),
              f({"q_ptr", "k_ptr", "v_ptr", "m_ptr", "dny_ptr", "dp_ptr", "du_ptr", "dqg_ptr",
                 "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr"}), blocks.INTRA_WARPS, 1),
       Launch("channel_intra", "_fwd_kernel", channel_fwd,

@@ -753,11 +753,20 @@ def test_fused_walk_knobs_are_checked():
     ff.fused_forward(q, k, v, beta, None, s0, scale=1.0, gated=False, launch=(48, 4, 1))
 
 
-# The kernel-level check of `intra_chunk_bwd_from_states` the op-level tests lacked: compiled on
-# the H200 its dk was wrong at K = V = 128 (2026-12-03) while the op tests at 64 passed. The
-# variants (slice stages, value columns a step) are there to find which compiles wrong.
-@pytest.mark.parametrize("d,slice_stages,vs", [(64, 2, 64), (128, 2, 64), (128, 1, 64),
-                                               (128, 2, 128), (128, 1, 128)])
+# The kernel-level check of `intra_chunk_bwd_from_states` the op-level tests lacked. Compiled on
+# the H200 (2026-12-03) its dk was wrong at K = V = 128 with the products' V loop in two steps
+# of 64, at either slice-stage count, and right in one step of 128 (`blocks.from_states_vs`, now
+# the default); the interpreter gets all right. The two-step cases stay as strict xfails on the
+# GPU: they start passing (and so failing here) when triton compiles them right.
+_MISCOMPILED = pytest.mark.xfail(
+    condition=not triton_gpu.interpreted(), strict=True,
+    reason="triton 3.6 on the H200: the two-step V loop gives a wrong dk at K = V = 128")
+
+
+@pytest.mark.parametrize("d,slice_stages,vs", [
+    (64, 2, 64), pytest.param(128, 2, 64, marks=_MISCOMPILED),
+    pytest.param(128, 1, 64, marks=_MISCOMPILED), (128, 2, 128), (128, 1, 128),
+    (128, 2, None)])
 def test_from_states_backward_matches_the_glue(d, slice_stages, vs):
   # The in-kernel state-pass products (dNY = dE hᵀ, dQG = dO hᵀ, dP = dO Eᵀ, dKG = E dhᵀ)
   # against XLA's products fed to the fused backward kernel (itself checked against autodiff of

@@ -185,8 +185,10 @@ def fused_forward_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int) 
 # `intra_chunk_bwd_from_states` runs only up to these head dims: compiled on the H200
 # (2026-12-03) it matched the scan at K = V = 64, but at K = V = 128 its dk was wrong (relative
 # error 0.59 in every case tried, bf16 or float32, with or without −1e4 gates; dq, dv, dβ, dG
-# right), while Triton's interpreter computes it right. Not found yet; wider heads take XLA's
-# products, which the same run checked right at K = V = 128.
+# right), while Triton's interpreter computes it right: its products' V loop in two steps of
+# 64 miscompiles, one step of 128 (now the kernel's default) matched XLA's products compiled.
+# Until the op-level tests have run compiled at 128 with that default, wider heads take XLA's
+# products, which the same runs checked right at K = V = 128.
 _FROM_STATES_MAX_DIM = 64
 
 # forward="fused": the chunk form in the fused kernels of `pallas_kernels.gpu.triton.

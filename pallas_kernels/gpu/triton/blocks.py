@@ -156,6 +156,18 @@ def grads_bk(dk: int, *, hopper: bool, fused: bool = False) -> int:
   return INTRA_BK
 
 
+def from_states_vs(dv: int) -> int:
+  """Value columns a step of `intra_chunk_bwd_from_states`'s in-kernel products (its `_abt`
+  loops): all of V in one step up to 128, else 64. Compiled by triton 3.6 on the H200 the
+  two-step loop (V = 128 at 64 a step) gave a wrong dk, at one or two slice stages, while one
+  step of 128 matched XLA's products in every result (tests/test_triton_gpu.py,
+  `test_from_states_backward_matches_the_glue`, 2026-12-03); Triton's interpreter gets both
+  right. Above 128 the steps are the untested multi-step loop, which the op does not call.
+  The price (ptxas, sm_90a, K = V = 128): 392-412 B of spills a thread and 160 KB of shared
+  memory, against 4-44 B and 36 KB in steps of 64; untimed."""
+  return dv if dv <= 128 else 64
+
+
 # Phases of the channel kernels a timing run may leave out (`skip_phases`, a sum of these; the
 # results are then wrong): what each costs is the time it takes off (bench_triton_parts
 # --phase_costs). Never set by the op.

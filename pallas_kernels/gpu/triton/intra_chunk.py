@@ -529,12 +529,12 @@ def intra_chunk_bwd_from_states(q, k, v, beta, g, segments, m, de, h, dh, e, do,
   cotangent of E, the state entering each chunk, the cotangent of the state leaving it); e, do
   in the op's `[B, T, HV, V]` layout (E float32, dO). Returns (dq, dk, dv, dβ, dG) as
   `intra_chunk_bwd` with cotangents does (dG None when not gated); gc's term of dG is the
-  caller's. vs: value columns a step of the in-kernel products (None: min(V, 64)).
-
-  Known wrong on the H200 at K = V = 128 (dk; docs/BENCHMARKS.md "twelfth stage"), right in
-  Triton's interpreter: `lineax_attn.ops.pallas_gpu` calls it only up to 64."""
+  caller's. vs: value columns a step of the in-kernel products (None:
+  `blocks.from_states_vs`; at V = 128 a step of 64 compiles to a wrong dk on the H200, see
+  there). `lineax_attn.ops.pallas_gpu` calls it only up to head dim 64, where its op-level
+  tests ran compiled."""
   (b, t, h_, dk, hv, dv, nc, c), seg, packed = _dims(q, v, segments, beta)
-  vs = min(dv, 64) if vs is None else vs
+  vs = blocks.from_states_vs(dv) if vs is None else vs
   if dv % vs:
     raise ValueError(f"intra_chunk_bwd_from_states: vs={vs} must divide V={dv}")
   if h_ != hv:
