@@ -17,7 +17,9 @@ the delta-rule intra forward's inverse forced: `blocks.INTRA_INVERSES`), ours wi
 `pallas_gpu@state_pass=triton`), ours with the fused walks' kernel knobs after `#`
 (`;`-separated: `scores=walk|stored`, `blocks.FUSED_SCORES`; `launch=BLOCK_V:warps:stages`,
 `blocks.FUSED_WALK_LAUNCH`; e.g. `triton@forward=fused#scores=stored;launch=16:4:2`), ours
-with the Triton kernels' custom call forced after `+`
+with every row cut into P pieces after `/` (`lineax_attn.parallel.pieces.row_split`, for small B·H:
+`pallas_gpu/8` at `--shape=1,65536,16,128`), ours with the Triton kernels' custom call forced
+after `+`
 (`triton+ffi`: XLA's typed-FFI Triton target, which command buffers take; `+legacy`:
 jax-triton's own; `pallas_kernels.gpu.triton.ffi_call`), `jla`, `fla`. The
 inverse is a keyword of the kernel wrapper, not of `GpuTuning`; the variant swaps the module's
@@ -32,6 +34,7 @@ import functools
 import json
 import os
 import time
+from typing import NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave memory for torch
 
@@ -135,9 +138,10 @@ def jax_step(fn, args):
   return lambda: jax.block_until_ready(compiled(*args))
 
 
-def ours_step(mixer, impl, inverse, mode, np_in, tuning=None):
+def ours_step(mixer, impl, inverse, mode, np_in, tuning=None, pieces=None):
   with forced_inverse(inverse):
-    return jax_step(*peer_ops.jax_call(peer_ops.ours_op(mixer, impl, tuning), np_in, mode))
+    return jax_step(*peer_ops.jax_call(peer_ops.ours_op(mixer, impl, tuning, pieces), np_in,
+                                       mode))
 
 
 def jla_step(mixer, mode, np_in):
@@ -170,19 +174,31 @@ def fla_step(mixer, mode, np_in):
   return step
 
 
-def parse_variant(variant: str) -> tuple[str, str | None, ops.GpuTuning | None, str | None,
-                                         dict]:
-  """"impl[:inverse][@field=value;...][#knob=value;...][+call_target]" -> (impl, inverse,
-  GpuTuning, call_target, fused knobs), each None (knobs: empty) where not given. call_target:
-  `blocks.CALL_TARGETS`, the custom call the Triton kernels lower to (e.g. `triton+ffi`)."""
+class Variant(NamedTuple):
+  impl: str
+  inverse: str | None
+  tuning: ops.GpuTuning | None
+  call_target: str | None
+  knobs: dict
+  pieces: int | None
+
+
+def parse_variant(variant: str) -> Variant:
+  """"impl[:inverse][@field=value;...][#knob=value;...][/pieces][+call_target]" -> its parts,
+  each None (knobs: empty) where not given. call_target: `blocks.CALL_TARGETS`, the custom call
+  the Triton kernels lower to (e.g. `triton+ffi`); pieces: the row split's pieces per row."""
+  text = variant
   variant, _, call_target = variant.partition("+")
+  variant, _, pieces_text = variant.partition("/")
+  if pieces_text and not (pieces_text.isdigit() and int(pieces_text) >= 1):
+    raise ValueError(f"--variants: {text!r}: pieces {pieces_text!r} is not an int >= 1")
   variant, _, knob_text = variant.partition("#")
   head, _, tuning_text = variant.partition("@")
   impl, _, inverse = head.partition(":")
   ours = impl in ("pallas_gpu", "triton", "chunk")
-  if (inverse or tuning_text or call_target or knob_text) and not ours:
+  if (inverse or tuning_text or call_target or knob_text or pieces_text) and not ours:
     raise ValueError(f"--variants: {variant!r}: only our implementations take an inverse, "
-                     "a tuning, fused knobs or a call target")
+                     "a tuning, fused knobs, pieces or a call target")
   tuning = ops.GpuTuning.parse(tuning_text.replace(";", ",")) if tuning_text else None
   if tuning is not None and impl == "chunk":
     raise ValueError(f"--variants: {variant!r}: chunk takes no GpuTuning")
@@ -191,14 +207,15 @@ def parse_variant(variant: str) -> tuple[str, str | None, ops.GpuTuning | None, 
   knobs = parse_fused_knobs(knob_text) if knob_text else {}
   if knobs and (tuning is None or tuning.forward != "fused"):
     raise ValueError(f"--variants: {variant!r}: fused knobs need @forward=fused")
-  return impl, inverse or None, tuning, call_target or None, knobs
+  return Variant(impl, inverse or None, tuning, call_target or None, knobs,
+                 int(pieces_text) if pieces_text else None)
 
 
 def make_step(variant, mixer, mode, np_in):
-  impl, inverse, tuning, call_target, knobs = parse_variant(variant)
+  impl, inverse, tuning, call_target, knobs, pieces = parse_variant(variant)
   if impl in ("pallas_gpu", "triton", "chunk"):
     with forced_call_target(call_target), forced_fused_knobs(knobs):
-      return ours_step(mixer, impl, inverse, mode, np_in, tuning)
+      return ours_step(mixer, impl, inverse, mode, np_in, tuning, pieces)
   if impl == "jla":
     return jla_step(mixer, mode, np_in)
   if impl == "fla":

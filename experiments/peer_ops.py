@@ -44,9 +44,14 @@ def jax_call(fwd, np_in, mode):
   return grad_fn(fwd, len(args)), [do] + args
 
 
-def ours_op(mixer, impl, tuning=None):
-  """f(q, k, v, *gates) -> o of our op `mixer` with `implementation=impl` (and `tuning`)."""
+def ours_op(mixer, impl, tuning=None, pieces=None):
+  """f(q, k, v, *gates) -> o of our op `mixer` with `implementation=impl` (and `tuning`); with
+  `pieces`, every row cut into that many pieces (`lineax_attn.parallel.pieces.row_split`)."""
   from lineax_attn import ops  # pylint: disable=g-import-not-at-top
+  if pieces:
+    from lineax_attn.parallel import pieces as row_pieces  # pylint: disable=g-import-not-at-top
+    return lambda *a: row_pieces.row_split(mixer, *a, pieces=pieces, implementation=impl,
+                                          tuning=tuning)[0]
   op = getattr(ops, mixer)
   return lambda *a: op(*a, implementation=impl, tuning=tuning)[0]
 

@@ -264,15 +264,22 @@ def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():
     bench_ab.make_step("fla:batched", "delta_rule", "fwd", None)
   with pytest.raises(ValueError, match="only our implementations"):
     bench_ab.make_step("jla@state_pass=triton", "delta_rule", "fwd", None)
-  assert bench_ab.parse_variant("triton:tiles") == ("triton", "tiles", None, None, {})
+  assert bench_ab.parse_variant("triton:tiles") == ("triton", "tiles", None, None, {}, None)
   assert bench_ab.parse_variant("pallas_gpu@state_pass=triton;remat_intra=false") == (
-      "pallas_gpu", None, ops.GpuTuning(state_pass="triton", remat_intra=False), None, {})
-  assert bench_ab.parse_variant("triton:tiles+ffi") == ("triton", "tiles", None, "ffi", {})
+      "pallas_gpu", None, ops.GpuTuning(state_pass="triton", remat_intra=False), None, {},
+      None)
+  assert bench_ab.parse_variant("triton:tiles+ffi") == ("triton", "tiles", None, "ffi", {},
+                                                        None)
   assert bench_ab.parse_variant("pallas_gpu@state_pass=triton+legacy") == (
-      "pallas_gpu", None, ops.GpuTuning(state_pass="triton"), "legacy", {})
-  assert bench_ab.parse_variant("triton@forward=fused#scores=stored;launch=16:4:2+ffi") == (
+      "pallas_gpu", None, ops.GpuTuning(state_pass="triton"), "legacy", {}, None)
+  assert bench_ab.parse_variant("triton@forward=fused#scores=stored;launch=16:4:2/8+ffi") == (
       "triton", None, ops.GpuTuning(forward="fused"), "ffi",
-      {"scores": "stored", "launch": (16, 4, 2)})
+      {"scores": "stored", "launch": (16, 4, 2)}, 8)
+  assert bench_ab.parse_variant("chunk/4").pieces == 4
+  with pytest.raises(ValueError, match="pieces '0'"):
+    bench_ab.parse_variant("pallas_gpu/0")
+  with pytest.raises(ValueError, match="only our implementations"):
+    bench_ab.parse_variant("jla/4")
   with pytest.raises(ValueError, match="need @forward=fused"):
     bench_ab.parse_variant("triton#scores=stored")
   with pytest.raises(ValueError, match="fused knob 'launch=16:4'"):

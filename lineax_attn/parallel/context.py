@@ -148,17 +148,18 @@ def _varying(x, axis_name, *like):
   """Marks a device-invariant value (a constant) as varying over `axis_name` and over every
   manual axis the arrays `like` vary over: the local op's `lax.scan` carries the state, and
   under shard_map's type checks (check_vma) its initial value must have the carry's type.
-  Without the checks (no axis is typed varying) it is a no-op."""
+  Without the checks (no axis is typed varying) it is a no-op; axis_name None: only `like`'s
+  axes (the in-device row split, `row_split`)."""
   axes = set()
   for a in like:
     axes |= _varying_axes(a)
   if not axes:
     return x
-  axes = (axes | {axis_name}) - _varying_axes(x)
+  axes = (axes | ({axis_name} if axis_name else set())) - _varying_axes(x)
   return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
 
 
-def _boundary_ids(segment_ids):
+def boundary_ids(segment_ids):
   """(first, last) real segment id of each row of this shard, `[B]` int32 (0: none)."""
   ids = segment_ids.astype(jnp.int32)
   t = ids.shape[1]
@@ -171,7 +172,7 @@ def _boundary_ids(segment_ids):
   return jnp.where(has, take(first_pos), 0), jnp.where(has, take(last_pos), 0)
 
 
-def _entry_states(apply, pairs, s_init, firsts, lasts, n_shards):
+def entry_states(apply, pairs, s_init, firsts, lasts, n_shards):
   """Prefix composition over the P shards (static loop, identical on every device).
 
   apply(pair_j, S) -> S_out of shard j; firsts/lasts `[P, B]` real segment ids at the shard
@@ -193,6 +194,81 @@ def _entry_states(apply, pairs, s_init, firsts, lasts, n_shards):
     if lasts is not None:
       carry = jnp.where(lasts[j] != 0, lasts[j], carry)
   return jnp.stack(entries), s
+
+
+def checked_call(mixer, q, k, v, gates, *, scale, chunk_size, segment_ids, initial_state,
+                 cu_seqlens, where):
+  """The op's argument checks for a split pass: (name, dims, gates, scale, chunk_size,
+  initial_state). `where` names the caller in the `cu_seqlens` error."""
+  name = mixer_name(mixer)
+  if cu_seqlens is not None:
+    raise ValueError(f"`cu_seqlens` (varlen mode) is not supported {where}: pack the sequences "
+                     "into rows with `segment_ids` instead (the state resets where the id "
+                     "changes).")
+  gate_specs = specs.resolve(name).gate_axes
+  if len(gates) != len(gate_specs):
+    raise ValueError(f"{name} takes {len(gate_specs)} gate array(s) "
+                     f"{tuple(g for g, _ in gate_specs)}, got {len(gates)}.")
+  dims = api.check_qkv(q, k, v)
+  for (gate_name, axis), gate in zip(gate_specs, gates):
+    api.check_gate(name, gate_name, gate, axis, dims)
+  scale = api.check_scale(scale, dims.dk)
+  chunk_size = api.check_chunk_size(chunk_size)
+  if segment_ids is not None:
+    api.check_segments(segment_ids, None, dims)
+  initial_state = api.check_initial_state(initial_state, dims, seg_lib.SegmentLayout())
+  return name, dims, tuple(gates), scale, chunk_size, initial_state
+
+
+def affine_pass(name, dims, q, k, v, gates, *, axis_name, scale, segment_ids, chunk_size,
+                implementation, tuning=None):
+  """One pass of the op over rows whose entry state is unknown (a shard, or a piece of a row):
+  (pairs, apply, correct_o, correct_r). pairs: what `apply(pair, S_in)` needs to give the state
+  leaving the rows (linear attention: (m, B), a carry flag and the state from zero; else
+  (M, B)); correct_o(S_in) / correct_r(S_in): the outputs and residuals with S_in entering.
+  axis_name: the manual axis the pass varies over (None: only its inputs' axes); tuning: the
+  op's `GpuTuning` (None: its default)."""
+  spec_ = specs.resolve(name)
+  b, hv, dk, dv = dims.b, dims.hv, dims.dk, dims.dv
+  op = getattr(ops, name)
+  common = dict(scale=scale, segment_ids=segment_ids, chunk_size=chunk_size,
+                output_final_state=True, return_residual=True, implementation=implementation,
+                tuning=tuning)
+  v32 = v.astype(jnp.float32)  # outputs stay float32 until the correction is added
+  if not spec_.gates:
+    # Linear attention (no gates): transition I, or 0 once a segment starts inside the rows:
+    # one flag per row.
+    zeros = _varying(jnp.zeros((b, hv, dk, dv), jnp.float32), axis_name, q, k, v)
+    o0, b_local, r = op(q, k, v32, initial_state=zeros, **common)
+    layout = (seg_lib.layout_from_segment_ids(segment_ids.astype(jnp.int32))
+              if segment_ids is not None else None)
+    if layout is None:
+      reads = jnp.ones((b, dims.t), jnp.float32)
+      m_local = jnp.ones((b,), jnp.float32)
+    else:  # rows of the first segment read S_in (padding rows output 0)
+      first_seg = layout.segidx == layout.segidx[:, :1]
+      reads = (first_seg & layout.valid).astype(jnp.float32)
+      m_local = first_seg[:, -1].astype(jnp.float32)
+    apply = lambda pair, s: pair[0][:, None, None, None] * s + pair[1]
+    qr = jnp.repeat(q.astype(jnp.float32), hv // dims.h, axis=2) * scale
+    correct_o = lambda s_in: o0 + reads[:, :, None, None] * _matmul("bthk,bhkv->bthv", qr, s_in)
+    return (m_local, b_local), apply, correct_o, lambda s_in: r
+  # The augmented pass: K extra zero value columns starting from [0 | I] track d(.)/d S_in.
+  v_aug = jnp.concatenate([v32, jnp.zeros((b, dims.t, hv, dk), jnp.float32)], axis=-1)
+  gates = list(gates)
+  for i, (_, axis) in enumerate(spec_.gate_axes):
+    if axis == "v":  # per value channel (GDN-2's w): it multiplies the zero columns, any value will do
+      pad = jnp.ones((b, dims.t, hv, dk), jnp.float32)
+      gates[i] = jnp.concatenate([gates[i].astype(jnp.float32), pad], axis=-1)
+  s_aug = jnp.concatenate([jnp.zeros((b, hv, dk, dv), jnp.float32),
+                           jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, hv, dk, dk))],
+                          axis=-1)
+  s_aug = _varying(s_aug, axis_name, q, k, v, *gates)
+  o_aug, final_aug, r_aug = op(q, k, v_aug, *gates, initial_state=s_aug, **common)
+  apply = lambda pair, s: _matmul("bhkj,bhjv->bhkv", pair[0], s) + pair[1]
+  correct_o = lambda s_in: o_aug[..., :dv] + _matmul("bthk,bhkv->bthv", o_aug[..., dv:], s_in)
+  correct_r = lambda s_in: r_aug[..., :dv] + _matmul("bthk,bhkv->bthv", r_aug[..., dv:], s_in)
+  return (final_aug[..., dv:], final_aug[..., :dv]), apply, correct_o, correct_r   # (M, B)
 
 
 def context_parallel(mixer, q, k, v, *gates, axis_name: str = SEQUENCE_AXIS, scale=None,
@@ -225,24 +301,9 @@ def context_parallel(mixer, q, k, v, *gates, axis_name: str = SEQUENCE_AXIS, sca
   Returns:
     `(o, final_state)` or `(o, final_state, r)` like the op; o and r are local shards.
   """
-  name = mixer_name(mixer)
-  if cu_seqlens is not None:
-    raise ValueError("`cu_seqlens` (varlen mode) is not supported under context parallelism: "
-                     "pack the sequences into rows with `segment_ids` instead (the state "
-                     "resets where the id changes).")
-  spec = specs.resolve(name)
-  gate_specs = spec.gate_axes
-  if len(gates) != len(gate_specs):
-    raise ValueError(f"{name} takes {len(gate_specs)} gate array(s) "
-                     f"{tuple(g for g, _ in gate_specs)}, got {len(gates)}.")
-  dims = api.check_qkv(q, k, v)
-  for (gate_name, axis), gate in zip(gate_specs, gates):
-    api.check_gate(name, gate_name, gate, axis, dims)
-  scale = api.check_scale(scale, dims.dk)
-  chunk_size = api.check_chunk_size(chunk_size)
-  if segment_ids is not None:
-    api.check_segments(segment_ids, None, dims)
-  initial_state = api.check_initial_state(initial_state, dims, seg_lib.SegmentLayout())
+  name, dims, gates, scale, chunk_size, initial_state = checked_call(
+      mixer, q, k, v, gates, scale=scale, chunk_size=chunk_size, segment_ids=segment_ids,
+      initial_state=initial_state, cu_seqlens=cu_seqlens, where="under context parallelism")
   if not isinstance(axis_name, str):
     raise ValueError(f"`axis_name` must be a mesh axis name (str), got {axis_name!r}.")
   try:
@@ -252,57 +313,18 @@ def context_parallel(mixer, q, k, v, *gates, axis_name: str = SEQUENCE_AXIS, sca
                      f"context_parallel inside jax.shard_map over it, or use sharded_mixer.") from e
   shard = jax.lax.axis_index(axis_name)
   b, hv, dk, dv = dims.b, dims.hv, dims.dk, dims.dv
-  op = getattr(ops, name)
-  common = dict(scale=scale, segment_ids=segment_ids, chunk_size=chunk_size,
-                output_final_state=True, return_residual=True, implementation=implementation)
-  v32 = v.astype(jnp.float32)  # outputs stay float32 until the correction is added
-
-  if not spec.gates:
-    # Linear attention (no gates): transition I, or 0 once a segment starts inside the shard:
-    # one flag per row.
-    zeros = _varying(jnp.zeros((b, hv, dk, dv), jnp.float32), axis_name, q, k, v)
-    o0, b_local, r = op(q, k, v32, initial_state=zeros, **common)
-    layout = (seg_lib.layout_from_segment_ids(segment_ids.astype(jnp.int32))
-              if segment_ids is not None else None)
-    if layout is None:
-      reads = jnp.ones((b, dims.t), jnp.float32)
-      m_local = jnp.ones((b,), jnp.float32)
-    else:  # rows of the shard's first segment read S_in (padding rows output 0)
-      first_seg = layout.segidx == layout.segidx[:, :1]
-      reads = (first_seg & layout.valid).astype(jnp.float32)
-      m_local = first_seg[:, -1].astype(jnp.float32)
-    pairs = (m_local, b_local)
-    apply = lambda pair, s: pair[0][:, None, None, None] * s + pair[1]
-    qr = jnp.repeat(q.astype(jnp.float32), hv // dims.h, axis=2) * scale
-    correct_o = lambda s_in: o0 + reads[:, :, None, None] * _matmul("bthk,bhkv->bthv", qr, s_in)
-    correct_r = lambda s_in: r
-  else:
-    # The augmented pass: K extra zero value columns starting from [0 | I] track d(.)/d S_in.
-    v_aug = jnp.concatenate([v32, jnp.zeros((b, dims.t, hv, dk), jnp.float32)], axis=-1)
-    gates = list(gates)
-    for i, (_, axis) in enumerate(gate_specs):
-      if axis == "v":  # per value channel (GDN-2's w): it multiplies the zero columns, any value will do
-        pad = jnp.ones((b, dims.t, hv, dk), jnp.float32)
-        gates[i] = jnp.concatenate([gates[i].astype(jnp.float32), pad], axis=-1)
-    s_aug = jnp.concatenate([jnp.zeros((b, hv, dk, dv), jnp.float32),
-                             jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, hv, dk, dk))],
-                            axis=-1)
-    s_aug = _varying(s_aug, axis_name, q, k, v, *gates)
-    o_aug, final_aug, r_aug = op(q, k, v_aug, *gates, initial_state=s_aug, **common)
-    pairs = (final_aug[..., dv:], final_aug[..., :dv])                  # (M, B)
-    apply = lambda pair, s: _matmul("bhkj,bhjv->bhkv", pair[0], s) + pair[1]
-    correct_o = lambda s_in: o_aug[..., :dv] + _matmul("bthk,bhkv->bthv", o_aug[..., dv:], s_in)
-    correct_r = lambda s_in: r_aug[..., :dv] + _matmul("bthk,bhkv->bthv", r_aug[..., dv:], s_in)
-
+  pairs, apply, correct_o, correct_r = affine_pass(
+      name, dims, q, k, v, gates, axis_name=axis_name, scale=scale, segment_ids=segment_ids,
+      chunk_size=chunk_size, implementation=implementation)
   gather = functools.partial(jax.lax.all_gather, axis_name=axis_name)
   all_pairs = jax.tree.map(gather, pairs)
   firsts = lasts = None
   if segment_ids is not None:
-    first, last = _boundary_ids(segment_ids)
+    first, last = boundary_ids(segment_ids)
     firsts, lasts = gather(first), gather(last)
   s_init = (jnp.zeros((b, hv, dk, dv), jnp.float32) if initial_state is None
             else initial_state)
-  entries, final = _entry_states(apply, all_pairs, s_init, firsts, lasts, n_shards)
+  entries, final = entry_states(apply, all_pairs, s_init, firsts, lasts, n_shards)
   s_in = jax.lax.dynamic_index_in_dim(entries, shard, axis=0, keepdims=False)
   o = correct_o(s_in).astype(v.dtype)
   final = final if output_final_state else None
