@@ -10,7 +10,8 @@
 #   bash experiments/run_gpu_train.sh seq LENGTHS STEPS  # bench_seq_scaling --preset=paper
 #   bash experiments/run_gpu_train.sh mqar [--config.x=y ...]      # eval_recall, configs/mqar.py:gpu
 #   bash experiments/run_gpu_train.sh mqar_cells STEPS CELLS [--config.x=y ...]
-#       # MQAR cells as concurrent processes (CELLS = mixer:T:N[:seed],...; LRs from MQAR_LRS,
+#       # MQAR cells as concurrent processes (CELLS = mixer:T:N[:seed[:gate_init]],...; e.g.
+#       # gdn:512:64:0:very_long; LRs from MQAR_LRS,
 #       # default "(0.001,)", vmapped in each process), each in /tmp/mqar_cells/<cell>; one
 #       # archive of all their rows. (Not --config.lrs after CELLS: ml_collections appends a
 #       # repeated tuple flag to the earlier one instead of replacing it.)
@@ -109,13 +110,15 @@ mqar_cells)
   STEPS=$1; CELLS=$2; shift 2; WD=/tmp/mqar_cells; mkdir -p $WD
   N_CELLS=$(echo "$CELLS" | tr ',' '\n' | wc -l)
   for cell in ${CELLS//,/ }; do
-    IFS=: read -r mixer T N SEED <<< "$cell"; SEED=${SEED:-0}; name=${mixer}_T${T}_N${N}_s${SEED}
+    IFS=: read -r mixer T N SEED GINIT <<< "$cell"; SEED=${SEED:-0}; name=${mixer}_T${T}_N${N}_s${SEED}
+    [ -n "${GINIT:-}" ] && name=${name}_${GINIT}
     mkdir -p $WD/$name
     XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $N_CELLS, 3))") \
       timeout ${MQAR_TIMEOUT:-570} python3 -u -m experiments.eval_recall --config=configs/mqar.py:gpu \
       --workdir=$WD/$name --config.steps=$STEPS "--config.mixers=(\"$mixer\",)" \
       "--config.seq_lens=($T,)" "--config.num_pairs=($N,)" "--config.lrs=${MQAR_LRS:-(0.001,)}" \
-      --config.seed=$SEED --config.max_minutes=$(( ${MQAR_TIMEOUT:-570} / 60 - 1 )) "$@" \
+      --config.seed=$SEED --config.max_minutes=$(( ${MQAR_TIMEOUT:-570} / 60 - 1 )) \
+      ${GINIT:+--config.model.gate_init=$GINIT} "$@" \
       > $WD/$name/log 2>&1 &
   done
   wait
