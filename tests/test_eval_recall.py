@@ -328,3 +328,26 @@ def test_niah_of_trained_models_merged_into_one_table(tmp_path):
   with pytest.raises(SystemExit):
     eval_recall.main(eval_recall.parse_flags(
         ["eval_recall", f"--merge_niah={tmp_path / 'missing'}", f"--workdir={merged}"]))
+
+
+def test_gate_horizons_table_follows_the_presets():
+  # experiments.gate_horizons on the MQAR model, one seed: at zero gate input the horizon is
+  # 1 / (A · softplus(dt_bias)) = 1 / (A · dt), so each preset's range is known by hand:
+  # "repo" GDN (dt_bias = 1): A ∈ [1, 16] -> [1 / (16 softplus(1)), 1 / softplus(1)] ⊂ (0.04, 0.77);
+  # "long": dt ∈ [1e-4, 1e-3] -> [1 / (16e-3), 1e4]; "very_long" ten times "long".
+  from experiments import gate_horizons
+  rows = gate_horizons.table(["gdn", "kda"], ["repo", "long", "very_long"], [128, 512],
+                             d_model=32, seeds=1)
+  by = {(r["mixer"], r["preset"]): r for r in rows}
+  sp1 = float(np.log1p(np.e))
+  assert 1 / (16 * sp1) * 0.999 <= by["gdn", "repo"]["p10"] <= by["gdn", "repo"]["p90"] <= 1 / sp1
+  for mixer in ("gdn", "kda"):
+    long_, very = by[mixer, "long"], by[mixer, "very_long"]
+    assert 1 / 16e-3 * 0.99 <= long_["p10"] and long_["p90"] <= 1e4 * 1.01
+    assert 1 / 16e-4 * 0.99 <= very["p10"] and very["p90"] <= 1e5 * 1.01
+    assert 5 < very["median"] / long_["median"] < 20
+    assert very["keeps_a_tenth"][512] == 1.0 > long_["keeps_a_tenth"][512]
+    for r in (long_, very):   # a longer distance keeps no more channels
+      assert r["keeps_a_tenth"][128] >= r["keeps_a_tenth"][512]
+  text = gate_horizons.to_markdown(rows, [128, 512])
+  assert "| gdn | very_long |" in text and "keeps ≥ 0.1 over T = 512" in text

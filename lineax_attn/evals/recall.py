@@ -368,12 +368,10 @@ def sweep_model_config(mixer: str, d_model: int, vocab: int, **overrides) -> Mod
   return ModelConfig(**values)
 
 
-def decay_horizons(model: nnx.Module) -> dict[str, float] | None:
-  """Percentiles (10, 50, 90) over every head / channel of every gated mixer layer of the
-  memory horizon at zero gate input, −1 / g with g = log_decay(0, A_log, dt_bias): the tokens
-  over which a key keeps 1/e of itself when the input does not move the gate. None without a
-  decay. Read after training it says whether the gates kept a long memory or learnt to forget
-  (the data-dependent part of g is left out: a summary of the parameters, not of a sequence)."""
+def gate_horizons(model: nnx.Module) -> np.ndarray:
+  """The memory horizon at zero gate input, −1 / g with g = log_decay(0, A_log, dt_bias), of
+  every head / channel of every gated mixer layer of `model`, flat (empty without a decay):
+  the tokens over which a key keeps 1/e of itself when the input does not move the gate."""
   horizons = []
   for _, node in nnx.iter_graph(model):
     if isinstance(node, nnx.Module) and hasattr(node, "A_log") and hasattr(node, "dt_bias"):
@@ -382,9 +380,17 @@ def decay_horizons(model: nnx.Module) -> dict[str, float] | None:
       g = gates_lib.log_decay(jnp.zeros(()), a_log, dt_bias,
                               getattr(node, "gate_lower_bound", None))
       horizons.append(np.ravel(-1.0 / np.minimum(np.asarray(g), -1e-30)))
-  if not horizons:
+  return np.concatenate(horizons) if horizons else np.zeros((0,))
+
+
+def decay_horizons(model: nnx.Module) -> dict[str, float] | None:
+  """Percentiles (10, 50, 90) of `gate_horizons(model)`; None without a decay. Read after
+  training it says whether the gates kept a long memory or learnt to forget (the
+  data-dependent part of g is left out: a summary of the parameters, not of a sequence)."""
+  horizons = gate_horizons(model)
+  if not horizons.size:
     return None
-  p10, p50, p90 = np.percentile(np.concatenate(horizons), [10, 50, 90])
+  p10, p50, p90 = np.percentile(horizons, [10, 50, 90])
   return {"horizon_p10": float(p10), "horizon_median": float(p50), "horizon_p90": float(p90)}
 
 
