@@ -1,7 +1,7 @@
 r"""How long the gated mixers remember at init, per `gate_init` preset: the table that says which
 preset an MQAR length needs (docs/EXPERIMENTS.md, "T 512 N 64 with gate_init=very_long").
 
-    python -m experiments.gate_horizons                    # the MQAR sweep model, d 128
+    python -m experiments.gate_horizons      # the MQAR sweep model, d 128
     python -m experiments.gate_horizons --seq_lens=128,512,2048 --presets=repo,long,very_long
 
 For each (mixer, preset) it builds the model of `configs/mqar.py:gpu` (2 layers, no output
