@@ -82,37 +82,27 @@ def forced_inverse(inverse: str | None):
     intra_chunk.intra_chunk_fwd = original
 
 
-@contextlib.contextmanager
-def forced_call_target(call_target: str | None):
-  """While active, the Triton kernels lower to `call_target`'s custom call (`blocks.CALL_TARGET`;
-  the step is compiled inside, so the choice is baked into its program)."""
-  if call_target is None:
-    yield
-    return
-  from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
-  original = blocks.CALL_TARGET
-  blocks.CALL_TARGET = call_target
-  try:
-    yield
-  finally:
-    blocks.CALL_TARGET = original
+# The `#` knobs of a variant and the `blocks` constants they set.
+_KNOB_ATTRS = {"scores": "FUSED_SCORES", "launch": "FUSED_WALK_LAUNCH"}
 
 
 @contextlib.contextmanager
-def forced_fused_knobs(knobs: dict | None):
-  """While active, the fused walks (`GpuTuning(forward="fused")`) use these knobs: "scores"
-  (`blocks.FUSED_SCORES`) and "launch" (`blocks.FUSED_WALK_LAUNCH`), read at trace time."""
-  if not knobs:
+def forced_blocks(values: dict):
+  """While active, `blocks.<NAME> = value` for each item: the custom call the Triton kernels
+  lower to (CALL_TARGET) and the fused walks' knobs, all read at trace time, so a step
+  compiled inside keeps them."""
+  if not values:
     yield
     return
   from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
-  original = blocks.FUSED_SCORES, blocks.FUSED_WALK_LAUNCH
-  blocks.FUSED_SCORES = knobs.get("scores", original[0])
-  blocks.FUSED_WALK_LAUNCH = knobs.get("launch", original[1])
+  original = {name: getattr(blocks, name) for name in values}
+  for name, value in values.items():
+    setattr(blocks, name, value)
   try:
     yield
   finally:
-    blocks.FUSED_SCORES, blocks.FUSED_WALK_LAUNCH = original
+    for name, value in original.items():
+      setattr(blocks, name, value)
 
 
 def parse_fused_knobs(text: str) -> dict:
@@ -214,7 +204,10 @@ def parse_variant(variant: str) -> Variant:
 def make_step(variant, mixer, mode, np_in):
   impl, inverse, tuning, call_target, knobs, pieces = parse_variant(variant)
   if impl in ("pallas_gpu", "triton", "chunk"):
-    with forced_call_target(call_target), forced_fused_knobs(knobs):
+    settings = {_KNOB_ATTRS[key]: value for key, value in knobs.items()}
+    if call_target:
+      settings["CALL_TARGET"] = call_target
+    with forced_blocks(settings):
       return ours_step(mixer, impl, inverse, mode, np_in, tuning, pieces)
   if impl == "jla":
     return jla_step(mixer, mode, np_in)

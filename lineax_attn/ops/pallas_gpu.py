@@ -314,7 +314,6 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   interpret = interpret_params() if kernels == "mosaic" else None
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
-    fused_grads = fused_intra_grads(tuning, g is not None)
     if fused_forward_applies(tuning, dk, dv, chunk_size):
       G = None
       if g is not None:
@@ -325,7 +324,7 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
     else:
       o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                          scale=scale, c=c, interpret=interpret, kernels=kernels,
-                                         fused_grads=fused_grads,
+                                         fused_grads=fused_intra_grads(tuning, g is not None),
                                          state=state_kernels(tuning, kernels))
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
