@@ -34,7 +34,10 @@ from experiments import cli
 FLAGS = flags.FlagValues()
 _MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule,kda", "Ops of lineax_attn.ops to profile.",
                             flag_values=FLAGS)
-_IMPLS = flags.DEFINE_list("impls", "triton,pallas_gpu", "Implementations to profile.",
+_IMPLS = flags.DEFINE_list("impls", "triton,pallas_gpu",
+                           "Implementations to profile, each optionally with a GpuTuning "
+                           "('pallas_gpu@forward=walk'); 'jla' profiles jax-linear-attention's "
+                           "Mosaic GPU kernels for the same op.",
                            flag_values=FLAGS)
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).",
                              flag_values=FLAGS)
@@ -129,8 +132,15 @@ def op_function(mixer: str, impl: str, mode: str, shape):
   b, t, h, d = shape
   args = list(bench.mixer_inputs(mixer, batch=b, seq_len=t, heads=h, v_heads=h, head_dim_k=d,
                                  head_dim_v=d, dtype=jnp.bfloat16))
-  op = getattr(ops, mixer)
-  fwd = lambda *a: op(*a, implementation=impl)[0]
+  impl, _, tuning_text = impl.partition("@")   # "pallas_gpu@forward=walk;...": a GpuTuning
+  tuning = ops.GpuTuning.parse(tuning_text.replace(";", ",")) if tuning_text else None
+  if impl == "jla":   # the peer's kernels, profiled the same way (their kernel breakdown is
+    # the target each of ours is measured against)
+    from experiments import peer_ops  # pylint: disable=g-import-not-at-top
+    fwd = peer_ops.jla_op(mixer, ops.specs.resolve(mixer).gate_names)
+  else:
+    op = getattr(ops, mixer)
+    fwd = lambda *a: op(*a, implementation=impl, tuning=tuning)[0]
   if mode == "fwd":
     return jax.jit(fwd), args
   do = jax.random.normal(jax.random.key(1), args[2].shape, jnp.float32)

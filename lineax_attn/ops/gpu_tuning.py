@@ -18,7 +18,7 @@ PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
 STATE_PASS_CHOICES = ("mosaic", "triton")
-FORWARD_CHOICES = ("split", "fused")
+FORWARD_CHOICES = ("split", "fused", "walk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,13 @@ class GpuTuning:
       backward with M = T0 ⊙ Γ). Triton kernels on either implementation (a ValueError without
       the triton extra); K > 128 keeps "split". On the H200 (2026-12-03) right (forward error
       3.7-4.7e-3) but not faster: the DeltaNet forward 18 % faster than "split", GDN's level,
-      fwd+bwd slower for both (issue #17; docs/BENCHMARKS.md "twelfth stage").
+      fwd+bwd slower for both (issue #17; docs/BENCHMARKS.md "twelfth stage"). "walk":
+      calls that are not differentiated run the warp-specialised Mosaic GPU walk
+      (`pallas_kernels.gpu.chunk_walk`: a memory, a state and an output warpgroup per CTA;
+      T0 from the Triton T0 kernel, or XLA's inverse without the triton extra); under
+      differentiation the split runs (its residuals are what the backward reads). Mosaic
+      kernels only (`implementation="pallas_gpu"`), rows not packed, K in {64, 128};
+      other calls keep "split".
   """
 
   intra: str = "kernel"

@@ -182,14 +182,12 @@ def fused_forward_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int) 
   return ff.supported(chunk_size, dk, dv) is None
 
 
-# `intra_chunk_bwd_from_states` runs only up to these head dims: compiled on the H200
-# (2026-12-03) it matched the scan at K = V = 64, but at K = V = 128 its dk was wrong (relative
-# error 0.59 in every case tried, bf16 or float32, with or without −1e4 gates; dq, dv, dβ, dG
-# right), while Triton's interpreter computes it right: its products' V loop in two steps of
-# 64 miscompiles, one step of 128 (now the kernel's default) matched XLA's products compiled.
-# Until the op-level tests have run compiled at 128 with that default, wider heads take XLA's
-# products, which the same runs checked right at K = V = 128.
-_FROM_STATES_MAX_DIM = 64
+# `intra_chunk_bwd_from_states` runs up to these head dims. Compiled on the H200 (2026-12-03) its
+# products' V loop in two steps of 64 gave a wrong dk at K = V = 128 (a triton 3.6 miscompile;
+# Triton's interpreter computes it right); one step of 128 is the kernel's default since, and
+# with it every fused-path op test passed compiled at K = V = 128 (docs/data/
+# test_triton_gpu_h200_2026-12-03_fused_k128.log: 20 passed, the two-step cases strict xfails).
+_FROM_STATES_MAX_DIM = 128
 
 # forward="fused": the chunk form in the fused kernels of `pallas_kernels.gpu.triton.
 # fused_forward`, forward (T0, then the walk) and reverse (the state cotangent walked back with the
@@ -264,6 +262,74 @@ def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
 _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
 
 
+def walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, kernels: str,
+                 packed: bool) -> bool:
+  """Whether a DeltaNet / GDN call runs the warp-specialised Mosaic GPU walk of
+  `pallas_kernels.gpu.chunk_walk` (`GpuTuning.forward="walk"`; the Mosaic kernels' path, sizes
+  it takes, rows not packed: other calls keep the split)."""
+  from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
+  return (tuning.forward == "walk" and kernels == "mosaic" and not packed
+          and chunk_walk.supported(chunk_size, dk, dv) is None)
+
+
+def gate_free_inverse(k, beta_rows, hv: int, c: int):
+  """T0 = (I + diag(β) strict(k kᵀ))⁻¹ per chunk, `[B, HV, Nc, C, C]` bf16: the Triton T0
+  kernel where the triton extra runs, else XLA's blocked inverse (`triangular`, float32)."""
+  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+  if triton_gpu.available():
+    from pallas_kernels.gpu.triton import fused_forward as ff  # pylint: disable=g-import-not-at-top
+    return ff.gate_free_inverse(k, beta_rows, hv=hv)
+  from lineax_attn.ops import triangular  # pylint: disable=g-import-not-at-top
+  b, t, h, dk = k.shape
+  kc = to_chunks(jnp.repeat(k.astype(_F32), hv // h, axis=2), c)       # [B, HV, Nc, C, K]
+  kk = jnp.einsum("bhnik,bhnjk->bhnij", kc, kc, precision=jax.lax.Precision.HIGHEST)
+  beta_c = beta_rows.astype(_F32).reshape(b, hv, t // c, c)
+  lower = jnp.tril(kk * beta_c[..., :, None], -1)
+  return triangular.unit_lower_inverse(lower).astype(jnp.bfloat16)
+
+
+def _walk_forward(q, k, v, beta, g, s0, scale, c, interpret):
+  """(o, e, s_final) of DeltaNet / GDN by the Mosaic walk; q, k unrepeated and unscaled, beta
+  `[B, T, HV]`, g the raw log gates `[B, T, HV]` or None."""
+  from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
+  b, t, hv = v.shape[:3]
+  beta_rows = jnp.moveaxis(beta.astype(_F32), 1, 2)                     # [B, HV, T]
+  if g is None:
+    g_rows = beta_rows   # not read by the ungated kernel
+  else:
+    G, _ = chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))
+    g_rows = G.reshape(b, hv, t)
+  t0 = gate_free_inverse(k, beta_rows, hv, c)
+  bf = lambda x: x.astype(jnp.bfloat16)
+  o, e, sf_t = chunk_walk.chunk_walk(bf(q), bf(k), bf(v), t0, g_rows, beta_rows,
+                                     jnp.swapaxes(s0.astype(_F32), -1, -2), scale=float(scale),
+                                     gated=g is not None, interpret=interpret)
+  return o, e.astype(_F32), jnp.swapaxes(sf_t, -1, -2)
+
+
+# forward="walk": the primal is the Mosaic walk (inference); under differentiation the forward
+# rule runs the split (`_core_intra_kernel`) and its custom VJPs, whose residuals the backward
+# needs, so training costs what forward="split" costs.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _walk_core(q, k, v, beta, g, s0, scale, c, interpret, kernels, fused_grads, state):
+  del kernels, fused_grads, state
+  return _walk_forward(q, k, v, beta, g, s0, scale, c, interpret)
+
+
+def _walk_core_fwd(q, k, v, beta, g, s0, scale, c, interpret, kernels, fused_grads, state):
+  split = lambda *a: _core_intra_kernel(*a, None, scale=scale, c=c, interpret=interpret,
+                                        kernels=kernels, fused_grads=fused_grads, state=state)
+  return jax.vjp(split, q, k, v, beta, g, s0)
+
+
+def _walk_core_bwd(scale, c, interpret, kernels, fused_grads, state, vjp, cts):
+  del scale, c, interpret, kernels, fused_grads, state
+  return vjp(cts)
+
+
+_walk_core.defvjp(_walk_core_fwd, _walk_core_bwd)
+
+
 def _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) -> bool:
   return (tuning.intra == "kernel" and specs.resolve(mixer).gpu_intra_kernel
           and kernel_module(kernels, "intra").supported(chunk_size, dk, dv) is None)
@@ -314,7 +380,11 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   interpret = interpret_params() if kernels == "mosaic" else None
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
-    if fused_forward_applies(tuning, dk, dv, chunk_size):
+    if walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None):
+      o, e, s_final = _walk_core(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, scale, c,
+                                 interpret, kernels, fused_intra_grads(tuning, g is not None),
+                                 state_kernels(tuning, kernels))
+    elif fused_forward_applies(tuning, dk, dv, chunk_size):
       G = None
       if g is not None:
         G, _ = chunked.chunk_cumulative_gates(pad(g).astype(_F32),

@@ -295,12 +295,7 @@ def _fused_forward(q, k, v, beta, g, s0, segments, *, scale, gated, save_states,
   beta = beta.astype(f32)
   seg, packed = _segment_rows(segments, beta)
   q, k, v = (x.astype(MM_DTYPE) for x in (q, k, v))
-  t0, p0 = _jax_triton().triton_call(
-      q, k, beta, seg[0], t, scale, kernel=_t0_kernel,
-      out_shape=_structs(((b, hv, nc, c, c), MM_DTYPE),
-                         ((b, hv, nc, c, c) if stored else (1,), MM_DTYPE)),
-      grid=(nc, b * hv), num_warps=blocks.INTRA_WARPS, num_stages=1, H=h, HV=hv, K=dk, C=c,
-      BK=blocks.INTRA_BK, PACKED=packed, PREC=blocks.INTRA_PRECISION, STORE_SCORES=stored)
+  t0, p0 = _t0_call(q, k, beta, seg[0], scale=scale, hv=hv, packed=packed, stored=stored)
   bv, warps, stages = launch
   out_shape = _structs(((b, t, hv, dv), f32), ((b, t, hv, dv), f32), ((b, hv, dk, dv), f32),
                        ((b, hv, nc, dk, dv) if save_states else (1,), MM_DTYPE))
@@ -312,6 +307,30 @@ def _fused_forward(q, k, v, beta, g, s0, segments, *, scale, gated, save_states,
   if not save_states:
     return o, e, s_final
   return o, e, s_final, (t0, p0 if stored else None), states
+
+
+def _t0_call(q, k, beta, seg, *, scale, hv, packed, stored):
+  """`_t0_kernel` over every chunk: (t0, p0 or a placeholder)."""
+  b, t, h, dk = k.shape
+  c = blocks.CHUNK
+  nc = t // c
+  return _jax_triton().triton_call(
+      q, k, beta, seg, t, scale, kernel=_t0_kernel,
+      out_shape=_structs(((b, hv, nc, c, c), MM_DTYPE),
+                         ((b, hv, nc, c, c) if stored else (1,), MM_DTYPE)),
+      grid=(nc, b * hv), num_warps=blocks.INTRA_WARPS, num_stages=1, H=h, HV=hv, K=dk, C=c,
+      BK=blocks.INTRA_BK, PACKED=packed, PREC=blocks.INTRA_PRECISION, STORE_SCORES=stored)
+
+
+@functools.partial(jax.jit, static_argnames=("hv",))
+def gate_free_inverse(k, beta, *, hv: int):
+  """T0 = (I + diag(β) strict(k kᵀ))⁻¹ of every chunk, `[B, HV, Nc, C, C]` bf16 (the T0 kernel
+  alone, for `pallas_kernels.gpu.chunk_walk`). k `[B, T, H, K]` (T a multiple of 64), beta
+  `[B, HV, T]` float32; value head hv reads key head hv // (HV / H). Unpacked rows only."""
+  k = k.astype(MM_DTYPE)
+  t0, _ = _t0_call(k, k, beta.astype(jnp.float32), beta.astype(jnp.float32), scale=1.0, hv=hv,
+                   packed=False, stored=False)
+  return t0
 
 
 def fused_reverse(q, k, beta, g, segments, factors, do, de_ext, ds_final, *, scale: float,

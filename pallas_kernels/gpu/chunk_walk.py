@@ -1,0 +1,345 @@
+"""The delta rule's forward (DeltaNet, GDN) as one warp-specialised Mosaic GPU chunk walk
+(issue #17's v2 forward; `GpuTuning(forward="walk")`).
+
+The Triton walk of `triton/fused_forward.py` computes the right thing but spends ~9 µs a chunk:
+one instruction stream does the chunk's masks, scores and output *and* the serial state chain,
+with every wgmma operand passing registers → shared memory first. Here one CTA per
+(batch, value head, 64 value columns) runs three warpgroups on the same chunk ring:
+
+* **memory** (few registers): streams q, k, v, the gate-free inverse T0 and the gate vectors of
+  the next chunks into a `stages`-deep ring by TMA;
+* **state**: holds the state transposed, Sᵀ `[BV, K]` float32, in registers and runs only the
+  chain that carries it from chunk to chunk. Holding Sᵀ makes every product of the chain
+  register-A wgmma (Sᵀ, Rᵀ and (x ⊙ E)ᵀ are the left operands, q/k/M̃ the shared-memory ones),
+  so the chain never waits on its own shared-memory stores:
+
+      Rᵀ = vᵀ − (Sᵀ kᵀ) ⊙ eᵀ        Eᵀ = Rᵀ M̃ᵀ        Sᵀ ← γ Sᵀ + (Eᵀ ⊙ xᵀ) k
+
+  It publishes the bf16 Sᵀ and E of each chunk in a double buffer;
+* **output**: makes the chunk's factors while the state warpgroup works, M̃ = T0 ⊙ Γ · diag(β)
+  (written over T0 in the ring, so the chain reads it from there) and P = s q kᵀ ⊙ Γ, then
+  O = s e ⊙ (q S) + P E from the published tiles, and stores O and E.
+
+The maths is the split's and the Triton walk's (docs/MATH.md §3; `fused_forward`'s docstring):
+with D = diag(e^{G}), the gated inverse is M = D T0 D⁻¹, M_ij = T0_ij e^{G_i − G_j}, every
+factor ≤ 1 on the lower triangle (no overflow however strong the decay); e = e^{G} (entry),
+x = e^{G_C − G} (exit), γ = e^{G_C}. Products take bf16 operands and float32 accumulators; the
+state is float32 throughout. E leaves the kernel in bf16 (the tile the output read), O in
+float32.
+
+Scope: T a multiple of 64, K = 64 or 128, V a multiple of 64, GVA (key head = value head //
+(HV / H)), an initial state. Packed segments are not taken (the caller keeps the Triton walk
+for them). Forward only: under differentiation the op runs the split's custom VJP.
+Written in the `plgpu.kernel` style, so JAX's Mosaic GPU interpreter runs it on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gpu import mosaic_common as mc
+from pallas_kernels.gpu.state_passing import check_index_range
+
+MM_DTYPE = jnp.bfloat16
+CHUNK = 64
+BLOCK_V = 64
+SMEM_LIMIT = 227 * 1024      # Hopper's shared memory per CTA
+# Registers per thread of each warpgroup (setmaxnreg; a multiple of 8, the three summing to at
+# most 512 so that one CTA of 384 threads fits the SM's 64K registers).
+STATE_REGS, OUTPUT_REGS, MEMORY_REGS = 232, 232, 40
+
+_WG = plgpu.Layout.WGMMA
+_ROWS = plgpu.Layout.WGMMA.reduce(1)   # a [C] vector indexing the rows of a WGMMA tile
+_COLS = plgpu.Layout.WGMMA.reduce(0)   # ... its columns
+
+
+def supported(chunk: int, dk: int, dv: int) -> str | None:
+  """None if the walk takes these sizes, else why not."""
+  if chunk != CHUNK:
+    return f"chunk_size={chunk} (the Mosaic walk needs {CHUNK})"
+  if dk not in (64, 128):
+    return f"head dim K={dk} (the Mosaic walk needs K = 64 or 128)"
+  if dv % BLOCK_V:
+    return f"head dim V={dv} (the Mosaic walk needs a multiple of {BLOCK_V})"
+  return None
+
+
+def ring_stages(dk: int, bv: int = BLOCK_V) -> int:
+  """Deepest input ring (2 to 4 chunks) whose shared memory fits with the fixed buffers."""
+  per_stage = (2 * CHUNK * dk + CHUNK * bv + CHUNK * CHUNK) * 2 + 4 * CHUNK * 4
+  fixed = 2 * bv * dk * 2 + 2 * CHUNK * bv * 2 + 2 * CHUNK * bv * 4 + bv * dk * 4 + 2048
+  for stages in (4, 3, 2):
+    if stages * per_stage + fixed <= SMEM_LIMIT:
+      return stages
+  raise ValueError(f"chunk_walk: K={dk} does not fit two ring stages in shared memory")
+
+
+def _cols(vec, shape):
+  """vec [N] (column layout) broadcast over the rows of a [R, N] tile."""
+  return lax.broadcast_in_dim(vec, shape, [1])
+
+
+def _rows(vec, shape):
+  """vec [R] (row layout) broadcast over the columns of a [R, N] tile."""
+  return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def _product(a, b, shape, stage=None):
+  """a · b into a fresh float32 accumulator (a: bf16 registers or a shared-memory ref).
+
+  JAX's Mosaic GPU interpreter (jax 0.11.2) runs wgmma only from shared memory, so there a
+  register operand is first stored to `stage` (a scratch tile the kernel allocates only when
+  interpreted); compiled, `stage` is None and the operand stays in registers."""
+  if stage is not None and isinstance(a, jax.Array):
+    stage[...] = a
+    plgpu.commit_smem()
+    a = stage
+  (out,) = mc.matmuls((shape[0], shape[1], [(a, b)]))
+  return out
+
+
+def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True, interpret=None):
+  """(o, e, s_final_t) of the delta rule's chunk form.
+
+  Args:
+    q, k: `[B, T, H, K]` bf16; v `[B, T, HV, V]` bf16 (T a multiple of 64, HV a multiple of H).
+    t0: `[B, HV, Nc, C, C]` bf16, the gate-free inverses (I + diag(β) strict(k kᵀ))⁻¹.
+    g: `[B, HV, T]` float32 chunk-local cumulative log gates (read only when `gated`).
+    beta: `[B, HV, T]` float32.
+    s0t: `[B, HV, V, K]` float32, the initial state transposed.
+  Returns:
+    o `[B, T, HV, V]` float32, e `[B, T, HV, V]` bf16 (the pseudo-values, the write residual),
+    s_final_t `[B, HV, V, K]` float32 (the final state transposed).
+  """
+  outs = _chunk_walk(q, k, v, t0, g, beta, s0t, scale=float(scale), gated=bool(gated),
+                     interpret=interpret)
+  return mc.sync_if_interpreted(outs, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "interpret"))
+def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, interpret):
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
+  c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
+  reason = supported(c, dk, dv)
+  if reason or t % c or hv % h:
+    raise ValueError(f"chunk_walk: {reason or f'T={t} must be a multiple of {c} and HV={hv} a multiple of H={h}'}.")
+  check_index_range(b, t, hv, dv)
+  nc, n_rep = t // c, hv // h
+  stages = ring_stages(dk, bv)
+  out_type = (jax.ShapeDtypeStruct((b, t, hv, dv), f32),
+              jax.ShapeDtypeStruct((b, t, hv, dv), MM_DTYPE),
+              jax.ShapeDtypeStruct((b, hv, dv, dk), f32))
+  vec = plgpu.SMEM((stages, c), f32)
+  # In-bar arrivals: one per TMA copy of a chunk (q, k, v, T0 and the four gate vectors).
+  n_copies = 8
+
+  def kernel(q_ref, k_ref, v_ref, t0_ref, g_ref, beta_ref, s0_ref, o_ref, e_ref, sf_ref,
+             q_s, k_s, v_s, m_s, g_state, g_rows, g_cols, b_cols, s_pub, e_pub, o_out, s_f32,
+             in_bar, in_free, m_ready, pub_ready, pub_free, s_bar, stage_k=None, stage_c=None,
+             stage_p=None):
+    bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+    ki = lax.div(hi, n_rep)
+    vs = pl.ds(vi * bv, bv)
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(MEMORY_REGS, action="decrease")
+
+      def issue(n, slot):
+        rows = pl.ds(n * c, c)
+        bar = in_bar.at[slot]
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, ki], q_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, ki], k_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi, vs], v_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(t0_ref.at[bi, hi, n], m_s.at[slot], bar)
+        for dst in (g_state, g_rows, g_cols):   # one copy per register layout read from it
+          plgpu.copy_gmem_to_smem(g_ref.at[bi, hi, rows], dst.at[slot], bar)
+        plgpu.copy_gmem_to_smem(beta_ref.at[bi, hi, rows], b_cols.at[slot], bar)
+
+      for n in range(min(stages, nc)):
+        issue(n, n)
+
+      @pl.loop(stages, nc)
+      def _refill(n):
+        slot = lax.rem(n, stages)
+        plgpu.barrier_wait(in_free.at[slot])   # both compute warpgroups are done with it
+        issue(n, slot)
+
+      # Observe the last releases too: a barrier must not be left with phases its waiter has
+      # not seen (the interpreter checks it; on the GPU it is a few cheap waits).
+      for n in range(max(nc - stages, 0), nc):
+        plgpu.barrier_wait(in_free.at[n % stages])
+
+    @pl.when(wg == 0)
+    def _state():
+      plgpu.set_max_registers(STATE_REGS, action="increase")
+      plgpu.copy_gmem_to_smem(s0_ref.at[bi, hi, vs], s_f32, s_bar.at[0])
+      plgpu.barrier_wait(s_bar.at[0])
+      s_init = plgpu.load(s_f32, layout=_WG)
+
+      def step(n, s_t):
+        slot = lax.rem(n, stages)
+        half = lax.rem(n, 2)
+        plgpu.barrier_wait(in_bar.at[slot])
+
+        @pl.when(n >= 2)
+        def _():   # the output warpgroup has read what was published two chunks ago
+          plgpu.barrier_wait(pub_free.at[half])
+
+        s_lo = s_t.astype(MM_DTYPE)
+        s_pub.at[half][...] = s_lo
+        if gated:
+          g_col = plgpu.load(g_state.at[slot], layout=_COLS)
+          g_last = g_state[slot, c - 1]
+          entry = _cols(jnp.exp(g_col), (bv, c))
+          exit_ = _cols(jnp.exp(g_last - g_col), (bv, c))
+          decay = jnp.exp(g_last)
+        # Rᵀ = vᵀ − (Sᵀ kᵀ) ⊙ eᵀ, then Eᵀ = Rᵀ M̃ᵀ once the output warpgroup has made M̃.
+        ks_t = _product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
+        v_t = plgpu.load(v_s.at[slot].T, layout=_WG).astype(f32)
+        r_t = v_t - (ks_t * entry if gated else ks_t)
+        plgpu.barrier_wait(m_ready.at[slot])
+        e_t = _product(r_t.astype(MM_DTYPE), m_s.at[slot].T, (bv, c), stage_c)
+        e_pub.at[half].T[...] = e_t.astype(MM_DTYPE)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(pub_ready.at[half])
+        # Sᵀ ← γ Sᵀ + (Eᵀ ⊙ xᵀ) k
+        xe_t = (e_t * exit_ if gated else e_t).astype(MM_DTYPE)
+        s_next = _product(xe_t, k_s.at[slot], (bv, dk), stage_c)
+        plgpu.barrier_arrive(in_free.at[slot])
+        return s_next + (s_t * decay if gated else s_t)
+
+      s_t = lax.fori_loop(0, nc, step, s_init)
+      for n in range(max(nc - 2, 0), nc):   # the last releases of the published tiles
+        plgpu.barrier_wait(pub_free.at[n % 2])
+      s_f32[...] = s_t
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(s_f32, sf_ref.at[bi, hi, vs])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _output():
+      plgpu.set_max_registers(OUTPUT_REGS, action="increase")
+      ii = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=_WG)
+      jj = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=_WG)
+      lower = ii >= jj
+
+      def step(n, carry):
+        slot = lax.rem(n, stages)
+        half = lax.rem(n, 2)
+        rows = pl.ds(n * c, c)
+        plgpu.barrier_wait(in_bar.at[slot])
+        beta_col = plgpu.load(b_cols.at[slot], layout=_COLS)
+        if gated:
+          g_row = plgpu.load(g_rows.at[slot], layout=_ROWS)
+          g_col = plgpu.load(g_cols.at[slot], layout=_COLS)
+          diff = _rows(g_row, (c, c)) - _cols(g_col, (c, c))
+          gam = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+          entry = _rows(jnp.exp(g_row) * scale, (c, bv))
+        else:
+          gam = jnp.where(lower, 1.0, 0.0)
+          entry = scale
+        # M̃ = T0 ⊙ Γ · diag(β), over T0 in the ring: the state warpgroup's Eᵀ = Rᵀ M̃ᵀ.
+        t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(f32)
+        m_s.at[slot][...] = (t0_tile * gam * _cols(beta_col, (c, c))).astype(MM_DTYPE)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(m_ready.at[slot])
+        qk = _product(q_s.at[slot], k_s.at[slot].T, (c, c))
+        p = (qk * (gam * scale)).astype(MM_DTYPE)
+        plgpu.barrier_wait(pub_ready.at[half])
+        plgpu.copy_smem_to_gmem(e_pub.at[half], e_ref.at[bi, rows, hi, vs])
+        qs = _product(q_s.at[slot], s_pub.at[half].T, (c, bv))
+        pe = _product(p, e_pub.at[half], (c, bv), stage_p)
+        plgpu.barrier_arrive(in_free.at[slot])
+        # E's copy (and the copy of O two chunks back, from o_out[half]) done reading.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.barrier_arrive(pub_free.at[half])
+        o_out.at[half][...] = qs * entry + pe
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[bi, rows, hi, vs])
+        return carry
+
+      lax.fori_loop(0, nc, step, None)
+      plgpu.wait_smem_to_gmem(0)
+
+  scratch = dict(
+      q_s=mc.smem((stages, c, dk), MM_DTYPE), k_s=mc.smem((stages, c, dk), MM_DTYPE),
+      v_s=mc.smem((stages, c, bv), MM_DTYPE), m_s=mc.smem((stages, c, c), MM_DTYPE),
+      g_state=vec, g_rows=vec, g_cols=vec, b_cols=vec,
+      s_pub=mc.smem((2, bv, dk), MM_DTYPE), e_pub=mc.smem((2, c, bv), MM_DTYPE),
+      o_out=plgpu.SMEM((2, c, bv), f32), s_f32=plgpu.SMEM((bv, dk), f32),
+      in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
+      in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      m_ready=plgpu.Barrier(num_barriers=stages),
+      pub_ready=plgpu.Barrier(num_barriers=2), pub_free=plgpu.Barrier(num_barriers=2),
+      s_bar=plgpu.Barrier(num_barriers=1))
+  if interpret is not None:   # staging tiles for register operands (`_product`)
+    scratch.update(stage_k=mc.smem((bv, dk), MM_DTYPE), stage_c=mc.smem((bv, c), MM_DTYPE),
+                   stage_p=mc.smem((c, c), MM_DTYPE))
+
+  def body(*refs):
+    names = list(scratch)
+    n_in = 7 + 3
+    return kernel(*refs[:n_in], **dict(zip(names, refs[n_in:])))
+
+  return plgpu.kernel(body, out_type=out_type, scratch_types=tuple(scratch.values()),
+                      grid=(b, hv, dv // bv), grid_names=("b", "h", "v"), num_threads=3,
+                      thread_name="wg", interpret=interpret)(q, k, v, t0, g, beta, s0t)
+
+
+def chunk_walk_reference(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True):
+  """The same walk as a float32 `lax.scan` over chunks at Precision.HIGHEST, with the kernel's
+  bf16 roundings of the product operands (Sᵀ, Rᵀ, M̃, P, E, (x ⊙ E)): the oracle the kernel
+  must match to float32 accumulation noise. Same arguments and results (e in float32)."""
+  hp = lax.Precision.HIGHEST
+  f32 = jnp.float32
+  rnd = lambda x: x.astype(MM_DTYPE).astype(f32)
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2:]
+  c, nc, n_rep = CHUNK, t // CHUNK, hv // h
+  split = lambda x: jnp.moveaxis(x.reshape(b, nc, c, *x.shape[2:]), 1, 0)   # [Nc, B, C, ...]
+  qc, kc = (jnp.repeat(split(x.astype(f32)), n_rep, axis=3) for x in (q, k))
+  vc = split(v.astype(f32))
+  gc = jnp.moveaxis(g.astype(f32).reshape(b, hv, nc, c), 2, 0) if gated else None
+  bc = jnp.moveaxis(beta.astype(f32).reshape(b, hv, nc, c), 2, 0)
+  tc = jnp.moveaxis(t0.astype(f32), 2, 0)
+  lower = jnp.tril(jnp.ones((c, c), bool))
+
+  def step(s_t, xs):   # s_t [B, HV, V, K]
+    q_, k_, v_, t0_, g_, b_ = xs     # q_, k_ [B, C, HV, K]; v_ [B, C, HV, V]; t0_ [B, HV, C, C]
+    if gated:
+      diff = jnp.where(lower, g_[..., :, None] - g_[..., None, :], 0.0)
+      gam = jnp.where(lower, jnp.exp(diff), 0.0)
+      entry, exit_, decay = jnp.exp(g_), jnp.exp(g_[..., -1:] - g_), jnp.exp(g_[..., -1])
+    else:
+      gam = jnp.broadcast_to(lower.astype(f32), t0_.shape)
+      entry = exit_ = jnp.ones(b_.shape, f32)
+      decay = jnp.ones(b_.shape[:-1], f32)
+    s_lo = rnd(s_t)
+    ks = jnp.einsum("bhvk,bchk->bhvc", s_lo, k_, precision=hp)
+    r_t = jnp.einsum("bchv->bhvc", v_) - ks * entry[:, :, None, :]
+    m = rnd(t0_ * gam * b_[:, :, None, :])
+    e_t = jnp.einsum("bhvj,bhij->bhvi", rnd(r_t), m, precision=hp)
+    e_lo = rnd(e_t)
+    p = rnd(jnp.einsum("bihk,bjhk->bhij", q_, k_, precision=hp) * gam * scale)
+    o = (jnp.einsum("bihk,bhvk->bhiv", q_, s_lo, precision=hp) * (entry * scale)[..., None]
+         + jnp.einsum("bhij,bhvj->bhiv", p, e_lo, precision=hp))
+    s_next = (s_t * decay[..., None, None]
+              + jnp.einsum("bhvc,bchk->bhvk", rnd(e_t * exit_[:, :, None, :]), k_, precision=hp))
+    return s_next, (o, e_t)
+
+  s_t, (o, e_t) = lax.scan(step, s0t.astype(f32),
+                           (qc, kc, vc, tc, gc if gated else bc, bc))
+  # [Nc, B, HV, C, V] -> [B, T, HV, V]
+  to_rows = lambda x: jnp.transpose(x, (1, 0, 3, 2, 4)).reshape(b, t, hv, dv)
+  o = to_rows(o)
+  e = to_rows(jnp.swapaxes(e_t, -1, -2))
+  return o, e, s_t

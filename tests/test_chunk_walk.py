@@ -1,0 +1,181 @@
+"""The warp-specialised Mosaic GPU walk (`pallas_kernels.gpu.chunk_walk`; the op's
+`GpuTuning(forward="walk")`).
+
+Off GPU the kernel runs in JAX's Mosaic GPU interpreter, three warpgroups and their barriers
+included (a barrier phase left unobserved fails there), so this file runs in `make test`; on a
+Hopper GPU the same tests run the compiled kernel. Oracles:
+* the kernel against `chunk_walk_reference`, a float32 scan over chunks with the kernel's bf16
+  operand roundings (o and the final state to accumulation order: 1e-4; e, which leaves the
+  kernel in bf16, to 1e-2), and that reference against the op's `scan` (the delta rule itself,
+  2e-2: bf16 roundings);
+* the op with forward="walk" against `scan`: output, final state and write residual (2e-2),
+  under jit, at the edges of T, with GVA, an initial state and −1e4 gates;
+* gradients under forward="walk" are the split's, bit for bit (the forward rule runs the
+  split); packed rows keep the split;
+* lowering for CUDA on the CPU (Mosaic GPU's layout inference) within Hopper's shared memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads, run_jit
+
+ON_GPU, INTERPRET = mosaic_gpu_or_skip()
+
+from lineax_attn.ops import pallas_gpu  # noqa: E402
+from pallas_kernels.gpu import chunk_walk as cw  # noqa: E402
+
+WALK = pallas_gpu.GpuTuning(forward="walk")
+FWD_TOL = 2e-2
+
+
+def _kernel_inputs(b, t, h, hv, dk, dv, seed, gate_scale=1.0, floor_gates=False):
+  """Kernel arguments as numpy-built arrays: unit q, k; β = σ(N); log gates logsigmoid(N) ·
+  gate_scale (with `floor_gates` every 7th token −1e4), cumulated per chunk; the exact
+  gate-free inverse in float64; a small initial state (transposed)."""
+  r = np.random.default_rng(seed)
+  n = lambda *s: r.standard_normal(s)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q, k, v = unit(n(b, t, h, dk)), unit(n(b, t, h, dk)), n(b, t, hv, dv)
+  beta = 1 / (1 + np.exp(-n(b, hv, t)))
+  g = -np.log1p(np.exp(-n(b, hv, t))) * gate_scale
+  if floor_gates:
+    g[..., ::7] = -1e4
+  c = cw.CHUNK
+  cum = np.cumsum(g.reshape(b, hv, t // c, c), -1).reshape(b, hv, t)
+  kc = np.repeat(k, hv // h, axis=2).reshape(b, t // c, c, hv, dk).transpose(0, 3, 1, 2, 4)
+  lower = np.tril(np.einsum("bhnik,bhnjk->bhnij", kc, kc) * beta.reshape(b, hv, t // c, c, 1), -1)
+  t0 = np.linalg.inv(np.eye(c) + lower)
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return (bf(q), bf(k), bf(v), bf(t0), f32(cum), f32(beta), f32(0.1 * n(b, hv, dv, dk)))
+
+
+# (b, t, h, hv, dk, dv, gate_scale, floor_gates, gated). The ring holds 4 chunks at K = 64 and
+# 2 at K = 128: "wraps" cases walk past it.
+KERNEL_CASES = {
+    "one chunk, K 64": (1, 64, 1, 1, 64, 64, 1.0, False, True),
+    "ring wraps, K 128, strong decay": (1, 192, 1, 1, 128, 64, 30.0, False, True),
+    "GVA, two V tiles, ring wraps": (1, 320, 1, 2, 64, 128, 1.0, False, True),
+    "-1e4 gates": (1, 128, 1, 1, 64, 64, 1.0, True, True),
+    "ungated (DeltaNet)": (1, 128, 1, 1, 64, 64, 1.0, False, False),
+}
+if ON_GPU:
+  KERNEL_CASES.update({
+      "K 128, V 256, GVA, long": (2, 2048, 2, 4, 128, 256, 1.0, False, True),
+      "K 128, -1e4 gates": (2, 1024, 4, 4, 128, 128, 1.0, True, True),
+  })
+
+
+@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
+def test_kernel_matches_its_rounded_reference(case):
+  b, t, h, hv, dk, dv, gate_scale, floor_gates, gated = KERNEL_CASES[case]
+  args = _kernel_inputs(b, t, h, hv, dk, dv, seed=len(case), gate_scale=gate_scale,
+                        floor_gates=floor_gates)
+  o, e, sf = jax.jit(lambda *a: cw.chunk_walk(*a, scale=dk ** -0.5, gated=gated,
+                                              interpret=INTERPRET))(*args)
+  ro, re, rsf = jax.jit(lambda *a: cw.chunk_walk_reference(*a, scale=dk ** -0.5,
+                                                           gated=gated))(*args)
+  assert o.shape == (b, t, hv, dv) and e.dtype == jnp.bfloat16 and sf.shape == (b, hv, dv, dk)
+  assert_close(o, ro, 1e-4, f"{case}: o")
+  assert_close(sf, rsf, 1e-4, f"{case}: final state")
+  assert_close(e.astype(jnp.float32), re, 1e-2, f"{case}: e (bf16)")
+
+
+def test_reference_is_the_delta_rule():
+  # The kernel's oracle against the recurrence itself: `scan` of GDN on the same inputs.
+  from lineax_attn import ops  # pylint: disable=g-import-not-at-top
+  b, t, h, hv, dk, dv = 1, 192, 1, 2, 64, 64
+  q, k, v, t0, cum, beta, s0t = _kernel_inputs(b, t, h, hv, dk, dv, seed=3)
+  g = jnp.diff(cum.reshape(b, hv, t // 64, 64), axis=-1, prepend=0.0).reshape(b, hv, t)
+  o, e, sf = cw.chunk_walk_reference(q, k, v, t0, cum, beta, s0t, scale=0.125)
+  f32 = lambda x: x.astype(jnp.float32)
+  want_o, want_s, want_r = ops.gated_delta_rule(
+      f32(q), f32(k), f32(v), jnp.moveaxis(g, 1, 2), jnp.moveaxis(beta, 1, 2), scale=0.125,
+      initial_state=jnp.swapaxes(s0t, -1, -2), output_final_state=True, return_residual=True,
+      implementation="scan")
+  assert_close(o, want_o, FWD_TOL, "o")
+  assert_close(jnp.swapaxes(sf, -1, -2), want_s, FWD_TOL, "final state")
+  assert_close(e, want_r, FWD_TOL, "e = write residual")
+
+
+OP_CASES = [("gated_delta_rule", 100, 1.0), ("delta_rule", 100, 1.0), ("gated_delta_rule", 1, 1.0),
+            ("gated_delta_rule", 65, 1.0)]
+if ON_GPU:
+  OP_CASES += [("gated_delta_rule", 63, 1.0), ("gated_delta_rule", 64, 1.0),
+               ("delta_rule", 128, 1.0), ("gated_delta_rule", 1000, 1e4)]
+
+
+@pytest.mark.parametrize("mixer,t,tau_inv", OP_CASES)
+def test_op_with_the_walk_matches_scan(mixer, t, tau_inv):
+  # tau_inv 1e4: log gates down to ~ −1e4 (the decay floor every path must keep finite).
+  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=2, dk=64, dv=64, tau=1 / tau_inv,
+                         seed=t + len(mixer))
+  kwargs = dict(kw, output_final_state=True, return_residual=True)
+  got = run_jit(mixer, args, **kwargs, implementation="pallas_gpu", tuning=WALK)
+  want = run_jit(mixer, args, **kwargs, implementation="scan")
+  for name, g, w in zip(("o", "final state", "residual"), got, want):
+    assert_close(g, w, FWD_TOL, f"{mixer} T={t}: {name}")
+
+
+def test_gradients_under_the_walk_are_the_splits():
+  # Differentiated, forward="walk" runs the split (its residuals feed the backward): the same
+  # program's gradients, bit for bit.
+  args, kw = make_inputs("gated_delta_rule", b=1, t=80, h=1, hv=1, dk=64, dv=64, seed=21)
+  walk = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
+                                tuning=WALK)
+  split = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu")
+  for i, (a, b) in enumerate(zip(walk, split)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"gradient {i}")
+
+
+def test_packed_rows_keep_the_split():
+  args, kw = make_inputs("gated_delta_rule", b=1, t=96, h=1, hv=1, dk=64, dv=64, seed=22)
+  seg = jnp.asarray([[1] * 40 + [2] * 50 + [0] * 6])
+  walk = run_jit("gated_delta_rule", args, **kw, segment_ids=seg, implementation="pallas_gpu",
+                 tuning=WALK)
+  split = run_jit("gated_delta_rule", args, **kw, segment_ids=seg, implementation="pallas_gpu")
+  np.testing.assert_array_equal(np.asarray(walk[0]), np.asarray(split[0]))
+  assert not pallas_gpu.walk_applies(WALK, 64, 64, 64, "mosaic", packed=True)
+  assert not pallas_gpu.walk_applies(WALK, 64, 64, 64, "triton", packed=False)
+  assert pallas_gpu.walk_applies(WALK, 128, 128, 64, "mosaic", packed=False)
+
+
+def test_kernel_refuses_sizes_it_does_not_take():
+  args = list(_kernel_inputs(1, 64, 1, 1, 64, 64, seed=0))
+  with pytest.raises(ValueError, match="multiple of 64"):
+    cw.chunk_walk(*[x[:, :32] if i < 3 else x for i, x in enumerate(args)], scale=0.1,
+                  interpret=INTERPRET)
+  assert "K=32" in cw.supported(64, 32, 64)
+  assert "V=96" in cw.supported(64, 64, 96)
+  assert cw.supported(64, 128, 128) is None
+
+
+@pytest.mark.parametrize("dk", [64, 128])
+def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
+  # Mosaic GPU's layout inference runs at lowering: register-operand wgmma, transposed tiles
+  # and 1-D gate vectors the interpreter accepts but the compiler would reject fail here.
+  from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # pylint: disable=g-import-not-at-top
+  estimates = []
+  estimate = mgpu_lowering._estimate_resources
+  def recording(*a, **kw):
+    rs = estimate(*a, **kw)
+    estimates.append(rs.smem_scratch_bytes)
+    return rs
+  monkeypatch.setattr(mgpu_lowering, "_estimate_resources", recording)
+  b, t, h, hv, dv = 2, 256, 2, 4, 128
+  sds = jax.ShapeDtypeStruct
+  bf, f32 = jnp.bfloat16, jnp.float32
+  args = (sds((b, t, h, dk), bf), sds((b, t, h, dk), bf), sds((b, t, hv, dv), bf),
+          sds((b, hv, t // 64, 64, 64), bf), sds((b, hv, t), f32), sds((b, hv, t), f32),
+          sds((b, hv, dv, dk), f32))
+  for gated in (True, False):
+    fn = lambda *a, gated=gated: cw._chunk_walk(*a, scale=0.1, gated=gated, interpret=None)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, estimates[-1])
+  assert cw.ring_stages(dk) == (4 if dk == 64 else 2)
