@@ -5,13 +5,13 @@ Off GPU the kernel runs in JAX's Mosaic GPU interpreter, three warpgroups and th
 included (a barrier phase left unobserved fails there), so this file runs in `make test`; on a
 Hopper GPU the same tests run the compiled kernel. Oracles:
 * the kernel against `chunk_walk_reference`, a float32 scan over chunks with the kernel's bf16
-  operand roundings (o and the final state to accumulation order: 1e-4; e, which leaves the
-  kernel in bf16, to 1e-2), and that reference against the op's `scan` (the delta rule itself,
+  operand roundings (the final state to accumulation order, 5e-4; o and e, which leave the
+  kernel in bf16, to 1e-2; the saved chunk states 5e-3), and that reference against the op's `scan` (the delta rule itself,
   2e-2: bf16 roundings);
 * the op with forward="walk" against `scan`: output, final state and write residual (2e-2),
   under jit, at the edges of T, with GVA, an initial state and −1e4 gates;
-* gradients under forward="walk" are the split's, bit for bit (the forward rule runs the
-  split); packed rows keep the split;
+* gradients under forward="walk" against `scan` (3e-2); without the triton extra they are the
+  split's, bit for bit (the forward rule runs the split); packed rows keep the split;
 * lowering for CUDA on the CPU (Mosaic GPU's layout inference) within Hopper's shared memory.
 """
 
@@ -31,6 +31,7 @@ from pallas_kernels.gpu import chunk_walk as cw  # noqa: E402
 
 WALK = pallas_gpu.GpuTuning(forward="walk")
 FWD_TOL = 2e-2
+GRAD_TOL = 3e-2
 
 
 def _kernel_inputs(b, t, h, hv, dk, dv, seed, gate_scale=1.0, floor_gates=False):
@@ -76,14 +77,22 @@ def test_kernel_matches_its_rounded_reference(case):
   b, t, h, hv, dk, dv, gate_scale, floor_gates, gated = KERNEL_CASES[case]
   args = _kernel_inputs(b, t, h, hv, dk, dv, seed=len(case), gate_scale=gate_scale,
                         floor_gates=floor_gates)
-  o, e, sf = jax.jit(lambda *a: cw.chunk_walk(*a, scale=dk ** -0.5, gated=gated,
-                                              interpret=INTERPRET))(*args)
-  ro, re, rsf = jax.jit(lambda *a: cw.chunk_walk_reference(*a, scale=dk ** -0.5,
-                                                           gated=gated))(*args)
-  assert o.shape == (b, t, hv, dv) and e.dtype == jnp.bfloat16 and sf.shape == (b, hv, dv, dk)
-  assert_close(o, ro, 1e-4, f"{case}: o")
-  assert_close(sf, rsf, 1e-4, f"{case}: final state")
-  assert_close(e.astype(jnp.float32), re, 1e-2, f"{case}: e (bf16)")
+  o, e, sf, h = jax.jit(lambda *a: cw.chunk_walk(*a, scale=dk ** -0.5, gated=gated,
+                                                 save_states=True, interpret=INTERPRET))(*args)
+  ro, re, rsf, rh = jax.jit(lambda *a: cw.chunk_walk_reference(*a, scale=dk ** -0.5,
+                                                               gated=gated))(*args)
+  assert o.dtype == e.dtype == h.dtype == jnp.bfloat16
+  assert o.shape == (b, t, hv, dv) and sf.shape == (b, hv, dv, dk)
+  assert h.shape == (b, hv, t // 64, dv, dk)
+  # Compiled, a different float32 summation order can move a bf16 rounding of E or P by one
+  # step, which the later chunks carry (seen: 1.07e-4 on the strong-decay case at K = 128).
+  assert_close(sf, rsf, 5e-4, f"{case}: final state")
+  assert_close(h.astype(jnp.float32), rh, 5e-3, f"{case}: chunk states (bf16)")
+  for name, got, want in (("o", o, ro), ("e", e, re)):
+    assert_close(got.astype(jnp.float32), want, 1e-2, f"{case}: {name} (bf16)")
+  o_only = jax.jit(lambda *a: cw.chunk_walk(*a, scale=dk ** -0.5, gated=gated,
+                                            interpret=INTERPRET))(*args)
+  np.testing.assert_array_equal(np.asarray(o_only[0], np.float32), np.asarray(o, np.float32))
 
 
 def test_reference_is_the_delta_rule():
@@ -92,7 +101,7 @@ def test_reference_is_the_delta_rule():
   b, t, h, hv, dk, dv = 1, 192, 1, 2, 64, 64
   q, k, v, t0, cum, beta, s0t = _kernel_inputs(b, t, h, hv, dk, dv, seed=3)
   g = jnp.diff(cum.reshape(b, hv, t // 64, 64), axis=-1, prepend=0.0).reshape(b, hv, t)
-  o, e, sf = cw.chunk_walk_reference(q, k, v, t0, cum, beta, s0t, scale=0.125)
+  o, e, sf, _ = cw.chunk_walk_reference(q, k, v, t0, cum, beta, s0t, scale=0.125)
   f32 = lambda x: x.astype(jnp.float32)
   want_o, want_s, want_r = ops.gated_delta_rule(
       f32(q), f32(k), f32(v), jnp.moveaxis(g, 1, 2), jnp.moveaxis(beta, 1, 2), scale=0.125,
@@ -122,9 +131,20 @@ def test_op_with_the_walk_matches_scan(mixer, t, tau_inv):
     assert_close(g, w, FWD_TOL, f"{mixer} T={t}: {name}")
 
 
-def test_gradients_under_the_walk_are_the_splits():
-  # Differentiated, forward="walk" runs the split (its residuals feed the backward): the same
-  # program's gradients, bit for bit.
+def test_gradients_under_the_walk_match_scan():
+  # With the triton extra (the GPU) the walk's residuals feed the fused Triton backward; without
+  # it the forward rule runs the split. Either way the gradients are the recurrence's.
+  args, kw = make_inputs("gated_delta_rule", b=1, t=80, h=1, hv=1, dk=64, dv=64, seed=21)
+  got = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
+                               tuning=WALK)
+  want = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "scan")
+  for name, g, w in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
+    assert_close(g, w, GRAD_TOL, f"d{name}")
+
+
+def test_without_triton_the_walk_trains_through_the_split():
+  if pallas_gpu.walk_trains_fused():
+    pytest.skip("the triton extra runs here: the walk trains through the fused backward")
   args, kw = make_inputs("gated_delta_rule", b=1, t=80, h=1, hv=1, dk=64, dv=64, seed=21)
   walk = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
                                 tuning=WALK)
@@ -173,9 +193,10 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
   args = (sds((b, t, h, dk), bf), sds((b, t, h, dk), bf), sds((b, t, hv, dv), bf),
           sds((b, hv, t // 64, 64, 64), bf), sds((b, hv, t), f32), sds((b, hv, t), f32),
           sds((b, hv, dv, dk), f32))
-  for gated in (True, False):
-    fn = lambda *a, gated=gated: cw._chunk_walk(*a, scale=0.1, gated=gated, interpret=None)
+  for gated, save in ((True, False), (False, False), (True, True)):
+    fn = lambda *a, gated=gated, save=save: cw._chunk_walk(*a, scale=0.1, gated=gated,
+                                                          save_states=save, interpret=None)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, estimates[-1])
+    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, save, estimates[-1])
   assert cw.ring_stages(dk) == (4 if dk == 64 else 2)

@@ -100,10 +100,11 @@ class GpuTuning:
       fwd+bwd slower for both (issue #17; docs/BENCHMARKS.md "twelfth stage"). "walk":
       calls that are not differentiated run the warp-specialised Mosaic GPU walk
       (`pallas_kernels.gpu.chunk_walk`: a memory, a state and an output warpgroup per CTA;
-      T0 from the Triton T0 kernel, or XLA's inverse without the triton extra); under
-      differentiation the split runs (its residuals are what the backward reads). Mosaic
-      kernels only (`implementation="pallas_gpu"`), rows not packed, K in {64, 128};
-      other calls keep "split".
+      T0 from the Triton T0 kernel, or XLA's inverse without the triton extra). Under
+      differentiation the walk also saves the chunk states and "fused"'s Triton backward
+      runs; without the triton extra the split runs instead (its residuals are what its
+      backward reads). Mosaic kernels only (`implementation="pallas_gpu"`), rows not packed,
+      K in {64, 128}; other calls keep "split".
   """
 
   intra: str = "kernel"

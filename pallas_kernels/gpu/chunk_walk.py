@@ -24,8 +24,7 @@ The maths is the split's and the Triton walk's (docs/MATH.md §3; `fused_forward
 with D = diag(e^{G}), the gated inverse is M = D T0 D⁻¹, M_ij = T0_ij e^{G_i − G_j}, every
 factor ≤ 1 on the lower triangle (no overflow however strong the decay); e = e^{G} (entry),
 x = e^{G_C − G} (exit), γ = e^{G_C}. Products take bf16 operands and float32 accumulators; the
-state is float32 throughout. E leaves the kernel in bf16 (the tile the output read), O in
-float32.
+state is float32 throughout. E and O leave the kernel in bf16 (E: the tile the output read).
 
 Scope: T a multiple of 64, K = 64 or 128, V a multiple of 64, GVA (key head = value head //
 (HV / H)), an initial state. Packed segments are not taken (the caller keeps the Triton walk
@@ -73,7 +72,8 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 def ring_stages(dk: int, bv: int = BLOCK_V) -> int:
   """Deepest input ring (2 to 4 chunks) whose shared memory fits with the fixed buffers."""
   per_stage = (2 * CHUNK * dk + CHUNK * bv + CHUNK * CHUNK) * 2 + 4 * CHUNK * 4
-  fixed = 2 * bv * dk * 2 + 2 * CHUNK * bv * 2 + 2 * CHUNK * bv * 4 + bv * dk * 4 + 2048
+  # published Sᵀ and E, the output tiles (two each), the float32 state's staging tile
+  fixed = 2 * bv * dk * 2 + 2 * CHUNK * bv * 2 + 2 * CHUNK * bv * 2 + bv * dk * 4 + 2048
   for stages in (4, 3, 2):
     if stages * per_stage + fixed <= SMEM_LIMIT:
       return stages
@@ -104,8 +104,9 @@ def _product(a, b, shape, stage=None):
   return out
 
 
-def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True, interpret=None):
-  """(o, e, s_final_t) of the delta rule's chunk form.
+def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
+               save_states: bool = False, interpret=None):
+  """(o, e, s_final_t[, h_t]) of the delta rule's chunk form.
 
   Args:
     q, k: `[B, T, H, K]` bf16; v `[B, T, HV, V]` bf16 (T a multiple of 64, HV a multiple of H).
@@ -113,17 +114,21 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True, i
     g: `[B, HV, T]` float32 chunk-local cumulative log gates (read only when `gated`).
     beta: `[B, HV, T]` float32.
     s0t: `[B, HV, V, K]` float32, the initial state transposed.
+    save_states: also return h_t, the bf16 state entering every chunk (transposed, exactly
+      the operand the chunk used): the backward's residual.
   Returns:
-    o `[B, T, HV, V]` float32, e `[B, T, HV, V]` bf16 (the pseudo-values, the write residual),
-    s_final_t `[B, HV, V, K]` float32 (the final state transposed).
+    o `[B, T, HV, V]` bf16 (its products' operands are bf16 already; rounding it here saves
+    the float32 round trip through HBM), e `[B, T, HV, V]` bf16 (the pseudo-values, the write
+    residual), s_final_t `[B, HV, V, K]` float32 (the final state transposed), and with
+    save_states h_t `[B, HV, Nc, V, K]` bf16.
   """
   outs = _chunk_walk(q, k, v, t0, g, beta, s0t, scale=float(scale), gated=bool(gated),
-                     interpret=interpret)
+                     save_states=bool(save_states), interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated", "interpret"))
-def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "interpret"))
+def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpret):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
@@ -133,14 +138,16 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, interpret):
   check_index_range(b, t, hv, dv)
   nc, n_rep = t // c, hv // h
   stages = ring_stages(dk, bv)
-  out_type = (jax.ShapeDtypeStruct((b, t, hv, dv), f32),
+  out_type = [jax.ShapeDtypeStruct((b, t, hv, dv), MM_DTYPE),
               jax.ShapeDtypeStruct((b, t, hv, dv), MM_DTYPE),
-              jax.ShapeDtypeStruct((b, hv, dv, dk), f32))
+              jax.ShapeDtypeStruct((b, hv, dv, dk), f32)]
+  if save_states:
+    out_type.append(jax.ShapeDtypeStruct((b, hv, nc, dv, dk), MM_DTYPE))
   vec = plgpu.SMEM((stages, c), f32)
   # In-bar arrivals: one per TMA copy of a chunk (q, k, v, T0 and the four gate vectors).
   n_copies = 8
 
-  def kernel(q_ref, k_ref, v_ref, t0_ref, g_ref, beta_ref, s0_ref, o_ref, e_ref, sf_ref,
+  def kernel(q_ref, k_ref, v_ref, t0_ref, g_ref, beta_ref, s0_ref, o_ref, e_ref, sf_ref, h_ref,
              q_s, k_s, v_s, m_s, g_state, g_rows, g_cols, b_cols, s_pub, e_pub, o_out, s_f32,
              in_bar, in_free, m_ready, pub_ready, pub_free, s_bar, stage_k=None, stage_c=None,
              stage_p=None):
@@ -195,7 +202,12 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, interpret):
           plgpu.barrier_wait(pub_free.at[half])
 
         s_lo = s_t.astype(MM_DTYPE)
+        if save_states:   # this tile's copy to h from two chunks back must have read it
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         s_pub.at[half][...] = s_lo
+        if save_states:
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(s_pub.at[half], h_ref.at[bi, hi, n, vs])
         if gated:
           g_col = plgpu.load(g_state.at[slot], layout=_COLS)
           g_last = g_state[slot, c - 1]
@@ -262,7 +274,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, interpret):
         # E's copy (and the copy of O two chunks back, from o_out[half]) done reading.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.barrier_arrive(pub_free.at[half])
-        o_out.at[half][...] = qs * entry + pe
+        o_out.at[half][...] = (qs * entry + pe).astype(MM_DTYPE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[bi, rows, hi, vs])
         return carry
@@ -275,7 +287,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, interpret):
       v_s=mc.smem((stages, c, bv), MM_DTYPE), m_s=mc.smem((stages, c, c), MM_DTYPE),
       g_state=vec, g_rows=vec, g_cols=vec, b_cols=vec,
       s_pub=mc.smem((2, bv, dk), MM_DTYPE), e_pub=mc.smem((2, c, bv), MM_DTYPE),
-      o_out=plgpu.SMEM((2, c, bv), f32), s_f32=plgpu.SMEM((bv, dk), f32),
+      o_out=mc.smem((2, c, bv), MM_DTYPE), s_f32=plgpu.SMEM((bv, dk), f32),
       in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
       in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       m_ready=plgpu.Barrier(num_barriers=stages),
@@ -287,10 +299,11 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, interpret):
 
   def body(*refs):
     names = list(scratch)
-    n_in = 7 + 3
-    return kernel(*refs[:n_in], **dict(zip(names, refs[n_in:])))
+    n_in = 7 + len(out_type)
+    outs = refs[7:n_in] + (() if save_states else (None,))
+    return kernel(*refs[:7], *outs, **dict(zip(names, refs[n_in:])))
 
-  return plgpu.kernel(body, out_type=out_type, scratch_types=tuple(scratch.values()),
+  return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch.values()),
                       grid=(b, hv, dv // bv), grid_names=("b", "h", "v"), num_threads=3,
                       thread_name="wg", interpret=interpret)(q, k, v, t0, g, beta, s0t)
 
@@ -298,7 +311,8 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, interpret):
 def chunk_walk_reference(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True):
   """The same walk as a float32 `lax.scan` over chunks at Precision.HIGHEST, with the kernel's
   bf16 roundings of the product operands (Sᵀ, Rᵀ, M̃, P, E, (x ⊙ E)): the oracle the kernel
-  must match to float32 accumulation noise. Same arguments and results (e in float32)."""
+  must match to float32 accumulation noise. Same arguments; returns (o, e, s_final_t, h_t) in
+  float32, h_t the bf16-rounded state entering each chunk `[B, HV, Nc, V, K]`."""
   hp = lax.Precision.HIGHEST
   f32 = jnp.float32
   rnd = lambda x: x.astype(MM_DTYPE).astype(f32)
@@ -334,12 +348,12 @@ def chunk_walk_reference(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool
          + jnp.einsum("bhij,bhvj->bhiv", p, e_lo, precision=hp))
     s_next = (s_t * decay[..., None, None]
               + jnp.einsum("bhvc,bchk->bhvk", rnd(e_t * exit_[:, :, None, :]), k_, precision=hp))
-    return s_next, (o, e_t)
+    return s_next, (o, e_t, s_lo)
 
-  s_t, (o, e_t) = lax.scan(step, s0t.astype(f32),
+  s_t, (o, e_t, h_t) = lax.scan(step, s0t.astype(f32),
                            (qc, kc, vc, tc, gc if gated else bc, bc))
   # [Nc, B, HV, C, V] -> [B, T, HV, V]
   to_rows = lambda x: jnp.transpose(x, (1, 0, 3, 2, 4)).reshape(b, t, hv, dv)
   o = to_rows(o)
   e = to_rows(jnp.swapaxes(e_t, -1, -2))
-  return o, e, s_t
+  return o, e, s_t, jnp.moveaxis(h_t, 0, 2)
