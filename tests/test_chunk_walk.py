@@ -10,8 +10,9 @@ Hopper GPU the same tests run the compiled kernel. Oracles:
   2e-2: bf16 roundings);
 * the op with forward="walk" against `scan`: output, final state and write residual (2e-2),
   under jit, at the edges of T, with GVA, an initial state and −1e4 gates;
-* gradients under forward="walk" against `scan` (3e-2); without the triton extra they are the
-  split's, bit for bit (the forward rule runs the split); packed rows keep the split;
+* gradients under forward="walk" against `scan` (3e-2) and the split's, bit for bit (the
+  forward rule runs the split); packed rows keep the split; "auto" walks where the triton
+  extra runs;
 * lowering for CUDA on the CPU (Mosaic GPU's layout inference) within Hopper's shared memory.
 """
 
@@ -132,8 +133,6 @@ def test_op_with_the_walk_matches_scan(mixer, t, tau_inv):
 
 
 def test_gradients_under_the_walk_match_scan():
-  # With the triton extra (the GPU) the walk's residuals feed the fused Triton backward; without
-  # it the forward rule runs the split. Either way the gradients are the recurrence's.
   args, kw = make_inputs("gated_delta_rule", b=1, t=80, h=1, hv=1, dk=64, dv=64, seed=21)
   got = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
                                tuning=WALK)
@@ -142,15 +141,25 @@ def test_gradients_under_the_walk_match_scan():
     assert_close(g, w, GRAD_TOL, f"d{name}")
 
 
-def test_without_triton_the_walk_trains_through_the_split():
-  if pallas_gpu.walk_trains_fused():
-    pytest.skip("the triton extra runs here: the walk trains through the fused backward")
+def test_the_walk_trains_through_the_split():
+  # Differentiated, the forward rule runs the split (its residuals feed its backward): the
+  # same program's gradients, bit for bit.
   args, kw = make_inputs("gated_delta_rule", b=1, t=80, h=1, hv=1, dk=64, dv=64, seed=21)
   walk = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
                                 tuning=WALK)
-  split = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu")
+  split = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
+                                 tuning=pallas_gpu.GpuTuning(forward="split"))
   for i, (a, b) in enumerate(zip(walk, split)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"gradient {i}")
+
+
+def test_auto_takes_the_walk_where_the_triton_extra_runs():
+  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+  auto = pallas_gpu.GpuTuning()
+  assert auto.forward == "auto"
+  assert pallas_gpu.walk_applies(auto, 128, 128, 64, "mosaic", False) == triton_gpu.available()
+  assert not pallas_gpu.walk_applies(pallas_gpu.GpuTuning(forward="split"), 128, 128, 64,
+                                     "mosaic", False)
 
 
 def test_packed_rows_keep_the_split():
@@ -158,7 +167,8 @@ def test_packed_rows_keep_the_split():
   seg = jnp.asarray([[1] * 40 + [2] * 50 + [0] * 6])
   walk = run_jit("gated_delta_rule", args, **kw, segment_ids=seg, implementation="pallas_gpu",
                  tuning=WALK)
-  split = run_jit("gated_delta_rule", args, **kw, segment_ids=seg, implementation="pallas_gpu")
+  split = run_jit("gated_delta_rule", args, **kw, segment_ids=seg, implementation="pallas_gpu",
+                  tuning=pallas_gpu.GpuTuning(forward="split"))
   np.testing.assert_array_equal(np.asarray(walk[0]), np.asarray(split[0]))
   assert not pallas_gpu.walk_applies(WALK, 64, 64, 64, "mosaic", packed=True)
   assert not pallas_gpu.walk_applies(WALK, 64, 64, 64, "triton", packed=False)

@@ -102,7 +102,7 @@ def test_each_tuning_traces_separately_under_one_jit(monkeypatch):
 
   inverse = pallas_gpu.GpuTuning(intra="xla", solve="inverse")
   trsm = pallas_gpu.GpuTuning(intra="xla", solve="trsm")
-  kernel_path = pallas_gpu.GpuTuning(intra="kernel")
+  kernel_path = pallas_gpu.GpuTuning(intra="kernel", forward="split")
   outs = {}
   for tuning in (inverse, trsm, kernel_path):
     before = len(calls)

@@ -105,7 +105,7 @@ def test_supported_sizes():
 
 
 # Explicit, so these tests keep covering the kernel if the default tuning changes.
-KERNEL = pallas_gpu.GpuTuning(intra="kernel")
+KERNEL = pallas_gpu.GpuTuning(intra="kernel", forward="split")
 
 
 @pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule"])

@@ -18,7 +18,7 @@ PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
 STATE_PASS_CHOICES = ("mosaic", "triton")
-FORWARD_CHOICES = ("split", "fused", "walk")
+FORWARD_CHOICES = ("auto", "split", "fused", "walk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +89,9 @@ class GpuTuning:
       within 2 % ("tenth stage"), so the default stays "mosaic". The Triton path always runs
       its own.
     forward: how DeltaNet / GDN (on the intra-kernel path) compute the chunk form: "split"
-      (the default: the intra-chunk kernel writes NY, QG, P, U, KG for the state pass, whose
-      residuals the backward uses) or "fused" (`pallas_kernels.gpu.triton.fused_forward`: a
+      (the intra-chunk kernel writes NY, QG, P, U, KG for the state pass, whose residuals the
+      backward uses), "walk" (below), "auto" (the default: "walk" on `pallas_gpu` where the
+      triton extra runs, else "split"; so training always runs the split) or "fused" (`pallas_kernels.gpu.triton.fused_forward`: a
       gate-free inverse T0 per chunk, then one chunk walk that applies T0 ⊙ Γ on the fly and
       stores only O, E (and, for the backward, the chunk states); the backward walks the state
       cotangent back with the same on-the-fly factors, then runs the split's intra-chunk
@@ -101,10 +102,11 @@ class GpuTuning:
       calls that are not differentiated run the warp-specialised Mosaic GPU walk
       (`pallas_kernels.gpu.chunk_walk`: a memory, a state and an output warpgroup per CTA;
       T0 from the Triton T0 kernel, or XLA's inverse without the triton extra). Under
-      differentiation the walk also saves the chunk states and "fused"'s Triton backward
-      runs; without the triton extra the split runs instead (its residuals are what its
-      backward reads). Mosaic kernels only (`implementation="pallas_gpu"`), rows not packed,
-      K in {64, 128}; other calls keep "split".
+      differentiation the split runs (its residuals are what its backward reads). On the
+      H200 (2026-12-03, B4 T4096 H16 D128) the forward takes 0.49 ms for GDN and 0.43 for
+      DeltaNet against the split's 0.80 / 0.76 (jla 0.32 / 0.38; docs/BENCHMARKS.md
+      "thirteenth stage"). Mosaic kernels only (`implementation="pallas_gpu"`), rows not
+      packed, K in {64, 128}; other calls keep "split".
   """
 
   intra: str = "kernel"
@@ -117,7 +119,7 @@ class GpuTuning:
   channel_grads: str = "kernel"
   intra_grads: str = "auto"
   state_pass: str = "mosaic"
-  forward: str = "split"
+  forward: str = "auto"
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),

@@ -182,49 +182,43 @@ def fused_forward_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int) 
   return ff.supported(chunk_size, dk, dv) is None
 
 
-# `intra_chunk_bwd_from_states` runs up to these head dims. Compiled on the H200 (2026-12-03) its
-# products' V loop in two steps of 64 gave a wrong dk at K = V = 128 (a triton 3.6 miscompile;
-# Triton's interpreter computes it right); one step of 128 is the kernel's default since, and
-# with it every fused-path op test passed compiled at K = V = 128 (docs/data/
-# test_triton_gpu_h200_2026-12-03_fused_k128.log: 20 passed, the two-step cases strict xfails).
-_FROM_STATES_MAX_DIM = 128
+# `intra_chunk_bwd_from_states` runs only up to these head dims. Compiled on the H200
+# (2026-12-03) its products' V loop in two steps of 64 gave a wrong dk at K = V = 128 (a triton
+# 3.6 miscompile; Triton's interpreter computes it right); one step of 128, the kernel's default
+# since, is right (every fused-path op test passed compiled at 128: docs/data/
+# test_triton_gpu_h200_2026-12-03_fused_k128.log) but slow: the kernel took 1.6 ms there, and
+# GDN fwd+bwd with forward="fused" 3.23 ms against 2.80 with XLA's products. So wider heads keep
+# XLA's products.
+_FROM_STATES_MAX_DIM = 64
 
 # forward="fused": the chunk form in the fused kernels of `pallas_kernels.gpu.triton.
 # fused_forward`, forward (T0, then the walk) and reverse (the state cotangent walked back with the
 # same factors made on the fly), then the intra-chunk backward fed with M = T0 ⊙ Γ: with H = HV
 # the Triton kernel that also makes the state pass's products (`intra_chunk_bwd_from_states`),
 # with GVA XLA's products and the split's backward. G: the chunk cumulative gates (None ungated).
-# walk: the forward by the Mosaic walk (`GpuTuning(forward="walk")` where the triton extra runs
-# this backward) instead of the Triton walk; the backward is the same.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _fused_core(q, k, v, beta, G, s0, segidx, scale, c, interpret, kernels, walk):
-  del kernels
-  return _fused_forward(q, k, v, beta, G, s0, segidx, scale, c, interpret, save_states=False,
-                        walk=walk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _fused_core(q, k, v, beta, G, s0, segidx, scale, c, interpret, kernels):
+  del interpret, kernels
+  return _fused_forward(q, k, v, beta, G, s0, segidx, scale, c, save_states=False)
 
 
-def _fused_forward(q, k, v, beta, G, s0, segidx, scale, c, interpret, *, save_states, walk):
-  b, t, hv = v.shape[:3]
-  beta_rows = jnp.moveaxis(beta.astype(_F32), 1, 2)                     # [B, HV, T]
-  g_rows = None if G is None else G.reshape(b, hv, t)
-  if walk:
-    return _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret,
-                         save_states=save_states)
+def _fused_forward(q, k, v, beta, G, s0, segidx, scale, c, *, save_states):
   from pallas_kernels.gpu.triton import fused_forward as ff  # pylint: disable=g-import-not-at-top
-  return ff.fused_forward(q, k, v, beta_rows, g_rows, s0,
+  b, t, hv = v.shape[:3]
+  return ff.fused_forward(q, k, v, jnp.moveaxis(beta.astype(_F32), 1, 2),
+                          None if G is None else G.reshape(b, hv, t), s0,
                           None if segidx is None else kernel_segments(segidx, c),
                           scale=float(scale), gated=G is not None, save_states=save_states)
 
 
-def _fused_core_fwd(q, k, v, beta, G, s0, segidx, scale, c, interpret, kernels, walk):
-  del kernels
-  o, e, s_final, factors, h = _fused_forward(q, k, v, beta, G, s0, segidx, scale, c, interpret,
-                                             save_states=True, walk=walk)
+def _fused_core_fwd(q, k, v, beta, G, s0, segidx, scale, c, interpret, kernels):
+  del interpret, kernels
+  o, e, s_final, factors, h = _fused_forward(q, k, v, beta, G, s0, segidx, scale, c,
+                                             save_states=True)
   return (o, e, s_final), (q, k, v, beta, G, segidx, factors, h, e)
 
 
-def _fused_core_bwd(scale, c, interpret, kernels, walk, res, cts):
-  del walk
+def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
   from pallas_kernels.gpu.triton import fused_forward as ff  # pylint: disable=g-import-not-at-top
   q, k, v, beta, G, segidx, factors, h, e = res
   do, de_ext, ds_final = cts
@@ -273,10 +267,13 @@ _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
 def walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, kernels: str,
                  packed: bool) -> bool:
   """Whether a DeltaNet / GDN call runs the warp-specialised Mosaic GPU walk of
-  `pallas_kernels.gpu.chunk_walk` (`GpuTuning.forward="walk"`; the Mosaic kernels' path, sizes
-  it takes, rows not packed: other calls keep the split)."""
+  `pallas_kernels.gpu.chunk_walk`: `GpuTuning.forward="walk"`, or "auto" where the triton extra
+  runs (its T0 kernel; XLA's inverse would cost more than the walk saves), on the Mosaic
+  kernels' path, sizes the walk takes, rows not packed. Other calls keep the split."""
+  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
-  return (tuning.forward == "walk" and kernels == "mosaic" and not packed
+  wanted = tuning.forward == "walk" or (tuning.forward == "auto" and triton_gpu.available())
+  return (wanted and kernels == "mosaic" and not packed
           and chunk_walk.supported(chunk_size, dk, dv) is None)
 
 
@@ -296,11 +293,11 @@ def gate_free_inverse(k, beta_rows, hv: int, c: int):
   return triangular.unit_lower_inverse(lower).astype(jnp.bfloat16)
 
 
-def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_states=False):
-  """(o, e, s_final[, (t0, None), h]) of DeltaNet / GDN by the Mosaic walk (the contract of
-  `_fused_forward`); q, k unrepeated and unscaled, beta_rows `[B, HV, T]`, g_rows the chunk
-  cumulative log gates `[B, HV, T]` or None (ungated). o and e come back float32 (the walk
-  writes bf16; XLA folds the two casts into the op's cast to v's dtype)."""
+def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret):
+  """(o, e, s_final) of DeltaNet / GDN by the Mosaic walk; q, k unrepeated and unscaled,
+  beta_rows `[B, HV, T]`, g_rows the chunk cumulative log gates `[B, HV, T]` or None
+  (ungated). o and e come back float32 (the walk writes bf16; XLA folds the two casts into the
+  op's cast to v's dtype)."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   hv = v.shape[2]
   t0 = gate_free_inverse(k, beta_rows, hv, c)
@@ -308,18 +305,8 @@ def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_s
   outs = chunk_walk.chunk_walk(bf(q), bf(k), bf(v), t0, beta_rows if g_rows is None else g_rows,
                                beta_rows, jnp.swapaxes(s0.astype(_F32), -1, -2),
                                scale=float(scale), gated=g_rows is not None,
-                               save_states=save_states, interpret=interpret)
-  o, e, s_final = outs[0].astype(_F32), outs[1].astype(_F32), jnp.swapaxes(outs[2], -1, -2)
-  if not save_states:
-    return o, e, s_final
-  return o, e, s_final, (t0, None), jnp.swapaxes(outs[3], -1, -2)
-
-
-def walk_trains_fused() -> bool:
-  """Whether forward="walk" trains through the fused backward (the Triton reverse walk and
-  per-chunk backward of `_fused_core`: the triton extra on a CUDA GPU) rather than the split."""
-  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
-  return triton_gpu.available()
+                               interpret=interpret)
+  return outs[0].astype(_F32), outs[1].astype(_F32), jnp.swapaxes(outs[2], -1, -2)
 
 
 def _walk_inputs(beta, g, c):
@@ -331,9 +318,11 @@ def _walk_inputs(beta, g, c):
   return beta_rows, G.reshape(b, hv, t)
 
 
-# forward="walk" without the fused backward: the primal is the Mosaic walk (inference); under
-# differentiation the forward rule runs the split (`_core_intra_kernel`) and its custom VJPs,
-# whose residuals the backward needs, so training costs what forward="split" costs.
+# forward="walk": the primal is the Mosaic walk (inference); under differentiation the forward
+# rule runs the split (`_core_intra_kernel`) and its custom VJPs, whose residuals its backward
+# reads, so training costs what forward="split" costs. (Paired with the walk saving its chunk
+# states, the fused Triton backward was slower on the H200: GDN fwd+bwd 3.10 ms against the
+# split's 2.23, its per-chunk kernel alone 1.6 ms at K = 128; docs/BENCHMARKS.md.)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
 def _walk_core(q, k, v, beta, g, s0, scale, c, interpret, kernels, fused_grads, state):
   del kernels, fused_grads, state
@@ -404,18 +393,17 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   interpret = interpret_params() if kernels == "mosaic" else None
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
-    walk = walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None)
-    if walk and not walk_trains_fused():
+    if walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None):
       o, e, s_final = _walk_core(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, scale, c,
                                  interpret, kernels, fused_intra_grads(tuning, g is not None),
                                  state_kernels(tuning, kernels))
-    elif walk or fused_forward_applies(tuning, dk, dv, chunk_size):
+    elif fused_forward_applies(tuning, dk, dv, chunk_size):
       G = None
       if g is not None:
         G, _ = chunked.chunk_cumulative_gates(pad(g).astype(_F32),
                                               functools.partial(to_chunks, c=c))
       o, e, s_final = _fused_core(pad(q), pad(k), pad(v), pad(beta), G, s0, segidx, scale, c,
-                                  interpret, kernels, walk)
+                                  interpret, kernels)
     else:
       o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                          scale=scale, c=c, interpret=interpret, kernels=kernels,
