@@ -10,9 +10,9 @@ Hopper GPU the same tests run the compiled kernel. Oracles:
   2e-2: bf16 roundings);
 * the op with forward="walk" against `scan`: output, final state and write residual (2e-2),
   under jit, at the edges of T, with GVA, an initial state and −1e4 gates;
-* gradients under forward="walk" against `scan` (3e-2) and the split's, bit for bit (the
-  forward rule runs the split); packed rows keep the split; "auto" walks where the triton
-  extra runs;
+* training through both walks (forward="walk") against `scan`: every gradient, the residual's
+  included (3e-2); under "auto" a forward-only call walks and the gradients are the split's,
+  bit for bit (the forward rule runs the split); packed rows keep the split;
 * lowering for CUDA on the CPU (Mosaic GPU's layout inference) within Hopper's shared memory.
 """
 
@@ -29,6 +29,7 @@ ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
 from lineax_attn.ops import pallas_gpu  # noqa: E402
 from pallas_kernels.gpu import chunk_walk as cw  # noqa: E402
+from pallas_kernels.gpu import chunk_walk_reverse as cwr  # noqa: E402
 
 WALK = pallas_gpu.GpuTuning(forward="walk")
 FWD_TOL = 2e-2
@@ -96,6 +97,27 @@ def test_kernel_matches_its_rounded_reference(case):
   np.testing.assert_array_equal(np.asarray(o_only[0], np.float32), np.asarray(o, np.float32))
 
 
+@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
+def test_reverse_kernel_matches_its_rounded_reference(case):
+  b, t, h, hv, dk, dv, gate_scale, floor_gates, gated = KERNEL_CASES[case]
+  q, k, _, t0, g, beta, _ = _kernel_inputs(b, t, h, hv, dk, dv, seed=len(case) + 1,
+                                           gate_scale=gate_scale, floor_gates=floor_gates)
+  r = np.random.default_rng(len(case))
+  do = jnp.asarray(r.standard_normal((b, t, hv, dv)), jnp.bfloat16)
+  dx = jnp.asarray(0.3 * r.standard_normal((b, t, hv, dv)), jnp.bfloat16)
+  dsf = jnp.asarray(0.1 * r.standard_normal((b, hv, dv, dk)), jnp.float32)
+  args = (q, k, t0, g, beta, do, dx, dsf)
+  de, dh, ds0 = jax.jit(lambda *a: cwr.chunk_walk_reverse(*a, scale=dk ** -0.5, gated=gated,
+                                                          interpret=INTERPRET))(*args)
+  rde, rdh, rds0 = jax.jit(lambda *a: cwr.chunk_walk_reverse_reference(
+      *a, scale=dk ** -0.5, gated=gated))(*args)
+  assert de.shape == (b, hv, t // 64, dv, 64) and dh.shape == (b, hv, t // 64, dv, dk)
+  assert dh.dtype == jnp.bfloat16 and ds0.shape == (b, hv, dv, dk)
+  assert_close(de, rde, 5e-4, f"{case}: dE")
+  assert_close(ds0, rds0, 5e-4, f"{case}: dS0")
+  assert_close(dh.astype(jnp.float32), rdh, 5e-3, f"{case}: dh (bf16)")
+
+
 def test_reference_is_the_delta_rule():
   # The kernel's oracle against the recurrence itself: `scan` of GDN on the same inputs.
   from lineax_attn import ops  # pylint: disable=g-import-not-at-top
@@ -132,24 +154,51 @@ def test_op_with_the_walk_matches_scan(mixer, t, tau_inv):
     assert_close(g, w, FWD_TOL, f"{mixer} T={t}: {name}")
 
 
-def test_gradients_under_the_walk_match_scan():
+GRAD_CASES = [("gated_delta_rule", 80, 1), ("delta_rule", 130, 2)]
+if ON_GPU:
+  GRAD_CASES += [("gated_delta_rule", 1, 1), ("gated_delta_rule", 64, 2),
+                 ("gated_delta_rule", 333, 1)]
+
+
+@pytest.mark.parametrize("mixer,t,hv", GRAD_CASES)
+def test_training_through_both_walks_matches_scan(mixer, t, hv):
+  # forward="walk" differentiated: the forward walk saves the chunk states, the reverse walk
+  # makes dE and the state cotangents, then the intra-chunk backward. Every gradient (and the
+  # residual's, through return_residual) against the scan's.
+  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=hv, dk=64, dv=64, seed=t + hv)
+  s0 = kw["initial_state"]
+  w_r = jax.random.normal(jax.random.key(7), args[2].shape)
+
+  def loss(impl, tuning):
+    def f(*a):
+      *xs, s_init = a
+      o, s, r = run_jit(mixer, xs, initial_state=s_init, output_final_state=True,
+                        return_residual=True, implementation=impl, tuning=tuning)
+      return jnp.sum(o * o) + jnp.sum(s * s) + jnp.sum(r * w_r)
+    return jax.jit(jax.grad(f, argnums=tuple(range(len(args) + 1))))(*args, s0)
+
+  names = ["q", "k", "v"] + (["g"] if mixer == "gated_delta_rule" else []) + ["beta", "s0"]
+  for name, g, w in zip(names, loss("pallas_gpu", WALK), loss("scan", None)):
+    assert_close(g, w, GRAD_TOL, f"{mixer} T={t} HV={hv}: d{name}")
+
+
+def test_auto_walks_forward_only_and_trains_through_the_split(monkeypatch):
+  # forward="auto" (where the triton extra runs; forced here): a forward-only call takes the
+  # walk, and differentiated the forward rule runs the split, so its gradients are the split's
+  # bit for bit.
+  monkeypatch.setattr(pallas_gpu, "walk_applies",
+                      lambda tuning, *a, **k: tuning.forward in ("walk", "auto"))
   args, kw = make_inputs("gated_delta_rule", b=1, t=80, h=1, hv=1, dk=64, dv=64, seed=21)
+  auto = pallas_gpu.GpuTuning(forward="auto")
+  split = pallas_gpu.GpuTuning(forward="split")
+  o_auto = run_jit("gated_delta_rule", args, **kw, implementation="pallas_gpu", tuning=auto)[0]
+  o_walk = run_jit("gated_delta_rule", args, **kw, implementation="pallas_gpu", tuning=WALK)[0]
+  np.testing.assert_array_equal(np.asarray(o_auto), np.asarray(o_walk))
   got = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
-                               tuning=WALK)
-  want = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "scan")
-  for name, g, w in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
-    assert_close(g, w, GRAD_TOL, f"d{name}")
-
-
-def test_the_walk_trains_through_the_split():
-  # Differentiated, the forward rule runs the split (its residuals feed its backward): the
-  # same program's gradients, bit for bit.
-  args, kw = make_inputs("gated_delta_rule", b=1, t=80, h=1, hv=1, dk=64, dv=64, seed=21)
-  walk = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
-                                tuning=WALK)
-  split = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
-                                 tuning=pallas_gpu.GpuTuning(forward="split"))
-  for i, (a, b) in enumerate(zip(walk, split)):
+                               tuning=auto)
+  want = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
+                                tuning=split)
+  for i, (a, b) in enumerate(zip(got, want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"gradient {i}")
 
 
@@ -210,3 +259,12 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
     assert "mosaic_gpu" in text
     assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, save, estimates[-1])
   assert cw.ring_stages(dk) == (4 if dk == 64 else 2)
+  # The reverse walk: q, k, T0, g, β, dO, dE_ext, dS_T.
+  rev_args = args[:2] + args[3:6] + (sds((b, t, hv, dv), bf),) * 2 + (args[6],)
+  for gated in (True, False):
+    fn = lambda *a, gated=gated: cwr._chunk_walk_reverse(*a, scale=0.1, gated=gated,
+                                                         interpret=None)
+    text = jax.jit(fn).trace(*rev_args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, ("reverse", dk, gated, estimates[-1])
+  assert cwr.ring_stages(dk) == (3 if dk == 64 else 2)

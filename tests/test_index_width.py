@@ -56,6 +56,7 @@ def _dims(text):
 
 def _gpu_kernel_cases(b, t, h, d):
   from pallas_kernels.gpu import chunk_walk as cw  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.gpu import chunk_walk_reverse as cwr  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import intra_chunk as ic  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import state_passing as sp  # pylint: disable=g-import-not-at-top
   c = 64
@@ -77,6 +78,9 @@ def _gpu_kernel_cases(b, t, h, d):
       "chunk walk, saving states": (lambda *a: cw._chunk_walk(
           *a, scale=0.1, gated=True, save_states=True, interpret=None),
           inputs[:3] + [cc] + rows[:2] + [SDS((b, h, d, d), F32)]),
+      "reverse chunk walk": (lambda *a: cwr._chunk_walk_reverse(
+          *a, scale=0.1, gated=True, interpret=None),
+          inputs[:2] + [cc] + rows[:2] + inputs[2:3] * 2 + [SDS((b, h, d, d), F32)]),
       "intra bwd packed": (lambda *a: ic._intra_chunk_bwd(
           *a[:6], a[10:], *a[6:10], scale=0.1, interpret=None),
           inputs + [cc, ck, cc, ck] + segments),

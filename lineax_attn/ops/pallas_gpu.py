@@ -228,12 +228,27 @@ def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
   de, dh, ds0 = ff.fused_reverse(q, k, beta_rows, None if G is None else G.reshape(b, hv, t),
                                  segments, factors, do, de_ext, ds_final, scale=float(scale),
                                  gated=G is not None)
-  m = t0 = factors[0]
+  return _grads_after_reverse(q, k, v, beta, G, segidx, factors[0], h, e, de, dh, do, scale, c,
+                              interpret, kernels, from_states=True) + (ds0, None)
+
+
+def _grads_after_reverse(q, k, v, beta, G, segidx, t0, h, e, de, dh, do, *args, from_states):
+  """(dq, dk, dv, dβ, dG) of the delta rule's chunk form once the reverse state pass has made
+  de `[B, HV, Nc, C, V]` float32 and dh `[B, HV, Nc, K, V]` bf16: the intra-chunk backward fed
+  with M = T0 ⊙ Γ, after the state pass's products (made inside the Triton kernel when
+  `from_states` and its sizes allow, else in XLA), and γ's share of dG. h: the chunk states, e
+  the pseudo-values `[B, T, HV, V]`. args: scale, c, interpret, kernels."""
+  scale, c, interpret, kernels = args
+  b, t, hv = v.shape[:3]
+  segments = None if segidx is None else kernel_segments(segidx, c)
+  beta_rows = jnp.moveaxis(beta.astype(_F32), 1, 2)                 # [B, HV, T]
+  m = t0
   if G is not None:    # M = T0 ⊙ Γ, Γ_ij = e^{G_i − G_j} on i ≥ j (T0 is zero elsewhere)
     lower = jnp.tril(jnp.ones((c, c), bool))
     diff = jnp.where(lower, G[..., :, None] - G[..., None, :], 0.0)
     m = (t0.astype(_F32) * jnp.where(lower, jnp.exp(diff), 0.0)).astype(t0.dtype)
-  if q.shape[2] == hv and max(q.shape[-1], v.shape[-1]) <= _FROM_STATES_MAX_DIM:
+  if (from_states and q.shape[2] == hv
+      and max(q.shape[-1], v.shape[-1]) <= _FROM_STATES_MAX_DIM):
     # One Triton kernel per chunk: the state pass's products (dNY, dQG, dP, dKG) made inside
     # from E, dE, dO and the chunk states, never written to HBM, then the intra backward.
     from pallas_kernels.gpu.triton import intra_chunk as tic  # pylint: disable=g-import-not-at-top
@@ -258,7 +273,7 @@ def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
     if segidx is not None:
       gc = gc * segment_masks(segidx, c)[1][..., -1]
     dG = dG.at[..., -1].add((d_gc * gc).astype(dG.dtype))
-  return dq, dk_, dv, dbeta, dG, ds0, None
+  return dq, dk_, dv, dbeta, dG
 
 
 _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
@@ -293,11 +308,12 @@ def gate_free_inverse(k, beta_rows, hv: int, c: int):
   return triangular.unit_lower_inverse(lower).astype(jnp.bfloat16)
 
 
-def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret):
-  """(o, e, s_final) of DeltaNet / GDN by the Mosaic walk; q, k unrepeated and unscaled,
-  beta_rows `[B, HV, T]`, g_rows the chunk cumulative log gates `[B, HV, T]` or None
+def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_states=False):
+  """(o, e, s_final[, t0, h]) of DeltaNet / GDN by the Mosaic walk; q, k unrepeated and
+  unscaled, beta_rows `[B, HV, T]`, g_rows the chunk cumulative log gates `[B, HV, T]` or None
   (ungated). o and e come back float32 (the walk writes bf16; XLA folds the two casts into the
-  op's cast to v's dtype)."""
+  op's cast to v's dtype); with save_states also the gate-free inverses and the bf16 chunk
+  states h `[B, HV, Nc, K, V]`, the backward's residuals."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   hv = v.shape[2]
   t0 = gate_free_inverse(k, beta_rows, hv, c)
@@ -305,8 +321,53 @@ def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret):
   outs = chunk_walk.chunk_walk(bf(q), bf(k), bf(v), t0, beta_rows if g_rows is None else g_rows,
                                beta_rows, jnp.swapaxes(s0.astype(_F32), -1, -2),
                                scale=float(scale), gated=g_rows is not None,
-                               interpret=interpret)
-  return outs[0].astype(_F32), outs[1].astype(_F32), jnp.swapaxes(outs[2], -1, -2)
+                               save_states=save_states, interpret=interpret)
+  o, e, s_final = outs[0].astype(_F32), outs[1].astype(_F32), jnp.swapaxes(outs[2], -1, -2)
+  if not save_states:
+    return o, e, s_final
+  return o, e, s_final, t0, jnp.swapaxes(outs[3], -1, -2)
+
+
+# forward="walk": trained through the Mosaic walks both ways. The forward walk saves the chunk
+# states; the reverse walk (`chunk_walk_reverse`) makes dE and the state cotangents from q, k,
+# T0 and the gates; then the intra-chunk backward fed with M = T0 ⊙ Γ. G: the chunk cumulative
+# gates `[B, HV, Nc, C]` (None ungated).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _walk_train_core(q, k, v, beta, G, s0, scale, c, interpret, kernels):
+  del kernels
+  return _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret)
+
+
+def _walk_rows(beta, G):
+  b, t, hv = beta.shape
+  return jnp.moveaxis(beta.astype(_F32), 1, 2), None if G is None else G.reshape(b, hv, t)
+
+
+def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, kernels):
+  del kernels
+  o, e, s_final, t0, h = _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret,
+                                       save_states=True)
+  return (o, e, s_final), (q, k, v, beta, G, t0, h, e.astype(jnp.bfloat16))
+
+
+def _walk_train_core_bwd(scale, c, interpret, kernels, res, cts):
+  from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
+  q, k, v, beta, G, t0, h, e = res
+  do, de_ext, ds_final = cts
+  beta_rows, g_rows = _walk_rows(beta, G)
+  bf = lambda x: x.astype(jnp.bfloat16)
+  de_t, dh_t, ds0_t = chunk_walk_reverse.chunk_walk_reverse(
+      bf(q), bf(k), t0, beta_rows if g_rows is None else g_rows, beta_rows, bf(do), bf(de_ext),
+      jnp.swapaxes(ds_final.astype(_F32), -1, -2), scale=float(scale), gated=G is not None,
+      interpret=interpret)
+  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+  grads = _grads_after_reverse(q, k, v, beta, G, None, t0, h, e, jnp.swapaxes(de_t, -1, -2),
+                               jnp.swapaxes(dh_t, -1, -2), do, scale, c, interpret, kernels,
+                               from_states=triton_gpu.available())
+  return grads + (jnp.swapaxes(ds0_t, -1, -2),)
+
+
+_walk_train_core.defvjp(_walk_train_core_fwd, _walk_train_core_bwd)
 
 
 def _walk_inputs(beta, g, c):
@@ -393,7 +454,15 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   interpret = interpret_params() if kernels == "mosaic" else None
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
-    if walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None):
+    walk = walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None)
+    if walk and tuning.forward == "walk":
+      G = None
+      if g is not None:
+        G, _ = chunked.chunk_cumulative_gates(pad(g).astype(_F32),
+                                              functools.partial(to_chunks, c=c))
+      o, e, s_final = _walk_train_core(pad(q), pad(k), pad(v), pad(beta), G, s0, scale, c,
+                                       interpret, kernels)
+    elif walk:
       o, e, s_final = _walk_core(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, scale, c,
                                  interpret, kernels, fused_intra_grads(tuning, g is not None),
                                  state_kernels(tuning, kernels))
