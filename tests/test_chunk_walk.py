@@ -11,8 +11,7 @@ Hopper GPU the same tests run the compiled kernel. Oracles:
 * the op with forward="walk" against `scan`: output, final state and write residual (2e-2),
   under jit, at the edges of T, with GVA, an initial state and −1e4 gates;
 * training through both walks (forward="walk") against `scan`: every gradient, the residual's
-  included (3e-2); under "auto" a forward-only call walks and the gradients are the split's,
-  bit for bit (the forward rule runs the split); packed rows keep the split;
+  included (3e-2); packed rows keep the split; "auto" walks where the triton extra runs;
 * lowering for CUDA on the CPU (Mosaic GPU's layout inference) within Hopper's shared memory.
 """
 
@@ -154,9 +153,12 @@ def test_op_with_the_walk_matches_scan(mixer, t, tau_inv):
     assert_close(g, w, FWD_TOL, f"{mixer} T={t}: {name}")
 
 
+# (Not T = 1: its one β per head gets a gradient whose terms cancel, so the relative error of
+# that one scalar measures bf16 cancellation, not the path: 0.21 here, 0.08 for the split,
+# ~1e-3 for both from T = 3.)
 GRAD_CASES = [("gated_delta_rule", 80, 1), ("delta_rule", 130, 2)]
 if ON_GPU:
-  GRAD_CASES += [("gated_delta_rule", 1, 1), ("gated_delta_rule", 64, 2),
+  GRAD_CASES += [("gated_delta_rule", 3, 1), ("gated_delta_rule", 64, 2),
                  ("gated_delta_rule", 333, 1)]
 
 
@@ -180,26 +182,6 @@ def test_training_through_both_walks_matches_scan(mixer, t, hv):
   names = ["q", "k", "v"] + (["g"] if mixer == "gated_delta_rule" else []) + ["beta", "s0"]
   for name, g, w in zip(names, loss("pallas_gpu", WALK), loss("scan", None)):
     assert_close(g, w, GRAD_TOL, f"{mixer} T={t} HV={hv}: d{name}")
-
-
-def test_auto_walks_forward_only_and_trains_through_the_split(monkeypatch):
-  # forward="auto" (where the triton extra runs; forced here): a forward-only call takes the
-  # walk, and differentiated the forward rule runs the split, so its gradients are the split's
-  # bit for bit.
-  monkeypatch.setattr(pallas_gpu, "walk_applies",
-                      lambda tuning, *a, **k: tuning.forward in ("walk", "auto"))
-  args, kw = make_inputs("gated_delta_rule", b=1, t=80, h=1, hv=1, dk=64, dv=64, seed=21)
-  auto = pallas_gpu.GpuTuning(forward="auto")
-  split = pallas_gpu.GpuTuning(forward="split")
-  o_auto = run_jit("gated_delta_rule", args, **kw, implementation="pallas_gpu", tuning=auto)[0]
-  o_walk = run_jit("gated_delta_rule", args, **kw, implementation="pallas_gpu", tuning=WALK)[0]
-  np.testing.assert_array_equal(np.asarray(o_auto), np.asarray(o_walk))
-  got = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
-                               tuning=auto)
-  want = output_and_state_grads("gated_delta_rule", args, kw["initial_state"], "pallas_gpu",
-                                tuning=split)
-  for i, (a, b) in enumerate(zip(got, want)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"gradient {i}")
 
 
 def test_auto_takes_the_walk_where_the_triton_extra_runs():

@@ -90,22 +90,22 @@ class GpuTuning:
       its own.
     forward: how DeltaNet / GDN (on the intra-kernel path) compute the chunk form: "split"
       (the intra-chunk kernel writes NY, QG, P, U, KG for the state pass, whose residuals the
-      backward uses), "walk" (below), "auto" (the default: "walk" on `pallas_gpu` where the
-      triton extra runs, else "split"; so training always runs the split) or "fused" (`pallas_kernels.gpu.triton.fused_forward`: a
-      gate-free inverse T0 per chunk, then one chunk walk that applies T0 ⊙ Γ on the fly and
-      stores only O, E (and, for the backward, the chunk states); the backward walks the state
-      cotangent back with the same on-the-fly factors, then runs the split's intra-chunk
-      backward with M = T0 ⊙ Γ). Triton kernels on either implementation (a ValueError without
-      the triton extra); K > 128 keeps "split". On the H200 (2026-12-03) right (forward error
-      3.7-4.7e-3) but not faster: the DeltaNet forward 18 % faster than "split", GDN's level,
-      fwd+bwd slower for both (issue #17; docs/BENCHMARKS.md "twelfth stage"). "walk":
-      calls that are not differentiated run the warp-specialised Mosaic GPU walk
-      (`pallas_kernels.gpu.chunk_walk`: a memory, a state and an output warpgroup per CTA;
-      T0 from the Triton T0 kernel, or XLA's inverse without the triton extra). Under
-      differentiation the split runs (its residuals are what its backward reads). On the
-      H200 (2026-12-03, B4 T4096 H16 D128) the forward takes 0.49 ms for GDN and 0.43 for
-      DeltaNet against the split's 0.80 / 0.76 (jla 0.32 / 0.38; docs/BENCHMARKS.md
-      "thirteenth stage"). Mosaic kernels only (`implementation="pallas_gpu"`), rows not
+      backward reads), "walk" (below), "auto" (the default: "walk" on `pallas_gpu` where the
+      triton extra runs, for its T0 kernel, else "split") or "fused" (the Triton walks:
+      `pallas_kernels.gpu.triton.fused_forward`: a gate-free inverse T0 per chunk, then one
+      chunk walk that applies T0 ⊙ Γ on the fly and stores only O, E and, for the backward,
+      the chunk states; the backward walks the state cotangent back with the same on-the-fly
+      factors, then runs the split's intra-chunk backward with M = T0 ⊙ Γ; a ValueError
+      without the triton extra; K > 128 keeps "split"; on the H200 right but slower than
+      "split", docs/BENCHMARKS.md "twelfth stage"). "walk": the warp-specialised Mosaic GPU
+      walks (`pallas_kernels.gpu.chunk_walk`, `chunk_walk_reverse`: a memory, a factor / output
+      and a state warpgroup per CTA, the state transposed in registers), T0 from the Triton T0
+      kernel or, without the extra, XLA's inverse; differentiated, the forward walk saves the
+      chunk states, the reverse walk makes dE and the state cotangents, then the state pass's
+      products (XLA) and the Mosaic intra-chunk backward on M = T0 ⊙ Γ. On the H200
+      (2026-12-03, B4 T4096 H16 D128; docs/BENCHMARKS.md "thirteenth stage") GDN forward 0.48
+      ms and fwd+bwd 2.13 against the split's 0.81 / 2.38 (jla 0.36 / 1.09); DeltaNet 0.44 /
+      1.95 against 0.83 / 2.18. Mosaic kernels only (`implementation="pallas_gpu"`), rows not
       packed, K in {64, 128}; other calls keep "split".
   """
 

@@ -283,8 +283,8 @@ def walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, kernels: 
                  packed: bool) -> bool:
   """Whether a DeltaNet / GDN call runs the warp-specialised Mosaic GPU walk of
   `pallas_kernels.gpu.chunk_walk`: `GpuTuning.forward="walk"`, or "auto" where the triton extra
-  runs (its T0 kernel; XLA's inverse would cost more than the walk saves), on the Mosaic
-  kernels' path, sizes the walk takes, rows not packed. Other calls keep the split."""
+  runs (the walk was timed with its T0 kernel; with XLA's inverse it is untimed), on the
+  Mosaic kernels' path, sizes the walk takes, rows not packed. Other calls keep the split."""
   from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   wanted = tuning.forward == "walk" or (tuning.forward == "auto" and triton_gpu.available())
@@ -328,7 +328,9 @@ def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_s
   return o, e, s_final, t0, jnp.swapaxes(outs[3], -1, -2)
 
 
-# forward="walk": trained through the Mosaic walks both ways. The forward walk saves the chunk
+# forward="walk" (and "auto" where it walks): trained through the Mosaic walks both ways
+# (on the H200 GDN fwd+bwd 2.13 ms against the split's 2.38; a walk forward paired with the
+# split's backward cannot be, since that backward reads the split's intra-chunk residuals). The forward walk saves the chunk
 # states; the reverse walk (`chunk_walk_reverse`) makes dE and the state cotangents from q, k,
 # T0 and the gates; then the intra-chunk backward fed with M = T0 ⊙ Γ. G: the chunk cumulative
 # gates `[B, HV, Nc, C]` (None ungated).
@@ -360,48 +362,15 @@ def _walk_train_core_bwd(scale, c, interpret, kernels, res, cts):
       bf(q), bf(k), t0, beta_rows if g_rows is None else g_rows, beta_rows, bf(do), bf(de_ext),
       jnp.swapaxes(ds_final.astype(_F32), -1, -2), scale=float(scale), gated=G is not None,
       interpret=interpret)
-  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+  # The state pass's products in XLA: the Triton per-chunk kernel that makes them inside took
+  # 1.6 ms at K = 128 on the H200, XLA's ~0.3 (docs/BENCHMARKS.md "thirteenth stage").
   grads = _grads_after_reverse(q, k, v, beta, G, None, t0, h, e, jnp.swapaxes(de_t, -1, -2),
                                jnp.swapaxes(dh_t, -1, -2), do, scale, c, interpret, kernels,
-                               from_states=triton_gpu.available())
+                               from_states=False)
   return grads + (jnp.swapaxes(ds0_t, -1, -2),)
 
 
 _walk_train_core.defvjp(_walk_train_core_fwd, _walk_train_core_bwd)
-
-
-def _walk_inputs(beta, g, c):
-  b, t, hv = beta.shape
-  beta_rows = jnp.moveaxis(beta.astype(_F32), 1, 2)
-  if g is None:
-    return beta_rows, None
-  G, _ = chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))
-  return beta_rows, G.reshape(b, hv, t)
-
-
-# forward="walk": the primal is the Mosaic walk (inference); under differentiation the forward
-# rule runs the split (`_core_intra_kernel`) and its custom VJPs, whose residuals its backward
-# reads, so training costs what forward="split" costs. (Paired with the walk saving its chunk
-# states, the fused Triton backward was slower on the H200: GDN fwd+bwd 3.10 ms against the
-# split's 2.23, its per-chunk kernel alone 1.6 ms at K = 128; docs/BENCHMARKS.md.)
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
-def _walk_core(q, k, v, beta, g, s0, scale, c, interpret, kernels, fused_grads, state):
-  del kernels, fused_grads, state
-  return _walk_forward(q, k, v, *_walk_inputs(beta, g, c), s0, scale, c, interpret)
-
-
-def _walk_core_fwd(q, k, v, beta, g, s0, scale, c, interpret, kernels, fused_grads, state):
-  split = lambda *a: _core_intra_kernel(*a, None, scale=scale, c=c, interpret=interpret,
-                                        kernels=kernels, fused_grads=fused_grads, state=state)
-  return jax.vjp(split, q, k, v, beta, g, s0)
-
-
-def _walk_core_bwd(scale, c, interpret, kernels, fused_grads, state, vjp, cts):
-  del scale, c, interpret, kernels, fused_grads, state
-  return vjp(cts)
-
-
-_walk_core.defvjp(_walk_core_fwd, _walk_core_bwd)
 
 
 def _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) -> bool:
@@ -454,18 +423,13 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   interpret = interpret_params() if kernels == "mosaic" else None
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
-    walk = walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None)
-    if walk and tuning.forward == "walk":
+    if walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None):
       G = None
       if g is not None:
         G, _ = chunked.chunk_cumulative_gates(pad(g).astype(_F32),
                                               functools.partial(to_chunks, c=c))
       o, e, s_final = _walk_train_core(pad(q), pad(k), pad(v), pad(beta), G, s0, scale, c,
                                        interpret, kernels)
-    elif walk:
-      o, e, s_final = _walk_core(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, scale, c,
-                                 interpret, kernels, fused_intra_grads(tuning, g is not None),
-                                 state_kernels(tuning, kernels))
     elif fused_forward_applies(tuning, dk, dv, chunk_size):
       G = None
       if g is not None:
