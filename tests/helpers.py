@@ -124,3 +124,19 @@ def tensorboard_scalars(logdir) -> dict[tuple[str, int], list[float]]:
       for value in event.summary.value:
         scalars[(value.tag, int(event.step))].append(value.simple_value)
   return dict(scalars)
+
+
+def record_smem_estimates(monkeypatch) -> list:
+  """A list that fills, as Mosaic GPU kernels are lowered, with Pallas's own estimate of each
+  kernel's shared memory as its launch will request it (private API of the pinned jax: the
+  last entry after a lowering is that kernel's total)."""
+  from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # pylint: disable=g-import-not-at-top
+  estimates = []
+  estimate = mgpu_lowering._estimate_resources
+
+  def recording(*a, **kw):
+    rs = estimate(*a, **kw)
+    estimates.append(rs.smem_scratch_bytes)
+    return rs
+  monkeypatch.setattr(mgpu_lowering, "_estimate_resources", recording)
+  return estimates

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads, run_jit
+from helpers import (assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads,
+                     record_smem_estimates, run_jit)
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -220,14 +221,7 @@ def test_kernel_refuses_sizes_it_does_not_take():
 def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
   # Mosaic GPU's layout inference runs at lowering: register-operand wgmma, transposed tiles
   # and 1-D gate vectors the interpreter accepts but the compiler would reject fail here.
-  from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # pylint: disable=g-import-not-at-top
-  estimates = []
-  estimate = mgpu_lowering._estimate_resources
-  def recording(*a, **kw):
-    rs = estimate(*a, **kw)
-    estimates.append(rs.smem_scratch_bytes)
-    return rs
-  monkeypatch.setattr(mgpu_lowering, "_estimate_resources", recording)
+  estimates = record_smem_estimates(monkeypatch)
   b, t, h, hv, dv = 2, 256, 2, 4, 128
   sds = jax.ShapeDtypeStruct
   bf, f32 = jnp.bfloat16, jnp.float32

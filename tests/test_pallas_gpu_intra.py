@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads, run, run_jit
+from helpers import (assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads,
+                     record_smem_estimates, run, run_jit)
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -187,16 +188,7 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(dk, dv, monkeypatch):
                                                           interpret=None),
                            inputs + cts + segments),
   }
-  # Pallas's own shared-memory estimate of each kernel, as the launch will request it (private
-  # API of the pinned jax: the outermost call is the kernel's total).
-  from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering  # pylint: disable=g-import-not-at-top
-  estimates = []
-  estimate = mgpu_lowering._estimate_resources
-  def recording_estimate(*a, **kw):
-    rs = estimate(*a, **kw)
-    estimates.append(rs.smem_scratch_bytes)
-    return rs
-  monkeypatch.setattr(mgpu_lowering, "_estimate_resources", recording_estimate)
+  estimates = record_smem_estimates(monkeypatch)
   smem = {}
   for name, (fn, args) in cases.items():
     estimates.clear()

@@ -90,6 +90,72 @@ def _rows(vec, shape):
   return lax.broadcast_in_dim(vec, shape, [0])
 
 
+def stream_ring(issue, nc: int, stages: int, in_free):
+  """The memory warpgroup's loop: fills the ring, then refills each slot with the chunk
+  `stages` steps later once `in_free` says both compute warpgroups are done with it.
+  issue(step, slot) starts the step's copies."""
+  for n in range(min(stages, nc)):
+    issue(n, n)
+
+  @pl.loop(stages, nc)
+  def _refill(n):
+    slot = lax.rem(n, stages)
+    plgpu.barrier_wait(in_free.at[slot])
+    issue(n, slot)
+
+  # Observe the last releases too: a barrier must not be left with phases its waiter has not
+  # seen (the interpreter checks it; on the GPU it is a few cheap waits).
+  for n in range(max(nc - stages, 0), nc):
+    plgpu.barrier_wait(in_free.at[n % stages])
+
+
+def copy_chunk_keys(refs, rings, bi, ki, hi, n, slot, bar):
+  """Starts the TMA copies both walks need of chunk n into ring `slot`: q and k (key head ki),
+  T0, the gates three times (one copy per register layout read from it: the state warpgroup's
+  columns, the other's rows and columns) and β. refs: (q, k, t0, g, beta) in HBM; rings: (q_s,
+  k_s, m_s, (g_state, g_rows, g_cols), b_cols)."""
+  q_ref, k_ref, t0_ref, g_ref, beta_ref = refs
+  q_s, k_s, m_s, g_rings, b_cols = rings
+  rows = pl.ds(n * CHUNK, CHUNK)
+  plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, ki], q_s.at[slot], bar)
+  plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, ki], k_s.at[slot], bar)
+  plgpu.copy_gmem_to_smem(t0_ref.at[bi, hi, n], m_s.at[slot], bar)
+  for dst in g_rings:
+    plgpu.copy_gmem_to_smem(g_ref.at[bi, hi, rows], dst.at[slot], bar)
+  plgpu.copy_gmem_to_smem(beta_ref.at[bi, hi, rows], b_cols.at[slot], bar)
+
+
+def decay_mask(g_rows, g_cols, slot, gated: bool):
+  """Γ of the chunk in `slot`, [C, C] float32 in the WGMMA layout: e^{G_i − G_j} on i ≥ j, else
+  0 (every exponent ≤ 0; ungated, the causal mask). g_rows / g_cols: the gate ring read as
+  rows / columns."""
+  c = CHUNK
+  ii = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=_WG)
+  jj = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=_WG)
+  lower = ii >= jj
+  if not gated:
+    return jnp.where(lower, 1.0, 0.0)
+  g_row = plgpu.load(g_rows.at[slot], layout=_ROWS)
+  g_col = plgpu.load(g_cols.at[slot], layout=_COLS)
+  diff = _rows(g_row, (c, c)) - _cols(g_col, (c, c))
+  return jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+
+
+def load_state(src, buf, bar):
+  """A float32 `[BV, K]` state tile from HBM into registers (WGMMA layout) through `buf`."""
+  plgpu.copy_gmem_to_smem(src, buf, bar.at[0])
+  plgpu.barrier_wait(bar.at[0])
+  return plgpu.load(buf, layout=_WG)
+
+
+def store_state(x, buf, dst):
+  """Registers → `buf` → HBM, waiting for the copy."""
+  buf[...] = x
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(buf, dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _product(a, b, shape, stage=None):
   """a · b into a fresh float32 accumulator (a: bf16 registers or a shared-memory ref).
 
@@ -163,34 +229,17 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
       def issue(n, slot):
         rows = pl.ds(n * c, c)
         bar = in_bar.at[slot]
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, ki], q_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, ki], k_s.at[slot], bar)
+        copy_chunk_keys((q_ref, k_ref, t0_ref, g_ref, beta_ref),
+                        (q_s, k_s, m_s, (g_state, g_rows, g_cols), b_cols), bi, ki, hi, n, slot,
+                        bar)
         plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi, vs], v_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(t0_ref.at[bi, hi, n], m_s.at[slot], bar)
-        for dst in (g_state, g_rows, g_cols):   # one copy per register layout read from it
-          plgpu.copy_gmem_to_smem(g_ref.at[bi, hi, rows], dst.at[slot], bar)
-        plgpu.copy_gmem_to_smem(beta_ref.at[bi, hi, rows], b_cols.at[slot], bar)
 
-      for n in range(min(stages, nc)):
-        issue(n, n)
-
-      @pl.loop(stages, nc)
-      def _refill(n):
-        slot = lax.rem(n, stages)
-        plgpu.barrier_wait(in_free.at[slot])   # both compute warpgroups are done with it
-        issue(n, slot)
-
-      # Observe the last releases too: a barrier must not be left with phases its waiter has
-      # not seen (the interpreter checks it; on the GPU it is a few cheap waits).
-      for n in range(max(nc - stages, 0), nc):
-        plgpu.barrier_wait(in_free.at[n % stages])
+      stream_ring(issue, nc, stages, in_free)
 
     @pl.when(wg == 0)
     def _state():
       plgpu.set_max_registers(STATE_REGS, action="increase")
-      plgpu.copy_gmem_to_smem(s0_ref.at[bi, hi, vs], s_f32, s_bar.at[0])
-      plgpu.barrier_wait(s_bar.at[0])
-      s_init = plgpu.load(s_f32, layout=_WG)
+      s_init = load_state(s0_ref.at[bi, hi, vs], s_f32, s_bar)
 
       def step(n, s_t):
         slot = lax.rem(n, stages)
@@ -232,17 +281,11 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
       s_t = lax.fori_loop(0, nc, step, s_init)
       for n in range(max(nc - 2, 0), nc):   # the last releases of the published tiles
         plgpu.barrier_wait(pub_free.at[n % 2])
-      s_f32[...] = s_t
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(s_f32, sf_ref.at[bi, hi, vs])
-      plgpu.wait_smem_to_gmem(0)
+      store_state(s_t, s_f32, sf_ref.at[bi, hi, vs])
 
     @pl.when(wg == 1)
     def _output():
       plgpu.set_max_registers(OUTPUT_REGS, action="increase")
-      ii = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=_WG)
-      jj = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=_WG)
-      lower = ii >= jj
 
       def step(n, carry):
         slot = lax.rem(n, stages)
@@ -250,14 +293,10 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         rows = pl.ds(n * c, c)
         plgpu.barrier_wait(in_bar.at[slot])
         beta_col = plgpu.load(b_cols.at[slot], layout=_COLS)
+        gam = decay_mask(g_rows, g_cols, slot, gated)
         if gated:
-          g_row = plgpu.load(g_rows.at[slot], layout=_ROWS)
-          g_col = plgpu.load(g_cols.at[slot], layout=_COLS)
-          diff = _rows(g_row, (c, c)) - _cols(g_col, (c, c))
-          gam = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
-          entry = _rows(jnp.exp(g_row) * scale, (c, bv))
+          entry = _rows(jnp.exp(plgpu.load(g_rows.at[slot], layout=_ROWS)) * scale, (c, bv))
         else:
-          gam = jnp.where(lower, 1.0, 0.0)
           entry = scale
         # M̃ = T0 ⊙ Γ · diag(β), over T0 in the ring: the state warpgroup's Eᵀ = Rᵀ M̃ᵀ.
         t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(f32)

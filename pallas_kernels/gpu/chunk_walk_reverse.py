@@ -40,8 +40,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import mosaic_common as mc
 from pallas_kernels.gpu.chunk_walk import (BLOCK_V, CHUNK, MEMORY_REGS, MM_DTYPE, OUTPUT_REGS,
-                                           SMEM_LIMIT, STATE_REGS, _COLS, _ROWS, _WG, _cols,
-                                           _product, _rows, supported)
+                                           SMEM_LIMIT, STATE_REGS, _COLS, _WG, _cols, _product,
+                                           copy_chunk_keys, decay_mask, load_state, store_state,
+                                           stream_ring, supported)
 from pallas_kernels.gpu.state_passing import check_index_range
 
 
@@ -106,33 +107,18 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
       def issue(j, slot):   # step j walks chunk nc - 1 - j
         rows = pl.ds((nc - 1 - j) * c, c)
         bar = in_bar.at[slot]
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, ki], q_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, ki], k_s.at[slot], bar)
+        copy_chunk_keys((q_ref, k_ref, t0_ref, g_ref, beta_ref),
+                        (q_s, k_s, m_s, (g_state, g_rows, g_cols), b_cols), bi, ki, hi,
+                        nc - 1 - j, slot, bar)
         plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi, vs], do_s.at[slot], bar)
         plgpu.copy_gmem_to_smem(dx_ref.at[bi, rows, hi, vs], dx_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(t0_ref.at[bi, hi, nc - 1 - j], m_s.at[slot], bar)
-        for dst in (g_state, g_rows, g_cols):
-          plgpu.copy_gmem_to_smem(g_ref.at[bi, hi, rows], dst.at[slot], bar)
-        plgpu.copy_gmem_to_smem(beta_ref.at[bi, hi, rows], b_cols.at[slot], bar)
 
-      for j in range(min(stages, nc)):
-        issue(j, j)
-
-      @pl.loop(stages, nc)
-      def _refill(j):
-        slot = lax.rem(j, stages)
-        plgpu.barrier_wait(in_free.at[slot])
-        issue(j, slot)
-
-      for j in range(max(nc - stages, 0), nc):   # observe the last releases
-        plgpu.barrier_wait(in_free.at[j % stages])
+      stream_ring(issue, nc, stages, in_free)
 
     @pl.when(wg == 0)
     def _state():
       plgpu.set_max_registers(STATE_REGS, action="increase")
-      plgpu.copy_gmem_to_smem(dsf_ref.at[bi, hi, vs], s_f32, s_bar.at[0])
-      plgpu.barrier_wait(s_bar.at[0])
-      ds_init = plgpu.load(s_f32, layout=_WG)
+      ds_init = load_state(dsf_ref.at[bi, hi, vs], s_f32, s_bar)
 
       def step(j, ds_t):
         n = nc - 1 - j
@@ -174,29 +160,16 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
         return (ds_t * decay if gated else ds_t) + qdo_t - kz_t
 
       ds_t = lax.fori_loop(0, nc, step, ds_init)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      s_f32[...] = ds_t
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(s_f32, ds0_ref.at[bi, hi, vs])
-      plgpu.wait_smem_to_gmem(0)
+      store_state(ds_t, s_f32, ds0_ref.at[bi, hi, vs])
 
     @pl.when(wg == 1)
     def _factors():
       plgpu.set_max_registers(OUTPUT_REGS, action="increase")
-      ii = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=_WG)
-      jj = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=_WG)
-      lower = ii >= jj
 
       def step(j, carry):
         slot = lax.rem(j, stages)
         plgpu.barrier_wait(in_bar.at[slot])
-        if gated:
-          g_row = plgpu.load(g_rows.at[slot], layout=_ROWS)
-          g_col = plgpu.load(g_cols.at[slot], layout=_COLS)
-          diff = _rows(g_row, (c, c)) - _cols(g_col, (c, c))
-          gam = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
-        else:
-          gam = jnp.where(lower, 1.0, 0.0)
+        gam = decay_mask(g_rows, g_cols, slot, gated)
         t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(jnp.float32)
         m_s.at[slot][...] = (t0_tile * gam).astype(MM_DTYPE)          # M = T0 ⊙ Γ
         qk = _product(q_s.at[slot], k_s.at[slot].T, (c, c))
