@@ -21,6 +21,14 @@ resources:
   a reverse kernel for the state cotangent (docs/MATH.md §3.6 steps 1-2) plus batched matmuls,
   wired as a `jax.custom_vjp`.
 
+* **Walks (DeltaNet / GDN, `GpuTuning(forward="walk")`; "auto", the default, where the triton
+  extra runs):** the warp-specialised Mosaic GPU walks of `pallas_kernels.gpu.chunk_walk` and
+  `chunk_walk_reverse` instead of the intra-chunk forward and the state pass: a gate-free
+  inverse T0 per chunk, then one walk that makes every per-chunk factor on chip with the state
+  transposed in registers; differentiated, the reverse walk, XLA's products and the
+  intra-chunk backward kernel on M = T0 ⊙ Γ (`_walk_train_core`). On the H200 GDN forward 0.48
+  ms and fwd+bwd 2.13 against the split's 0.81 / 2.38 (docs/BENCHMARKS.md "thirteenth stage").
+  Packed rows keep the split.
 * **Fused (DeltaNet / GDN, `GpuTuning(forward="fused")`, opt-in; on the H200 slower than the
   split in fwd+bwd, docs/BENCHMARKS.md "twelfth stage"):** the Triton
   kernels of `pallas_kernels.gpu.triton.fused_forward` instead of the intra-chunk kernel and
