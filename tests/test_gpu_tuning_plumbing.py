@@ -103,11 +103,13 @@ def test_state_pass_choice_is_checked_and_needs_the_triton_extra():
 
 
 def test_forward_choice_is_checked_and_needs_the_triton_extra():
-  # GpuTuning.forward: "split" (default) or "fused"; "fused" runs Triton kernels on either GPU
-  # implementation, so without the extra (here: no CUDA GPU) it is refused, never dropped.
+  # GpuTuning.forward: "auto" (default), "split", "walk" or "fused"; "fused" runs Triton
+  # kernels on either GPU implementation, so without the extra (here: no CUDA GPU) it is
+  # refused, never dropped. ("auto" / "walk": tests/test_chunk_walk.py.)
   from lineax_attn.ops import pallas_gpu, triton_gpu
-  assert ops.GpuTuning().forward == "split"
+  assert ops.GpuTuning().forward == "auto"
   assert ops.GpuTuning.parse("forward=fused").forward == "fused"
+  assert ops.GpuTuning.parse("forward=walk").forward == "walk"
   with pytest.raises(ValueError, match="forward"):
     ops.GpuTuning(forward="fast")
   fused = ops.GpuTuning(forward="fused")
