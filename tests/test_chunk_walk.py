@@ -92,9 +92,10 @@ def test_kernel_matches_its_rounded_reference(case):
   assert_close(h.astype(jnp.float32), rh, 5e-3, f"{case}: chunk states (bf16)")
   for name, got, want in (("o", o, ro), ("e", e, re)):
     assert_close(got.astype(jnp.float32), want, 1e-2, f"{case}: {name} (bf16)")
-  o_only = jax.jit(lambda *a: cw.chunk_walk(*a, scale=dk ** -0.5, gated=gated,
-                                            interpret=INTERPRET))(*args)
-  np.testing.assert_array_equal(np.asarray(o_only[0], np.float32), np.asarray(o, np.float32))
+  if ON_GPU or case == "one chunk, K 64":   # saving the states changes nothing else
+    o_only = jax.jit(lambda *a: cw.chunk_walk(*a, scale=dk ** -0.5, gated=gated,
+                                              interpret=INTERPRET))(*args)
+    np.testing.assert_array_equal(np.asarray(o_only[0], np.float32), np.asarray(o, np.float32))
 
 
 @pytest.mark.parametrize("case", sorted(KERNEL_CASES))
