@@ -103,11 +103,12 @@ _CHANNEL_GRADS = flags.DEFINE_enum("channel_grads", "kernel", ["xla", "kernel"],
                                    "triton / pallas_gpu with the Triton channel kernels: who "
                                    "computes their backward's elementwise rest and dG "
                                    "(GpuTuning.channel_grads: XLA, or fused in the kernel).")
-_FORWARD = flags.DEFINE_enum("forward", "split", ["split", "fused", "walk"],
-                             "pallas_gpu / triton DeltaNet / GDN: the split (intra kernel, state "
-                             "pass), the fused Triton kernels (needs the triton extra) or, "
-                             "pallas_gpu only, the warp-specialised Mosaic walk "
-                             "(GpuTuning.forward).")
+_FORWARD = flags.DEFINE_enum("forward", "auto", ["auto", "split", "fused", "walk"],
+                             "pallas_gpu / triton DeltaNet / GDN (GpuTuning.forward): auto (the "
+                             "library's default: the walks on pallas_gpu where the triton extra "
+                             "runs, else the split), the split (intra kernel, state pass), the "
+                             "fused Triton kernels (needs the triton extra) or, pallas_gpu only, "
+                             "the warp-specialised Mosaic walks.")
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", "", "With --breakdown: also run each intra-chunk kernel once under Mosaic GPU's "
     "in-kernel profiler, write its traces here and log the time per named phase "
