@@ -236,17 +236,18 @@ def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
   de, dh, ds0 = ff.fused_reverse(q, k, beta_rows, None if G is None else G.reshape(b, hv, t),
                                  segments, factors, do, de_ext, ds_final, scale=float(scale),
                                  gated=G is not None)
-  return _grads_after_reverse(q, k, v, beta, G, segidx, factors[0], h, e, de, dh, do, scale, c,
-                              interpret, kernels, from_states=True) + (ds0, None)
+  return _grads_after_reverse(q, k, v, beta, G, segidx, factors[0], h, e, de, dh, do,
+                              scale=scale, c=c, interpret=interpret, kernels=kernels,
+                              from_states=True) + (ds0, None)
 
 
-def _grads_after_reverse(q, k, v, beta, G, segidx, t0, h, e, de, dh, do, *args, from_states):
+def _grads_after_reverse(q, k, v, beta, G, segidx, t0, h, e, de, dh, do, *, scale, c,
+                         interpret, kernels, from_states):
   """(dq, dk, dv, dβ, dG) of the delta rule's chunk form once the reverse state pass has made
   de `[B, HV, Nc, C, V]` float32 and dh `[B, HV, Nc, K, V]` bf16: the intra-chunk backward fed
   with M = T0 ⊙ Γ, after the state pass's products (made inside the Triton kernel when
   `from_states` and its sizes allow, else in XLA), and γ's share of dG. h: the chunk states, e
-  the pseudo-values `[B, T, HV, V]`. args: scale, c, interpret, kernels."""
-  scale, c, interpret, kernels = args
+  the pseudo-values `[B, T, HV, V]`."""
   b, t, hv = v.shape[:3]
   segments = None if segidx is None else kernel_segments(segidx, c)
   beta_rows = jnp.moveaxis(beta.astype(_F32), 1, 2)                 # [B, HV, T]
@@ -336,15 +337,14 @@ def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_s
   return o, e, s_final, t0, jnp.swapaxes(outs[3], -1, -2)
 
 
-# forward="walk" (and "auto" where it walks): trained through the Mosaic walks both ways
-# (on the H200 GDN fwd+bwd 2.13 ms against the split's 2.38; a walk forward paired with the
-# split's backward cannot be, since that backward reads the split's intra-chunk residuals). The forward walk saves the chunk
-# states; the reverse walk (`chunk_walk_reverse`) makes dE and the state cotangents from q, k,
-# T0 and the gates; then the intra-chunk backward fed with M = T0 ⊙ Γ. G: the chunk cumulative
-# gates `[B, HV, Nc, C]` (None ungated).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _walk_train_core(q, k, v, beta, G, s0, scale, c, interpret, kernels):
-  del kernels
+# forward="walk" (and "auto" where it walks): trained through the Mosaic walks both ways (on
+# the H200 GDN fwd+bwd 2.13 ms against the split's 2.38; a walk forward cannot pair with the
+# split's backward, which reads the split's intra-chunk residuals). The forward walk saves the
+# chunk states; the reverse walk (`chunk_walk_reverse`) makes dE and the state cotangents from
+# q, k, T0 and the gates; then the Mosaic intra-chunk backward fed with M = T0 ⊙ Γ. G: the
+# chunk cumulative gates `[B, HV, Nc, C]` (None ungated).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _walk_train_core(q, k, v, beta, G, s0, scale, c, interpret):
   return _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret)
 
 
@@ -353,14 +353,13 @@ def _walk_rows(beta, G):
   return jnp.moveaxis(beta.astype(_F32), 1, 2), None if G is None else G.reshape(b, hv, t)
 
 
-def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, kernels):
-  del kernels
+def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret):
   o, e, s_final, t0, h = _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret,
                                        save_states=True)
   return (o, e, s_final), (q, k, v, beta, G, t0, h, e.astype(jnp.bfloat16))
 
 
-def _walk_train_core_bwd(scale, c, interpret, kernels, res, cts):
+def _walk_train_core_bwd(scale, c, interpret, res, cts):
   from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
   q, k, v, beta, G, t0, h, e = res
   do, de_ext, ds_final = cts
@@ -373,8 +372,8 @@ def _walk_train_core_bwd(scale, c, interpret, kernels, res, cts):
   # The state pass's products in XLA: the Triton per-chunk kernel that makes them inside took
   # 1.6 ms at K = 128 on the H200, XLA's ~0.3 (docs/BENCHMARKS.md "thirteenth stage").
   grads = _grads_after_reverse(q, k, v, beta, G, None, t0, h, e, jnp.swapaxes(de_t, -1, -2),
-                               jnp.swapaxes(dh_t, -1, -2), do, scale, c, interpret, kernels,
-                               from_states=False)
+                               jnp.swapaxes(dh_t, -1, -2), do, scale=scale, c=c,
+                               interpret=interpret, kernels="mosaic", from_states=False)
   return grads + (jnp.swapaxes(ds0_t, -1, -2),)
 
 
@@ -431,20 +430,18 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   interpret = interpret_params() if kernels == "mosaic" else None
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
-    if walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None):
+    walk = walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None)
+    if walk or fused_forward_applies(tuning, dk, dv, chunk_size):
       G = None
       if g is not None:
         G, _ = chunked.chunk_cumulative_gates(pad(g).astype(_F32),
                                               functools.partial(to_chunks, c=c))
-      o, e, s_final = _walk_train_core(pad(q), pad(k), pad(v), pad(beta), G, s0, scale, c,
-                                       interpret, kernels)
-    elif fused_forward_applies(tuning, dk, dv, chunk_size):
-      G = None
-      if g is not None:
-        G, _ = chunked.chunk_cumulative_gates(pad(g).astype(_F32),
-                                              functools.partial(to_chunks, c=c))
-      o, e, s_final = _fused_core(pad(q), pad(k), pad(v), pad(beta), G, s0, segidx, scale, c,
-                                  interpret, kernels)
+      if walk:
+        o, e, s_final = _walk_train_core(pad(q), pad(k), pad(v), pad(beta), G, s0, scale, c,
+                                         interpret)
+      else:
+        o, e, s_final = _fused_core(pad(q), pad(k), pad(v), pad(beta), G, s0, segidx, scale, c,
+                                    interpret, kernels)
     else:
       o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                          scale=scale, c=c, interpret=interpret, kernels=kernels,

@@ -80,16 +80,6 @@ def ring_stages(dk: int, bv: int = BLOCK_V) -> int:
   raise ValueError(f"chunk_walk: K={dk} does not fit two ring stages in shared memory")
 
 
-def _cols(vec, shape):
-  """vec [N] (column layout) broadcast over the rows of a [R, N] tile."""
-  return lax.broadcast_in_dim(vec, shape, [1])
-
-
-def _rows(vec, shape):
-  """vec [R] (row layout) broadcast over the columns of a [R, N] tile."""
-  return lax.broadcast_in_dim(vec, shape, [0])
-
-
 def stream_ring(issue, nc: int, stages: int, in_free):
   """The memory warpgroup's loop: fills the ring, then refills each slot with the chunk
   `stages` steps later once `in_free` says both compute warpgroups are done with it.
@@ -130,14 +120,12 @@ def decay_mask(g_rows, g_cols, slot, gated: bool):
   0 (every exponent ≤ 0; ungated, the causal mask). g_rows / g_cols: the gate ring read as
   rows / columns."""
   c = CHUNK
-  ii = plgpu.broadcasted_iota(jnp.int32, (c, c), 0, layout=_WG)
-  jj = plgpu.broadcasted_iota(jnp.int32, (c, c), 1, layout=_WG)
-  lower = ii >= jj
+  lower = mc.iota(c, 0) >= mc.iota(c, 1)
   if not gated:
     return jnp.where(lower, 1.0, 0.0)
   g_row = plgpu.load(g_rows.at[slot], layout=_ROWS)
   g_col = plgpu.load(g_cols.at[slot], layout=_COLS)
-  diff = _rows(g_row, (c, c)) - _cols(g_col, (c, c))
+  diff = mc.rows(g_row, (c, c)) - mc.cols(g_col, (c, c))
   return jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
 
 
@@ -260,8 +248,8 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         if gated:
           g_col = plgpu.load(g_state.at[slot], layout=_COLS)
           g_last = g_state[slot, c - 1]
-          entry = _cols(jnp.exp(g_col), (bv, c))
-          exit_ = _cols(jnp.exp(g_last - g_col), (bv, c))
+          entry = mc.cols(jnp.exp(g_col), (bv, c))
+          exit_ = mc.cols(jnp.exp(g_last - g_col), (bv, c))
           decay = jnp.exp(g_last)
         # Rᵀ = vᵀ − (Sᵀ kᵀ) ⊙ eᵀ, then Eᵀ = Rᵀ M̃ᵀ once the output warpgroup has made M̃.
         ks_t = _product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
@@ -295,12 +283,12 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         beta_col = plgpu.load(b_cols.at[slot], layout=_COLS)
         gam = decay_mask(g_rows, g_cols, slot, gated)
         if gated:
-          entry = _rows(jnp.exp(plgpu.load(g_rows.at[slot], layout=_ROWS)) * scale, (c, bv))
+          entry = mc.rows(jnp.exp(plgpu.load(g_rows.at[slot], layout=_ROWS)) * scale, (c, bv))
         else:
           entry = scale
         # M̃ = T0 ⊙ Γ · diag(β), over T0 in the ring: the state warpgroup's Eᵀ = Rᵀ M̃ᵀ.
         t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(f32)
-        m_s.at[slot][...] = (t0_tile * gam * _cols(beta_col, (c, c))).astype(MM_DTYPE)
+        m_s.at[slot][...] = (t0_tile * gam * mc.cols(beta_col, (c, c))).astype(MM_DTYPE)
         plgpu.commit_smem()
         plgpu.barrier_arrive(m_ready.at[slot])
         qk = _product(q_s.at[slot], k_s.at[slot].T, (c, c))

@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import mosaic_common as mc
 from pallas_kernels.gpu.chunk_walk import (BLOCK_V, CHUNK, MEMORY_REGS, MM_DTYPE, OUTPUT_REGS,
-                                           SMEM_LIMIT, STATE_REGS, _COLS, _WG, _cols, _product,
+                                           SMEM_LIMIT, STATE_REGS, _COLS, _WG, _product,
                                            copy_chunk_keys, decay_mask, load_state, store_state,
                                            stream_ring, supported)
 from pallas_kernels.gpu.state_passing import check_index_range
@@ -137,13 +137,13 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
           g_col = plgpu.load(g_state.at[slot], layout=_COLS)
           g_last = g_state[slot, c - 1]
           entry = jnp.exp(g_col)
-          exit_ = _cols(jnp.exp(g_last - g_col), (bv, c))
+          exit_ = mc.cols(jnp.exp(g_last - g_col), (bv, c))
           decay = jnp.exp(g_last)
-          out_scale = _cols(entry * scale, (bv, c))
-          key_scale = _cols(beta_col * entry, (bv, c))
+          out_scale = mc.cols(entry * scale, (bv, c))
+          key_scale = mc.cols(beta_col * entry, (bv, c))
         else:
           out_scale = scale
-          key_scale = _cols(beta_col, (bv, c))
+          key_scale = mc.cols(beta_col, (bv, c))
         kds_t = _product(ds_lo, k_s.at[slot].T, (bv, c), stage_k)          # the chain
         do_t = plgpu.load(do_s.at[slot].T, layout=_WG).astype(jnp.float32)
         dx_t = plgpu.load(dx_s.at[slot].T, layout=_WG).astype(jnp.float32)

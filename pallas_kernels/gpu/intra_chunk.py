@@ -75,15 +75,6 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
   return None
 
 
-def _iota(dim):
-  return plgpu.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), dim, layout=plgpu.Layout.WGMMA)
-
-
-def _rows(vec, shape):
-  """A per-row vector (WGMMA.reduce(1) layout) broadcast to `shape`."""
-  return lax.broadcast_in_dim(vec, shape, [0])
-
-
 def _split(x):
   """x (float32) = hi + lo with both bf16 (hi carries 8 bits, lo the next 8)."""
   hi = x.astype(_BF16)
@@ -194,16 +185,16 @@ def _chunk_terms(q_s, k_s, vec_s, with_qk=True):
     qk, kk = mc.matmuls((c, c, [(q_s, kt)]), (c, c, [(k_s, kt)]))
   else:
     qk, (kk,) = None, mc.matmuls((c, c, [(k_s, kt)]))
-  ii, jj = _iota(0), _iota(1)
+  ii, jj = mc.iota(CHUNK, 0), mc.iota(CHUNK, 1)
   lower = ii >= jj
-  diff = _rows(g_row, (c, c)) - lax.broadcast_in_dim(g_col, (c, c), [1])
+  diff = mc.rows(g_row, (c, c)) - mc.cols(g_col, (c, c))
   decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
   if seg_s:
     ids, _, _, ids_col = seg_s
-    same = (_rows(plgpu.load(ids, layout=row_layout), (c, c))
-            == lax.broadcast_in_dim(plgpu.load(ids_col, layout=col_layout), (c, c), [1]))
+    same = (mc.rows(plgpu.load(ids, layout=row_layout), (c, c))
+            == mc.cols(plgpu.load(ids_col, layout=col_layout), (c, c)))
     decay = jnp.where(same, decay, 0.0)
-  lmat = jnp.where(ii > jj, kk * decay * _rows(beta_row, (c, c)), 0.0)
+  lmat = jnp.where(ii > jj, kk * decay * mc.rows(beta_row, (c, c)), 0.0)
   return dict(qk=qk, kk=kk, decay=decay, lmat=lmat, ii=ii, jj=jj, beta_row=beta_row,
               entry_row=entry_row, exit_row=exit_row)
 
@@ -318,12 +309,12 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
         # q, k, v are read for the last time here, so their tiles then stage QG, KG and βV.
         # One tile at a time keeps few [C, D] float32 arrays live.
         m_s[...] = m.astype(_BF16)
-        entry = _rows(tm["entry_row"], (c, dk))
+        entry = mc.rows(tm["entry_row"], (c, dk))
         kv = k_s[...].astype(_F32)
-        rk_s[...] = (kv * _rows(tm["beta_row"], (c, dk)) * entry).astype(_BF16)
-        k_s[...] = (kv * _rows(tm["exit_row"], (c, dk))).astype(_BF16)
+        rk_s[...] = (kv * mc.rows(tm["beta_row"], (c, dk)) * entry).astype(_BF16)
+        k_s[...] = (kv * mc.rows(tm["exit_row"], (c, dk))).astype(_BF16)
         q_s[...] = (q_s[...].astype(_F32) * (entry * scale)).astype(_BF16)
-        v_s[...] = (v_s[...].astype(_F32) * _rows(tm["beta_row"], (c, dv))).astype(_BF16)
+        v_s[...] = (v_s[...].astype(_F32) * mc.rows(tm["beta_row"], (c, dv))).astype(_BF16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s, qg_ref.at[bi, hi, ci])
         plgpu.copy_smem_to_gmem(k_s, kg_ref.at[bi, hi, ci])
@@ -398,14 +389,14 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
       with jax.named_scope("load"):
         _copy_in(srcs, [q_s, k_s, v_s, *vec_s, m_s, dny_s, dp_s, du_s], bars)
       beta_row, entry_row, _ = _row_factors(vec_s)
-      be_k = _rows(beta_row * entry_row, (c, dk))
+      be_k = mc.rows(beta_row * entry_row, (c, dk))
       cc = mc.smem((c, c), _BF16)
 
       def grads_phase(rk_s, rv_s, ones, t_a, t_b, t_whi, t_wlo, vout, stage_k, *stage_v):
         stage_v = stage_v[0] if stage_v else stage_k
         with jax.named_scope("Y, U"):
           rk_s[...] = (k_s[...].astype(_F32) * be_k).astype(_BF16)
-          rv_s[...] = (v_s[...].astype(_F32) * _rows(beta_row, (c, dv))).astype(_BF16)
+          rv_s[...] = (v_s[...].astype(_F32) * mc.rows(beta_row, (c, dv))).astype(_BF16)
           plgpu.commit_smem()
           y, u = mc.matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, rv_s)]))
           rk_s[...] = y.astype(_BF16)                     # rk_s, rv_s now hold Y and U
@@ -413,7 +404,7 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
         with jax.named_scope("dR_v, dv"):
           (d_rv,) = mc.matmuls((c, dv, [(m_s.transpose((1, 0)), du_s)]))
           dbeta = jnp.sum(d_rv * v_s[...].astype(_F32), axis=1)
-          stage_v[...] = d_rv * _rows(beta_row, (c, dv))
+          stage_v[...] = d_rv * mc.rows(beta_row, (c, dv))
           du_s[...] = d_rv.astype(_BF16)                  # du_s now holds dR_v
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(stage_v, dv_ref.at[bi, hi, ci])
@@ -432,7 +423,7 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
           tm2 = _chunk_terms(q_s, k_s, vec_s)
           ii, jj, decay = tm2["ii"], tm2["jj"], tm2["decay"]
           d_l = jnp.where(ii > jj, -d_l, 0.0)
-          d_b = d_l * decay * _rows(beta_row, (c, c))
+          d_b = d_l * decay * mc.rows(beta_row, (c, c))
           d_a = dp_s[...].astype(_F32) * (decay * scale)
           w = d_a * tm2["qk"] + d_b * tm2["kk"]
           dbeta = dbeta + jnp.sum(d_l * tm2["kk"] * decay, axis=1) + rk_dot * entry_row

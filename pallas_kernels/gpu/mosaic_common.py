@@ -1,13 +1,15 @@
-"""Mosaic GPU building blocks shared by `state_passing.py` and `intra_chunk.py`.
+"""Mosaic GPU building blocks shared by the kernels of `pallas_kernels/gpu/`.
 
 Shared-memory tiles that TMA and wgmma can both read, wgmma into scoped float32 accumulators,
-and the wait for an interpreted kernel's results. Kernel-specific helpers stay in their kernel
+row / column broadcasts and index grids of WGMMA tiles, and the wait for an interpreted
+kernel's results. Kernel-specific helpers stay in their kernel
 module. Imports nothing of lineax_attn.
 """
 
 from __future__ import annotations
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -22,6 +24,21 @@ def tile_transforms(cols: int, dtype) -> tuple:
 
 def smem(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=tile_transforms(shape[-1], dtype))
+
+
+def rows(vec, shape):
+  """A per-row vector (`Layout.WGMMA.reduce(1)`) broadcast over the columns of `shape`."""
+  return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def cols(vec, shape):
+  """A per-column vector (`Layout.WGMMA.reduce(0)`) broadcast over the rows of `shape`."""
+  return lax.broadcast_in_dim(vec, shape, [1])
+
+
+def iota(n: int, dim: int):
+  """Row (dim 0) or column (dim 1) indices of an [n, n] tile in the WGMMA layout."""
+  return plgpu.broadcasted_iota(jnp.int32, (n, n), dim, layout=plgpu.Layout.WGMMA)
 
 
 def matmuls(*groups):

@@ -85,11 +85,6 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
   return None
 
 
-def _decay_rows(x, gc):
-  """gc [R] (row vector layout) ⊙ rows of x [R, N]."""
-  return x * lax.broadcast_in_dim(gc, x.shape, [0])
-
-
 def _load_tile(src_gmem, shape, dtype):
   """Copies one gmem tile into registers (WGMMA layout) through a scoped smem buffer."""
   def body(buf, bar):
@@ -193,7 +188,7 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret):
         pe, ke = mc.matmuls((c, bv, [(p_s.at[slot], e_mm)]),
                             (dk, bv, [(kg_s.at[slot].transpose((1, 0)), e_mm)]))
         o = o + pe
-        s = _decay_rows(s, gcv) + ke
+        s = s * mc.rows(gcv, s.shape) + ke
 
         o_out[...] = o
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # h copy done reading s_mm
@@ -282,7 +277,7 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
             (c, bv, [(p_s.at[slot].transpose((1, 0)), do_s.at[slot]), (kg_s.at[slot], ds_mm)]),
             (dk, bv, [(qg_s.at[slot].transpose((1, 0)), do_s.at[slot])]))
         de = de + dx
-        ds = _decay_rows(ds, gcv) + qdo
+        ds = ds * mc.rows(gcv, ds.shape) + qdo
 
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # previous de copy done reading
         de_out[...] = de
