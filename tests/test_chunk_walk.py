@@ -113,8 +113,8 @@ def test_reverse_kernel_matches_its_rounded_reference(case):
   rde, rdh, rds0 = jax.jit(lambda *a: cwr.chunk_walk_reverse_reference(
       *a, scale=dk ** -0.5, gated=gated))(*args)
   assert de.shape == (b, hv, t // 64, dv, 64) and dh.shape == (b, hv, t // 64, dv, dk)
-  assert dh.dtype == jnp.bfloat16 and ds0.shape == (b, hv, dv, dk)
-  assert_close(de, rde, 5e-4, f"{case}: dE")
+  assert dh.dtype == de.dtype == jnp.bfloat16 and ds0.shape == (b, hv, dv, dk)
+  assert_close(de.astype(jnp.float32), rde, 1e-2, f"{case}: dE (bf16)")
   assert_close(ds0, rds0, 5e-4, f"{case}: dS0")
   assert_close(dh.astype(jnp.float32), rdh, 5e-3, f"{case}: dh (bf16)")
 

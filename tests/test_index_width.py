@@ -55,6 +55,7 @@ def _dims(text):
 
 
 def _gpu_kernel_cases(b, t, h, d):
+  from pallas_kernels.gpu import chunk_grads as cg  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import chunk_walk as cw  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import chunk_walk_reverse as cwr  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import intra_chunk as ic  # pylint: disable=g-import-not-at-top
@@ -81,6 +82,9 @@ def _gpu_kernel_cases(b, t, h, d):
       "reverse chunk walk": (lambda *a: cwr._chunk_walk_reverse(
           *a, scale=0.1, gated=True, interpret=None),
           inputs[:2] + [cc] + rows[:2] + inputs[2:3] * 2 + [SDS((b, h, d, d), F32)]),
+      "chunk grads": (lambda *a: cg._chunk_grads(*a, scale=0.1, gated=True, interpret=None),
+                      inputs[:3] + inputs[2:3] * 2 + [cc] + rows[:2] + [SDS((b, h, nc, d, d), BF)] * 2
+                      + [SDS((b, h, nc, d, c), BF)]),
       "intra bwd packed": (lambda *a: ic._intra_chunk_bwd(
           *a[:6], a[10:], *a[6:10], scale=0.1, interpret=None),
           inputs + [cc, ck, cc, ck] + segments),

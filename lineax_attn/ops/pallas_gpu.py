@@ -244,8 +244,8 @@ def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
 def _grads_after_reverse(q, k, v, beta, G, segidx, t0, h, e, de, dh, do, *, scale, c,
                          interpret, kernels, from_states):
   """(dq, dk, dv, dβ, dG) of the delta rule's chunk form once the reverse state pass has made
-  de `[B, HV, Nc, C, V]` float32 and dh `[B, HV, Nc, K, V]` bf16: the intra-chunk backward fed
-  with M = T0 ⊙ Γ, after the state pass's products (made inside the Triton kernel when
+  de `[B, HV, Nc, C, V]` (float32 or bf16) and dh `[B, HV, Nc, K, V]` bf16: the intra-chunk
+  backward fed with M = T0 ⊙ Γ, after the state pass's products (made inside the Triton kernel when
   `from_states` and its sizes allow, else in XLA), and γ's share of dG. h: the chunk states, e
   the pseudo-values `[B, T, HV, V]`."""
   b, t, hv = v.shape[:3]
@@ -322,7 +322,7 @@ def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_s
   unscaled, beta_rows `[B, HV, T]`, g_rows the chunk cumulative log gates `[B, HV, T]` or None
   (ungated). o and e come back float32 (the walk writes bf16; XLA folds the two casts into the
   op's cast to v's dtype); with save_states also the gate-free inverses and the bf16 chunk
-  states h `[B, HV, Nc, K, V]`, the backward's residuals."""
+  states transposed, h_t `[B, HV, Nc, V, K]` bf16, the backward's residuals."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   hv = v.shape[2]
   t0 = gate_free_inverse(k, beta_rows, hv, c)
@@ -334,15 +334,16 @@ def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_s
   o, e, s_final = outs[0].astype(_F32), outs[1].astype(_F32), jnp.swapaxes(outs[2], -1, -2)
   if not save_states:
     return o, e, s_final
-  return o, e, s_final, t0, jnp.swapaxes(outs[3], -1, -2)
+  return o, e, s_final, t0, outs[3]
 
 
-# forward="walk" (and "auto" where it walks): trained through the Mosaic walks both ways (on
-# the H200 GDN fwd+bwd 2.13 ms against the split's 2.38; a walk forward cannot pair with the
-# split's backward, which reads the split's intra-chunk residuals). The forward walk saves the
-# chunk states; the reverse walk (`chunk_walk_reverse`) makes dE and the state cotangents from
-# q, k, T0 and the gates; then the Mosaic intra-chunk backward fed with M = T0 ⊙ Γ. G: the
-# chunk cumulative gates `[B, HV, Nc, C]` (None ungated).
+# forward="walk" (and "auto" where it walks): trained through the Mosaic walks both ways (a
+# walk forward cannot pair with the split's backward, which reads the split's intra-chunk
+# residuals). The forward walk saves the chunk states; the reverse walk (`chunk_walk_reverse`)
+# makes dE and the state cotangents from q, k, T0 and the gates; then one kernel per chunk
+# (`chunk_grads`) makes dq, dk, dv, dβ and dG from them in the inputs' layout. Where that
+# kernel does not take the sizes (V = 256), XLA's products and the split's intra-chunk backward
+# do its work. G: the chunk cumulative gates `[B, HV, Nc, C]` (None ungated).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _walk_train_core(q, k, v, beta, G, s0, scale, c, interpret):
   return _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret)
@@ -360,21 +361,35 @@ def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret):
 
 
 def _walk_train_core_bwd(scale, c, interpret, res, cts):
+  from pallas_kernels.gpu import chunk_grads  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
-  q, k, v, beta, G, t0, h, e = res
+  q, k, v, beta, G, t0, h_t, e = res
   do, de_ext, ds_final = cts
   beta_rows, g_rows = _walk_rows(beta, G)
+  gate_rows = beta_rows if g_rows is None else g_rows   # (ignored by the kernels ungated)
   bf = lambda x: x.astype(jnp.bfloat16)
   de_t, dh_t, ds0_t = chunk_walk_reverse.chunk_walk_reverse(
-      bf(q), bf(k), t0, beta_rows if g_rows is None else g_rows, beta_rows, bf(do), bf(de_ext),
+      bf(q), bf(k), t0, gate_rows, beta_rows, bf(do), bf(de_ext),
       jnp.swapaxes(ds_final.astype(_F32), -1, -2), scale=float(scale), gated=G is not None,
       interpret=interpret)
-  # The state pass's products in XLA: the Triton per-chunk kernel that makes them inside took
-  # 1.6 ms at K = 128 on the H200, XLA's ~0.3 (docs/BENCHMARKS.md "thirteenth stage").
-  grads = _grads_after_reverse(q, k, v, beta, G, None, t0, h, e, jnp.swapaxes(de_t, -1, -2),
-                               jnp.swapaxes(dh_t, -1, -2), do, scale=scale, c=c,
-                               interpret=interpret, kernels="mosaic", from_states=False)
-  return grads + (jnp.swapaxes(ds0_t, -1, -2),)
+  ds0 = jnp.swapaxes(ds0_t, -1, -2)
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2:]
+  if chunk_grads.supported(c, dk, dv) is not None:
+    grads = _grads_after_reverse(q, k, v, beta, G, None, t0, jnp.swapaxes(h_t, -1, -2), e,
+                                 jnp.swapaxes(de_t, -1, -2), jnp.swapaxes(dh_t, -1, -2), do,
+                                 scale=scale, c=c, interpret=interpret, kernels="mosaic",
+                                 from_states=False)
+    return grads + (ds0,)
+  dq, dk_, dv_, dbeta, dG = chunk_grads.chunk_grads(
+      bf(q), bf(k), bf(v), e, bf(do), t0, gate_rows, beta_rows, h_t, dh_t, de_t,
+      scale=float(scale), gated=G is not None, interpret=interpret)
+  if hv != h:   # GVA: each value head's share of its key head's gradient, summed in float32
+    heads = lambda x: jnp.sum(x.reshape(b, t, h, hv // h, dk).astype(_F32), axis=3)
+    dq, dk_ = heads(dq), heads(dk_)
+  return (dq.astype(q.dtype), dk_.astype(k.dtype), dv_.astype(v.dtype),
+          jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype),
+          None if G is None else dG.reshape(G.shape).astype(G.dtype), ds0)
 
 
 _walk_train_core.defvjp(_walk_train_core_fwd, _walk_train_core_bwd)

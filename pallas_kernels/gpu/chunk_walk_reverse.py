@@ -20,11 +20,12 @@ One CTA per (batch, value head, 64 value columns), three warpgroups on one chunk
       (k dS)ᵀ = dSᵀ kᵀ     dEᵀ = dE_extᵀ + dOᵀ P + (k dS)ᵀ ⊙ xᵀ     (Mᵀ dE)ᵀ = dEᵀ M
       dSᵀ ← γ dSᵀ + (s e ⊙ dO)ᵀ q − ((Mᵀ dE)ᵀ ⊙ (β e)ᵀ) k
 
-  It stores dEᵀ (float32) and the bf16 dSᵀ leaving each chunk, the residuals of the rest of the
-  backward (the state pass's products and the intra-chunk backward, outside this kernel).
+  It stores dEᵀ and the dSᵀ leaving each chunk in bf16, the residuals of the rest of the
+  backward (`chunk_grads`, which reads them as they are; every product there takes bf16
+  operands, so nothing is lost by rounding here).
 
-Outputs are transposed (`[.., V, C]`, `[.., V, K]`): the caller's XLA products read either
-layout. Same sizes and scope as `chunk_walk` (no packed rows). Runs in JAX's Mosaic GPU
+Outputs are transposed (`[.., V, C]`, `[.., V, K]`): `chunk_grads` reads these tiles as the
+wgmma operands it needs. Same sizes and scope as `chunk_walk` (no packed rows). Runs in JAX's Mosaic GPU
 interpreter (register operands staged through scratch tiles there, as in `chunk_walk`).
 """
 
@@ -50,7 +51,7 @@ def ring_stages(dk: int, bv: int = BLOCK_V) -> int:
   """Deepest input ring (2 to 4 chunks) that fits beside the fixed buffers."""
   c = CHUNK
   per_stage = (2 * c * dk + 2 * c * bv + 2 * c * c) * 2 + 4 * c * 4   # q, k, dO, dE_ext, T0, P
-  fixed = bv * dk * 2 + 2 * bv * c * 4 + bv * dk * 4 + 2048   # dSᵀ copy-out, dEᵀ out, dS₀/dS_T
+  fixed = bv * dk * 2 + 2 * bv * c * 2 + bv * dk * 4 + 2048   # dSᵀ copy-out, dEᵀ out, dS₀/dS_T
   for stages in (4, 3, 2):
     if stages * per_stage + fixed <= SMEM_LIMIT:
       return stages
@@ -66,7 +67,7 @@ def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, ga
     do, de_ext: `[B, T, HV, V]` bf16, the cotangents of o and of e.
     dsf_t: `[B, HV, V, K]` float32, the cotangent of the final state, transposed.
   Returns:
-    de_t `[B, HV, Nc, V, C]` float32 (dE of each chunk, transposed), dh_t `[B, HV, Nc, V, K]`
+    de_t `[B, HV, Nc, V, C]` bf16 (dE of each chunk, transposed), dh_t `[B, HV, Nc, V, K]`
     bf16 (dS leaving each chunk, transposed, exactly as used), ds0_t `[B, HV, V, K]` float32.
   """
   outs = _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, scale=float(scale),
@@ -86,7 +87,7 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
   check_index_range(b, t, hv, dv)
   nc, n_rep = t // c, hv // h
   stages = ring_stages(dk, bv)
-  out_type = (jax.ShapeDtypeStruct((b, hv, nc, dv, c), f32),
+  out_type = (jax.ShapeDtypeStruct((b, hv, nc, dv, c), MM_DTYPE),
               jax.ShapeDtypeStruct((b, hv, nc, dv, dk), MM_DTYPE),
               jax.ShapeDtypeStruct((b, hv, dv, dk), f32))
   vec = plgpu.SMEM((stages, c), f32)
@@ -151,7 +152,7 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
         plgpu.barrier_wait(factors_ready.at[slot])
         pdo_t = _product(do_s.at[slot].T, p_s.at[slot], (bv, c))
         de_t = dx_t + pdo_t + (kds_t * exit_ if gated else kds_t)
-        de_out.at[half][...] = de_t
+        de_out.at[half][...] = de_t.astype(MM_DTYPE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(de_out.at[half], de_ref.at[bi, hi, n, vs])
         z_t = _product(de_t.astype(MM_DTYPE), m_s.at[slot], (bv, c), stage_c)   # the chain
@@ -186,7 +187,7 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
       do_s=mc.smem((stages, c, bv), MM_DTYPE), dx_s=mc.smem((stages, c, bv), MM_DTYPE),
       m_s=mc.smem((stages, c, c), MM_DTYPE), p_s=mc.smem((stages, c, c), MM_DTYPE),
       g_state=vec, b_cols=vec, g_rows=vec, g_cols=vec,
-      s_pub=mc.smem((bv, dk), MM_DTYPE), de_out=plgpu.SMEM((2, bv, c), f32),
+      s_pub=mc.smem((bv, dk), MM_DTYPE), de_out=mc.smem((2, bv, c), MM_DTYPE),
       s_f32=plgpu.SMEM((bv, dk), f32),
       in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
       in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -207,7 +208,7 @@ def chunk_walk_reverse_reference(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale:
                                  gated: bool = True):
   """The same reverse pass as a float32 `lax.scan` over the chunks backward at
   Precision.HIGHEST, with the kernel's bf16 operand roundings: the kernel's oracle. Same
-  arguments and results (dh_t in float32)."""
+  arguments and results (de_t and dh_t in float32)."""
   hp = lax.Precision.HIGHEST
   f32 = jnp.float32
   rnd = lambda x: x.astype(MM_DTYPE).astype(f32)

@@ -1,0 +1,291 @@
+"""The delta rule's per-chunk gradients (DeltaNet, GDN) in one Mosaic GPU kernel: what the
+backward has left to do once the reverse walk (`chunk_walk_reverse`) has made dE and the state
+cotangents. It replaces, on the walk path, XLA's state-pass products, the intra-chunk backward
+kernel, the chunk-major ↔ `[B, T, H, D]` transposes and the gate reductions between them.
+
+One CTA (one warpgroup) per (batch row, value head, chunk) reads, by TMA and in the layouts
+their producers wrote: q, k, v, E and dO `[B, T, H(V), D]`; the gate-free inverse T0; the
+gates and β as rows; the state entering the chunk Sᵀ and the cotangent of the state leaving it
+dS'ᵀ (`[V, K]`, as the walks store them); dEᵀ (`[V, C]`). With Γ_ij = e^{G_i − G_j} (i ≥ j),
+M = T0 ⊙ Γ, P = s q kᵀ ⊙ Γ, e = e^{G}, x = e^{G_C − G}, γ = e^{G_C} (docs/MATH.md §3):
+
+    dA  = s (dO Eᵀ) ⊙ Γ                    dq = dA k + (s e ⊙ dO) Sᵀ
+    dR_v = Mᵀ dE        dv = β ⊙ dR_v       dR_k = −Mᵀ (dE Sᵀ) = −dR_v Sᵀ
+    Y = M (β e ⊙ k),  U = M (β ⊙ v),       dL = −(dR_k Yᵀ + dR_v Uᵀ) on i > j
+    dB = dL ⊙ β_row ⊙ Γ                    dk = dAᵀ q + (dB + dBᵀ) k + (x ⊙ E) dS'ᵀ + β e ⊙ dR_k
+    dβ = Σ_j dL ⊙ kkᵀ ⊙ Γ + e Σ_k dR_k ⊙ k + Σ_v dR_v ⊙ v
+
+The gate gradient needs no column sums. Every term in G enters through q e^{G_i}, k e^{±G},
+Γ and γ; collecting them (docs/MATH.md §3.4) leaves, for the rows of the chunk,
+
+    dG_i = Σ_k q dq − Σ_k k dk + 2 (β e Σ_k dR_k ⊙ k + β Σ_j dL ⊙ kkᵀ ⊙ Γ)_i
+
+and, at the chunk's last row, the chunk's sum of what x and γ contribute, Σ_i x_i k_i·(E dS'ᵀ)_i
++ γ ⟨S, dS'⟩, which the kernel writes as a row vector ("tail") that the wrapper sums. (The
+identity could give the x part too, as a difference of sums; under strong decay, where x is
+tiny, that difference lost all precision, so the kernel makes (x ⊙ E) dS'ᵀ on its own.)
+
+Every product takes bf16 operands and a float32 accumulator; dq, dk (per value head) and dv
+leave in bf16, dβ and dG in float32. Shared memory at K = V = 128: 218 KiB (one CTA per SM);
+tiles of the same shape are reused once their first content is dead (see the kernel).
+Scope: C = 64, K and V in {64, 128}, no packed rows (as the walks). Runs in JAX's Mosaic GPU
+interpreter; `chunk_grads_reference` (the VJP of the chunk map, float32, exact inverse) is its
+oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gpu import mosaic_common as mc
+from pallas_kernels.gpu.intra_chunk import _cta_coords, _grid
+
+CHUNK = 64
+MM_DTYPE = jnp.bfloat16
+_F32 = jnp.float32
+_WG = plgpu.Layout.WGMMA
+_ROWS = plgpu.Layout.WGMMA.reduce(1)
+_COLS = plgpu.Layout.WGMMA.reduce(0)
+
+
+def supported(chunk: int, dk: int, dv: int) -> str | None:
+  """None if the kernel takes these sizes, else why not (V = 256 would not fit shared memory)."""
+  if chunk != CHUNK:
+    return f"chunk_size={chunk} (chunk_grads needs {CHUNK})"
+  if dk not in (64, 128) or dv not in (64, 128):
+    return f"head dims K={dk}, V={dv} (chunk_grads needs 64 or 128)"
+  return None
+
+
+def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
+                gated: bool = True, interpret=None):
+  """(dq, dk, dv, dβ, dG) of the delta rule's chunk form, per value head.
+
+  Args:
+    q, k: `[B, T, H, K]` bf16; v, e (the pseudo-values the forward used), do: `[B, T, HV, V]`
+      bf16; t0: `[B, HV, Nc, C, C]` bf16 gate-free inverses; g: `[B, HV, T]` float32 chunk
+      cumulative log gates (ignored when not gated); beta `[B, HV, T]` float32;
+      h_t, dh_t: `[B, HV, Nc, V, K]` bf16, the state entering each chunk and the cotangent of
+      the state leaving it, transposed; de_t: `[B, HV, Nc, V, C]` bf16, dE transposed.
+  Returns:
+    dq, dk `[B, T, HV, K]` bf16 (each value head's share: GVA sums them), dv `[B, T, HV, V]`
+    bf16, dβ `[B, HV, T]` float32 and dG `[B, HV, T]` float32 (None when not gated): the
+    gradient with respect to the chunk cumulative gates G.
+  """
+  outs = _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, scale=float(scale),
+                      gated=bool(gated), interpret=interpret)
+  outs = mc.sync_if_interpreted(outs, interpret)
+  if not gated:
+    return (*outs, None)
+  dq, dk, dv, dbeta, dg_rows, tail = outs
+  b, hv, t = dg_rows.shape
+  dg = dg_rows.reshape(b, hv, t // CHUNK, CHUNK)
+  dg = dg.at[..., -1].add(jnp.sum(tail.reshape(dg.shape), axis=-1))
+  return dq, dk, dv, dbeta, dg.reshape(b, hv, t)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "interpret"))
+def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, interpret):
+  b, t, h, dk = q.shape
+  hv, dv = v.shape[2], v.shape[3]
+  c = CHUNK
+  reason = supported(c, dk, dv)
+  if reason or t % c or hv % h:
+    raise ValueError("chunk_grads: " + (reason or f"T={t} must be a multiple of {c} and "
+                                                  f"HV={hv} a multiple of H={h}") + ".")
+  nc, n_rep = t // c, hv // h
+  sds = jax.ShapeDtypeStruct
+  out_type = (sds((b, t, hv, dk), MM_DTYPE), sds((b, t, hv, dk), MM_DTYPE),
+              sds((b, t, hv, dv), MM_DTYPE), sds((b, hv, t), _F32))
+  if gated:
+    out_type += (sds((b, hv, t), _F32), sds((b, hv, t), _F32))     # dG rows, tail
+  n_vec = len(out_type) - 3
+
+  def kernel(q_ref, k_ref, v_ref, e_ref, do_ref, t0_ref, g_ref, beta_ref, h_ref, dh_ref, de_ref,
+             *refs):
+    dq_ref, dk_ref, dv_ref, *vec_refs = refs
+    bi, hi, ci = _cta_coords(b, hv)
+    ki = lax.div(hi, n_rep)
+    rows = pl.ds(ci * c, c)
+
+    def body(q_s, k_s, v_s, e_s, do_s, de_s, h_s, dh_s, m_s, ta_s, tb_s, rk_s, drk_s, g_rows,
+             g_cols, b_rows, vout, bars):
+      # Every load starts at once, in the order of first use; each has its own barrier.
+      loads = [(g_ref.at[bi, hi, rows], g_rows), (g_ref.at[bi, hi, rows], g_cols),
+               (beta_ref.at[bi, hi, rows], b_rows), (t0_ref.at[bi, hi, ci], m_s),
+               (q_ref.at[bi, rows, ki], q_s), (k_ref.at[bi, rows, ki], k_s),
+               (do_ref.at[bi, rows, hi], do_s), (e_ref.at[bi, rows, hi], e_s),
+               (h_ref.at[bi, hi, ci], h_s), (de_ref.at[bi, hi, ci], de_s),
+               (v_ref.at[bi, rows, hi], v_s), (dh_ref.at[bi, hi, ci], dh_s)]
+      for i, (src, dst) in enumerate(loads):
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+      arrived = lambda *names: [plgpu.barrier_wait(bars.at[i]) for i in names]
+
+      arrived(0, 1, 2, 3)
+      beta_row = plgpu.load(b_rows, layout=_ROWS)
+      lower = mc.iota(c, 0) >= mc.iota(c, 1)
+      if gated:
+        g_row = plgpu.load(g_rows, layout=_ROWS)
+        g_last = g_rows[c - 1]
+        entry, exit_ = jnp.exp(g_row), jnp.exp(g_last - g_row)
+        be_row = beta_row * entry
+
+        def decay():
+          diff = mc.rows(g_row, (c, c)) - mc.cols(plgpu.load(g_cols, layout=_COLS), (c, c))
+          return jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+        m_s[...] = (m_s[...].astype(_F32) * decay()).astype(MM_DTYPE)    # M = T0 ⊙ Γ
+      else:
+        be_row = beta_row
+        decay = lambda: jnp.where(lower, 1.0, 0.0)     # T0 is M already
+
+      with jax.named_scope("dA, dq"):
+        arrived(4, 5, 6, 7)
+        (dp,) = mc.matmuls((c, c, [(do_s, e_s.T)]))
+        d_a = dp * (decay() * scale)
+        ta_s[...] = d_a.astype(MM_DTYPE)
+        # dO and E are read for the last time as they are: dO becomes s e ⊙ dO, E x ⊙ E.
+        if gated:
+          do_s[...] = (do_s[...].astype(_F32) * mc.rows(entry * scale, (c, dv))).astype(MM_DTYPE)
+          e_s[...] = (e_s[...].astype(_F32) * mc.rows(exit_, (c, dv))).astype(MM_DTYPE)
+        else:
+          do_s[...] = (do_s[...].astype(_F32) * scale).astype(MM_DTYPE)
+        plgpu.commit_smem()
+        arrived(8)
+        (dq,) = mc.matmuls((c, dk, [(ta_s, k_s), (do_s, h_s)]))
+        qdq = jnp.sum(q_s[...].astype(_F32) * dq, axis=1)
+        rk_s[...] = dq.astype(MM_DTYPE)               # rk_s stages dq, then holds β e k and Y
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(rk_s, dq_ref.at[bi, rows, hi])
+
+      with jax.named_scope("dv, dR"):
+        arrived(9, 10)
+        (d_rv,) = mc.matmuls((c, dv, [(m_s.T, de_s.T)]))
+        vf = v_s[...].astype(_F32)
+        dbeta = jnp.sum(d_rv * vf, axis=1)
+        do_s[...] = (d_rv * mc.rows(beta_row, (c, dv))).astype(MM_DTYPE)   # dv (dq is done)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(do_s, dv_ref.at[bi, rows, hi])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        do_s[...] = d_rv.astype(MM_DTYPE)             # do_s holds dR_v from here on
+        v_s[...] = (vf * mc.rows(beta_row, (c, dv))).astype(MM_DTYPE)      # β v
+        rk_s[...] = (k_s[...].astype(_F32) * mc.rows(be_row, (c, dk))).astype(MM_DTYPE)
+        plgpu.commit_smem()
+        (d_rk,) = mc.matmuls((c, dk, [(do_s, h_s)]))
+        d_rk = -d_rk
+        rk_dot = jnp.sum(d_rk * k_s[...].astype(_F32), axis=1)
+        drk_s[...] = d_rk.astype(MM_DTYPE)
+        y, u = mc.matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, v_s)]))
+        rk_s[...] = y.astype(MM_DTYPE)
+        v_s[...] = u.astype(MM_DTYPE)
+        plgpu.commit_smem()
+
+      with jax.named_scope("dL, dB"):
+        d_l, kk = mc.matmuls((c, c, [(drk_s, rk_s.T), (do_s, v_s.T)]), (c, c, [(k_s, k_s.T)]))
+        gam = decay()
+        lk = jnp.where(mc.iota(c, 0) > mc.iota(c, 1), -d_l, 0.0) * gam   # dL ⊙ Γ
+        lkk = jnp.sum(lk * kk, axis=1)
+        dbeta = dbeta + lkk + (rk_dot * entry if gated else rk_dot)
+        tb_s[...] = (lk * mc.rows(beta_row, (c, c))).astype(MM_DTYPE)   # dB
+        plgpu.commit_smem()
+
+      with jax.named_scope("dk, vectors"):
+        arrived(11)
+        kf = k_s[...].astype(_F32)
+        if gated:   # the exit factors' share, Σ_k k ⊙ (x ⊙ E) dS'ᵀ, on its own: through the
+          # identity it would be a difference of terms that strong decay makes far larger
+          (dk_exit,) = mc.matmuls((c, dk, [(e_s, dh_s)]))
+          d_exit = jnp.sum(kf * dk_exit, axis=1)
+        # dR_k again from the same bf16 operands (cheaper than holding it across dL).
+        dk_acc, d_rk = mc.matmuls(
+            (c, dk, [(ta_s.T, q_s), (tb_s, k_s), (tb_s.T, k_s), (e_s, dh_s)]),
+            (c, dk, [(do_s, h_s)]))
+        dk_ = dk_acc - d_rk * mc.rows(be_row, (c, dk))
+        kdk = jnp.sum(kf * dk_, axis=1)
+        rk_s[...] = dk_.astype(MM_DTYPE)              # Y was last read by dL
+        vout.at[0][...] = dbeta
+        if gated:
+          wb_row = beta_row * lkk
+          twice = be_row * rk_dot + wb_row
+          vout.at[1][...] = qdq - kdk + 2.0 * twice
+          state_dot = None                            # ⟨S, dS'⟩ over 64-row blocks of Sᵀ
+          for r in range(dv // 64):
+            blk = pl.ds(r * 64, 64)
+            part = jnp.sum(plgpu.load(h_s.at[blk], layout=_WG).astype(_F32)
+                           * plgpu.load(dh_s.at[blk], layout=_WG).astype(_F32), axis=1)
+            state_dot = part if state_dot is None else state_dot + part
+          vout.at[2][...] = d_exit + jnp.exp(g_last) * state_dot
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(rk_s, dk_ref.at[bi, rows, hi])
+        for i, dst in enumerate(vec_refs):
+          plgpu.copy_smem_to_gmem(vout.at[i], dst.at[bi, hi, rows])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    ck, cv, cc = mc.smem((c, dk), MM_DTYPE), mc.smem((c, dv), MM_DTYPE), mc.smem((c, c), MM_DTYPE)
+    vk = mc.smem((dv, dk), MM_DTYPE)
+    vec = plgpu.SMEM((c,), _F32)
+    pl.run_scoped(body, ck, ck, cv, cv, cv, mc.smem((dv, c), MM_DTYPE), vk, vk, cc, cc, cc, ck,
+                  ck, vec, vec, vec, plgpu.SMEM((n_vec, c), _F32),
+                  plgpu.Barrier(num_barriers=12))
+
+  return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
+                      **_grid(b, hv, nc, dv))(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t)
+
+
+def chunk_grads_reference(q, k, v, e, do, g, beta, h_t, dh_t, de_t, *, scale: float,
+                          gated: bool = True):
+  """The same gradients as the VJP of one chunk's map, in float32 at Precision.HIGHEST with the
+  exact inverse (a triangular solve, not T0): the kernel's oracle. Arguments as `chunk_grads`
+  (without t0); every array is read in float32.
+
+  The chunk map, with the state entering S, E_f the pseudo-values the forward produced and held
+  fixed where O and the leaving state read them (their own cotangent dE already carries those
+  paths, as the reverse walk made it):
+      E = (I + L)⁻¹ (β ⊙ v) − (I + L)⁻¹ (β e ⊙ k) S,    L = diag(β) (k kᵀ ⊙ Γ) strictly lower
+      O = s (e ⊙ q) S + P E_f,    S' = γ S + (x ⊙ k)ᵀ E_f
+  and the scalar ⟨dO, O⟩ + ⟨dE, E⟩ + ⟨dS', S'⟩ is differentiated with respect to q, k, v, β and
+  G (per value head: q and k repeated over the value heads of a group)."""
+  hp = lax.Precision.HIGHEST
+  f = lambda x: x.astype(_F32)
+  b, t, h, dk = q.shape
+  hv = v.shape[2]
+  c, nc = CHUNK, t // CHUNK
+  chunks = lambda x: jnp.moveaxis(f(x).reshape(b, nc, c, hv, -1), 3, 1)   # [B, HV, Nc, C, D]
+  rep = lambda x: jnp.repeat(x, hv // h, axis=2)
+  per_row = lambda x: f(x).reshape(b, hv, nc, c)
+  s_in = jnp.swapaxes(f(h_t), -1, -2)                                     # [B, HV, Nc, K, V]
+  ds_out = jnp.swapaxes(f(dh_t), -1, -2)
+  d_e = jnp.swapaxes(f(de_t), -1, -2)                                     # [B, HV, Nc, C, V]
+  e_f, d_o = chunks(e), chunks(do)
+  lower = jnp.tril(jnp.ones((c, c), bool))
+  strict = jnp.tril(jnp.ones((c, c), bool), -1)
+  mm = lambda spec, x, y: jnp.einsum(spec, x, y, precision=hp)
+
+  def loss(qc, kc, vc, bc, gc):
+    gam = jnp.where(lower, jnp.exp(jnp.where(lower, gc[..., :, None] - gc[..., None, :], 0.0)),
+                    0.0)
+    entry, exit_, gamma = jnp.exp(gc), jnp.exp(gc[..., -1:] - gc), jnp.exp(gc[..., -1])
+    p = scale * mm("...ik,...jk->...ij", qc, kc) * gam
+    lmat = jnp.where(strict, bc[..., :, None] * mm("...ik,...jk->...ij", kc, kc) * gam, 0.0)
+    eye = jnp.eye(c, dtype=_F32)
+    solve = lambda rhs: lax.linalg.triangular_solve(eye + lmat, rhs, left_side=True,
+                                                    lower=True, unit_diagonal=True)
+    e_new = (solve(vc * bc[..., None])
+             - mm("...ck,...kv->...cv", solve(kc * (bc * entry)[..., None]), s_in))
+    o = scale * mm("...ck,...kv->...cv", qc * entry[..., None], s_in) + mm(
+        "...ij,...jv->...iv", p, e_f)
+    s_out = gamma[..., None, None] * s_in + mm("...ck,...cv->...kv", kc * exit_[..., None], e_f)
+    return jnp.sum(d_o * o) + jnp.sum(d_e * e_new) + jnp.sum(ds_out * s_out)
+
+  gc = per_row(g) if gated else jnp.zeros((b, hv, nc, c), _F32)
+  grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(chunks(rep(q)), chunks(rep(k)), chunks(v),
+                                                  per_row(beta), gc)
+  dq, dk_, dv, dbeta, dg = grads
+  back = lambda x: jnp.moveaxis(x, 1, 3).reshape(b, t, hv, -1)
+  return (back(dq), back(dk_), back(dv), dbeta.reshape(b, hv, t),
+          dg.reshape(b, hv, t) if gated else None)

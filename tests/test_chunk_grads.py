@@ -1,0 +1,115 @@
+"""The per-chunk gradient kernel of the walk path (`pallas_kernels.gpu.chunk_grads`).
+
+Off GPU the kernel runs in JAX's Mosaic GPU interpreter, so this file runs in `make test`; on a
+Hopper GPU the same tests run it compiled. Oracles:
+* the kernel against `chunk_grads_reference`: the VJP (jax.grad) of one chunk's map in float32
+  at HIGHEST with the exact inverse, none of the kernel's algebra (the identity that gives dG
+  without column sums included). dq, dk, dv leave the kernel in bf16 and every product takes
+  bf16 operands: 1e-2 relative (measured 2-4e-3 in the interpreter);
+* through the op, training through both walks against the scan (tests/test_chunk_walk.py);
+* lowering for CUDA on the CPU within Hopper's shared memory, at K, V in {64, 128}.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import assert_close, mosaic_gpu_or_skip, record_smem_estimates
+
+ON_GPU, INTERPRET = mosaic_gpu_or_skip()
+
+from pallas_kernels.gpu import chunk_grads as cg  # noqa: E402
+from pallas_kernels.gpu import chunk_walk as cw  # noqa: E402
+
+TOL = 1e-2
+
+
+def _inputs(b, t, h, hv, dk, dv, seed, gate_scale=1.0, floor_gates=False):
+  """The kernel's arguments (numpy-built): unit q, k; v, E, dO, dEᵀ, Sᵀ, dS'ᵀ normal; β = σ(N);
+  log gates logsigmoid(N) · gate_scale (every 7th −1e4 with floor_gates), cumulated per
+  chunk; the exact gate-free inverse."""
+  r = np.random.default_rng(seed)
+  n = lambda *s: r.standard_normal(s)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  c, nc = cg.CHUNK, t // cg.CHUNK
+  q, k = unit(n(b, t, h, dk)), unit(n(b, t, h, dk))
+  beta = 1 / (1 + np.exp(-n(b, hv, t)))
+  g = -np.log1p(np.exp(-n(b, hv, t))) * gate_scale
+  if floor_gates:
+    g[..., ::7] = -1e4
+  cum = np.cumsum(g.reshape(b, hv, nc, c), -1).reshape(b, hv, t)
+  kc = np.repeat(k, hv // h, axis=2).reshape(b, nc, c, hv, dk).transpose(0, 3, 1, 2, 4)
+  lower = np.tril(np.einsum("bhnik,bhnjk->bhnij", kc, kc) * beta.reshape(b, hv, nc, c, 1), -1)
+  t0 = np.linalg.inv(np.eye(c) + lower)
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return dict(q=bf(q), k=bf(k), v=bf(n(b, t, hv, dv)), e=bf(n(b, t, hv, dv)),
+              do=bf(n(b, t, hv, dv)), t0=bf(t0), g=f32(cum), beta=f32(beta),
+              h_t=bf(0.5 * n(b, hv, nc, dv, dk)), dh_t=bf(0.5 * n(b, hv, nc, dv, dk)),
+              de_t=bf(n(b, hv, nc, dv, c)))
+
+
+# (b, t, h, hv, dk, dv, gate_scale, floor_gates, gated)
+CASES = {
+    "one chunk, K 64": (1, 64, 1, 1, 64, 64, 1.0, False, True),
+    "K 128, V 64, strong decay": (1, 128, 1, 1, 128, 64, 30.0, False, True),
+    "GVA, K 64, V 128": (1, 128, 1, 2, 64, 128, 1.0, False, True),
+    "-1e4 gates": (1, 64, 1, 1, 64, 64, 1.0, True, True),
+    "ungated (DeltaNet)": (1, 128, 1, 1, 64, 64, 1.0, False, False),
+}
+if ON_GPU:
+  CASES.update({
+      "K 128, V 128, batch, GVA": (2, 512, 2, 4, 128, 128, 1.0, False, True),
+      "K 128, V 128, -1e4 gates": (2, 256, 2, 2, 128, 128, 1.0, True, True),
+  })
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_matches_the_chunk_vjp(case):
+  b, t, h, hv, dk, dv, gate_scale, floor_gates, gated = CASES[case]
+  x = _inputs(b, t, h, hv, dk, dv, seed=len(case), gate_scale=gate_scale,
+              floor_gates=floor_gates)
+  scale = dk ** -0.5
+  got = jax.jit(lambda a: cg.chunk_grads(**a, scale=scale, gated=gated,
+                                         interpret=INTERPRET))(x)
+  ref_args = {name: val for name, val in x.items() if name != "t0"}
+  want = jax.jit(lambda a: cg.chunk_grads_reference(**a, scale=scale, gated=gated))(ref_args)
+  assert got[0].shape == (b, t, hv, dk) and got[2].shape == (b, t, hv, dv)
+  assert got[0].dtype == got[1].dtype == got[2].dtype == jnp.bfloat16
+  assert got[3].shape == (b, hv, t) and got[3].dtype == jnp.float32
+  assert (got[4] is None) == (not gated)
+  for name, g, w in zip(("dq", "dk", "dv", "dbeta", "dG"), got, want):
+    if w is None:
+      continue
+    assert_close(jnp.asarray(g, jnp.float32), w, TOL, f"{case}: {name}")
+
+
+def test_refuses_sizes_it_does_not_take():
+  assert "V=256" in cg.supported(64, 128, 256)
+  assert "chunk_size=32" in cg.supported(32, 64, 64)
+  assert cg.supported(64, 128, 128) is None
+  x = _inputs(1, 64, 1, 1, 64, 64, seed=0)
+  x["q"], x["k"] = x["q"][:, :32], x["k"][:, :32]
+  with pytest.raises(ValueError, match="multiple of 64"):
+    cg.chunk_grads(**x, scale=0.1, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 128), (128, 64)])
+def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk, dv):
+  estimates = record_smem_estimates(monkeypatch)
+  b, t, h, hv = 2, 256, 2, 4
+  nc = t // 64
+  sds = jax.ShapeDtypeStruct
+  bf, f32 = jnp.bfloat16, jnp.float32
+  args = (sds((b, t, h, dk), bf), sds((b, t, h, dk), bf), sds((b, t, hv, dv), bf),
+          sds((b, t, hv, dv), bf), sds((b, t, hv, dv), bf), sds((b, hv, nc, 64, 64), bf),
+          sds((b, hv, t), f32), sds((b, hv, t), f32), sds((b, hv, nc, dv, dk), bf),
+          sds((b, hv, nc, dv, dk), bf), sds((b, hv, nc, dv, 64), bf))
+  for gated in (True, False):
+    fn = lambda *a, gated=gated: cg._chunk_grads(*a, scale=0.1, gated=gated, interpret=None)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, dv, gated, estimates[-1])
