@@ -117,6 +117,13 @@ def test_reverse_kernel_matches_its_rounded_reference(case):
   assert_close(de.astype(jnp.float32), rde, 1e-2, f"{case}: dE (bf16)")
   assert_close(ds0, rds0, 5e-4, f"{case}: dS0")
   assert_close(dh.astype(jnp.float32), rdh, 5e-3, f"{case}: dh (bf16)")
+  if case == "one chunk, K 64":   # no dE_ext (an unused residual): as if it were zero
+    args = (q, k, t0, g, beta, do, None, dsf)
+    de0, _, ds00 = jax.jit(lambda *a: cwr.chunk_walk_reverse(
+        *a, scale=dk ** -0.5, gated=gated, interpret=INTERPRET))(*args)
+    rde0, _, rds00 = cwr.chunk_walk_reverse_reference(*args, scale=dk ** -0.5, gated=gated)
+    assert_close(de0.astype(jnp.float32), rde0, 1e-2, "dE without dE_ext")
+    assert_close(ds00, rds00, 5e-4, "dS0 without dE_ext")
 
 
 def test_reference_is_the_delta_rule():
@@ -184,6 +191,26 @@ def test_training_through_both_walks_matches_scan(mixer, t, hv):
   names = ["q", "k", "v"] + (["g"] if mixer == "gated_delta_rule" else []) + ["beta", "s0"]
   for name, g, w in zip(names, loss("pallas_gpu", WALK), loss("scan", None)):
     assert_close(g, w, GRAD_TOL, f"{mixer} T={t} HV={hv}: d{name}")
+
+
+@pytest.mark.parametrize("used", ["o", "residual"])
+def test_training_with_unused_outputs_matches_scan(used):
+  # Outputs a loss does not read reach the walk's backward as symbolic zeros (no residual:
+  # the reverse walk runs without its dE_ext copies; no final state, or no o): every gradient
+  # still matches the scan's.
+  args, kw = make_inputs("gated_delta_rule", b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=31)
+  w = jax.random.normal(jax.random.key(3), args[2].shape)
+
+  def loss(impl, tuning):
+    def f(*a):
+      out = run_jit("gated_delta_rule", a, **kw, return_residual=True, implementation=impl,
+                    tuning=tuning)
+      return jnp.sum(out[0 if used == "o" else -1] * w)
+    return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
+
+  for name, g, want in zip(["q", "k", "v", "g", "beta"], loss("pallas_gpu", WALK),
+                           loss("scan", None)):
+    assert_close(g, want, GRAD_TOL, f"{used} only: d{name}")
 
 
 def test_auto_takes_the_walk_where_the_triton_extra_runs():

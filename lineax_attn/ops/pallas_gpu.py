@@ -65,6 +65,8 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.custom_derivatives import CustomVJPPrimal as _CustomVJPPrimal
+from jax.custom_derivatives import SymbolicZero as _SymbolicZero
 import jax.numpy as jnp
 
 from lineax_attn.ops import api
@@ -355,6 +357,9 @@ def _walk_rows(beta, G):
 
 
 def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret):
+  # symbolic_zeros: the differentiable arguments come wrapped (CustomVJPPrimal)
+  q, k, v, beta, G, s0 = (x.value if isinstance(x, _CustomVJPPrimal) else x
+                          for x in (q, k, v, beta, G, s0))
   o, e, s_final, t0, h = _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret,
                                        save_states=True)
   return (o, e, s_final), (q, k, v, beta, G, t0, h, e.astype(jnp.bfloat16))
@@ -364,12 +369,18 @@ def _walk_train_core_bwd(scale, c, interpret, res, cts):
   from pallas_kernels.gpu import chunk_grads  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
   q, k, v, beta, G, t0, h_t, e = res
-  do, de_ext, ds_final = cts
+  # Outputs the caller does not use come as symbolic zeros: an unused residual e (the usual
+  # case) costs the reverse walk no copies and XLA no [B, T, HV, V] broadcast of zeros.
+  do, de_ext, ds_final = (None if isinstance(x, _SymbolicZero) else x for x in cts)
+  if do is None:
+    do = jnp.zeros(v.shape, jnp.bfloat16)
+  if ds_final is None:
+    ds_final = jnp.zeros((*v.shape[:1], v.shape[2], q.shape[-1], v.shape[-1]), _F32)
   beta_rows, g_rows = _walk_rows(beta, G)
   gate_rows = beta_rows if g_rows is None else g_rows   # (ignored by the kernels ungated)
   bf = lambda x: x.astype(jnp.bfloat16)
   de_t, dh_t, ds0_t = chunk_walk_reverse.chunk_walk_reverse(
-      bf(q), bf(k), t0, gate_rows, beta_rows, bf(do), bf(de_ext),
+      bf(q), bf(k), t0, gate_rows, beta_rows, bf(do), None if de_ext is None else bf(de_ext),
       jnp.swapaxes(ds_final.astype(_F32), -1, -2), scale=float(scale), gated=G is not None,
       interpret=interpret)
   ds0 = jnp.swapaxes(ds0_t, -1, -2)
@@ -392,7 +403,7 @@ def _walk_train_core_bwd(scale, c, interpret, res, cts):
           None if G is None else dG.reshape(G.shape).astype(G.dtype), ds0)
 
 
-_walk_train_core.defvjp(_walk_train_core_fwd, _walk_train_core_bwd)
+_walk_train_core.defvjp(_walk_train_core_fwd, _walk_train_core_bwd, symbolic_zeros=True)
 
 
 def _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) -> bool:

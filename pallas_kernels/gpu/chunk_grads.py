@@ -126,6 +126,8 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
       for i, (src, dst) in enumerate(loads):
         plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
       arrived = lambda *names: [plgpu.barrier_wait(bars.at[i]) for i in names]
+      # Row sums against k reload it from shared memory rather than hold [C, K] float32 live.
+      k_sum = lambda x: jnp.sum(k_s[...].astype(_F32) * x, axis=1)
 
       arrived(0, 1, 2, 3)
       beta_row = plgpu.load(b_rows, layout=_ROWS)
@@ -166,19 +168,18 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
       with jax.named_scope("dv, dR"):
         arrived(9, 10)
         (d_rv,) = mc.matmuls((c, dv, [(m_s.T, de_s.T)]))
-        vf = v_s[...].astype(_F32)
-        dbeta = jnp.sum(d_rv * vf, axis=1)
+        dbeta = jnp.sum(d_rv * v_s[...].astype(_F32), axis=1)
         do_s[...] = (d_rv * mc.rows(beta_row, (c, dv))).astype(MM_DTYPE)   # dv (dq is done)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(do_s, dv_ref.at[bi, rows, hi])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         do_s[...] = d_rv.astype(MM_DTYPE)             # do_s holds dR_v from here on
-        v_s[...] = (vf * mc.rows(beta_row, (c, dv))).astype(MM_DTYPE)      # β v
+        v_s[...] = (v_s[...].astype(_F32) * mc.rows(beta_row, (c, dv))).astype(MM_DTYPE)  # β v
         rk_s[...] = (k_s[...].astype(_F32) * mc.rows(be_row, (c, dk))).astype(MM_DTYPE)
         plgpu.commit_smem()
         (d_rk,) = mc.matmuls((c, dk, [(do_s, h_s)]))
         d_rk = -d_rk
-        rk_dot = jnp.sum(d_rk * k_s[...].astype(_F32), axis=1)
+        rk_dot = k_sum(d_rk)
         drk_s[...] = d_rk.astype(MM_DTYPE)
         y, u = mc.matmuls((c, dk, [(m_s, rk_s)]), (c, dv, [(m_s, v_s)]))
         rk_s[...] = y.astype(MM_DTYPE)
@@ -195,18 +196,18 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
         plgpu.commit_smem()
 
       with jax.named_scope("dk, vectors"):
+        # dL has read dR_v: do_s becomes −β e ⊙ dR_v, so that dk's β e ⊙ dR_k term
+        # (= −β e ⊙ dR_v Sᵀ) joins dk's one accumulator.
+        do_s[...] = (do_s[...].astype(_F32) * mc.rows(-be_row, (c, dv))).astype(MM_DTYPE)
+        plgpu.commit_smem()
         arrived(11)
-        kf = k_s[...].astype(_F32)
         if gated:   # the exit factors' share, Σ_k k ⊙ (x ⊙ E) dS'ᵀ, on its own: through the
           # identity it would be a difference of terms that strong decay makes far larger
           (dk_exit,) = mc.matmuls((c, dk, [(e_s, dh_s)]))
-          d_exit = jnp.sum(kf * dk_exit, axis=1)
-        # dR_k again from the same bf16 operands (cheaper than holding it across dL).
-        dk_acc, d_rk = mc.matmuls(
-            (c, dk, [(ta_s.T, q_s), (tb_s, k_s), (tb_s.T, k_s), (e_s, dh_s)]),
-            (c, dk, [(do_s, h_s)]))
-        dk_ = dk_acc - d_rk * mc.rows(be_row, (c, dk))
-        kdk = jnp.sum(kf * dk_, axis=1)
+          d_exit = k_sum(dk_exit)
+        (dk_,) = mc.matmuls(
+            (c, dk, [(ta_s.T, q_s), (tb_s, k_s), (tb_s.T, k_s), (e_s, dh_s), (do_s, h_s)]))
+        kdk = k_sum(dk_)
         rk_s[...] = dk_.astype(MM_DTYPE)              # Y was last read by dL
         vout.at[0][...] = dbeta
         if gated:

@@ -64,7 +64,8 @@ def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, ga
 
   Args:
     q, k, t0, g, beta: as `chunk_walk` takes them.
-    do, de_ext: `[B, T, HV, V]` bf16, the cotangents of o and of e.
+    do, de_ext: `[B, T, HV, V]` bf16, the cotangents of o and of e; de_ext may be None (e
+      unused downstream: no copies, no add).
     dsf_t: `[B, HV, V, K]` float32, the cotangent of the final state, transposed.
   Returns:
     de_t `[B, HV, Nc, V, C]` bf16 (dE of each chunk, transposed), dh_t `[B, HV, Nc, V, K]`
@@ -91,7 +92,8 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
               jax.ShapeDtypeStruct((b, hv, nc, dv, dk), MM_DTYPE),
               jax.ShapeDtypeStruct((b, hv, dv, dk), f32))
   vec = plgpu.SMEM((stages, c), f32)
-  n_copies = 9   # q, k, dO, dE_ext, T0 and four gate vectors per chunk
+  with_dx = de_ext is not None
+  n_copies = 8 + with_dx   # q, k, dO, (dE_ext,) T0 and four gate vectors per chunk
 
   def kernel(q_ref, k_ref, t0_ref, g_ref, beta_ref, do_ref, dx_ref, dsf_ref, de_ref, dh_ref,
              ds0_ref, q_s, k_s, do_s, dx_s, m_s, p_s, g_state, b_cols, g_rows, g_cols, s_pub,
@@ -112,7 +114,8 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
                         (q_s, k_s, m_s, (g_state, g_rows, g_cols), b_cols), bi, ki, hi,
                         nc - 1 - j, slot, bar)
         plgpu.copy_gmem_to_smem(do_ref.at[bi, rows, hi, vs], do_s.at[slot], bar)
-        plgpu.copy_gmem_to_smem(dx_ref.at[bi, rows, hi, vs], dx_s.at[slot], bar)
+        if with_dx:
+          plgpu.copy_gmem_to_smem(dx_ref.at[bi, rows, hi, vs], dx_s.at[slot], bar)
 
       stream_ring(issue, nc, stages, in_free)
 
@@ -147,11 +150,12 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
           key_scale = mc.cols(beta_col, (bv, c))
         kds_t = _product(ds_lo, k_s.at[slot].T, (bv, c), stage_k)          # the chain
         do_t = plgpu.load(do_s.at[slot].T, layout=_WG).astype(jnp.float32)
-        dx_t = plgpu.load(dx_s.at[slot].T, layout=_WG).astype(jnp.float32)
         qdo_t = _product((do_t * out_scale).astype(MM_DTYPE), q_s.at[slot], (bv, dk), stage_c)
         plgpu.barrier_wait(factors_ready.at[slot])
         pdo_t = _product(do_s.at[slot].T, p_s.at[slot], (bv, c))
-        de_t = dx_t + pdo_t + (kds_t * exit_ if gated else kds_t)
+        de_t = pdo_t + (kds_t * exit_ if gated else kds_t)
+        if with_dx:
+          de_t = de_t + plgpu.load(dx_s.at[slot].T, layout=_WG).astype(jnp.float32)
         de_out.at[half][...] = de_t.astype(MM_DTYPE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(de_out.at[half], de_ref.at[bi, hi, n, vs])
@@ -195,13 +199,18 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
   if interpret is not None:   # staging tiles for register operands (`chunk_walk._product`)
     scratch.update(stage_k=mc.smem((bv, dk), MM_DTYPE), stage_c=mc.smem((bv, c), MM_DTYPE))
 
+  ins = (q, k, t0, g, beta, do) + ((de_ext,) if with_dx else ()) + (dsf_t,)
+  n_io = len(ins) + len(out_type)
+
   def body(*refs):
-    return kernel(*refs[:11], **dict(zip(scratch, refs[11:])))
+    io = list(refs[:n_io])
+    if not with_dx:
+      io.insert(6, None)
+    return kernel(*io, **dict(zip(scratch, refs[n_io:])))
 
   return plgpu.kernel(body, out_type=out_type, scratch_types=tuple(scratch.values()),
                       grid=(b, hv, dv // bv), grid_names=("b", "h", "v"), num_threads=3,
-                      thread_name="wg", interpret=interpret)(q, k, t0, g, beta, do, de_ext,
-                                                             dsf_t)
+                      thread_name="wg", interpret=interpret)(*ins)
 
 
 def chunk_walk_reverse_reference(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float,
@@ -217,7 +226,8 @@ def chunk_walk_reverse_reference(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale:
   c, nc, n_rep = CHUNK, t // CHUNK, hv // h
   split = lambda x: jnp.moveaxis(x.astype(f32).reshape(b, nc, c, *x.shape[2:]), 1, 0)
   qc, kc = (jnp.repeat(split(x), n_rep, axis=3) for x in (q, k))     # [Nc, B, C, HV, K]
-  doc, dxc = split(do), split(de_ext)                                 # [Nc, B, C, HV, V]
+  doc = split(do)                                                     # [Nc, B, C, HV, V]
+  dxc = jnp.zeros_like(doc) if de_ext is None else split(de_ext)
   gc = jnp.moveaxis(g.astype(f32).reshape(b, hv, nc, c), 2, 0)
   bc = jnp.moveaxis(beta.astype(f32).reshape(b, hv, nc, c), 2, 0)
   tc = jnp.moveaxis(t0.astype(f32), 2, 0)
