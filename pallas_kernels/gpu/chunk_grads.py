@@ -16,7 +16,7 @@ M = T0 ⊙ Γ, P = s q kᵀ ⊙ Γ, e = e^{G}, x = e^{G_C − G}, γ = e^{G_C} (
     dβ = Σ_j dL ⊙ kkᵀ ⊙ Γ + e Σ_k dR_k ⊙ k + Σ_v dR_v ⊙ v
 
 The gate gradient needs no column sums. Every term in G enters through q e^{G_i}, k e^{±G},
-Γ and γ; collecting them (docs/MATH.md §3.4) leaves, for the rows of the chunk,
+Γ and γ; collecting them (docs/MATH.md §3.6) leaves, for the rows of the chunk,
 
     dG_i = Σ_k q dq − Σ_k k dk + 2 (β e Σ_k dR_k ⊙ k + β Σ_j dL ⊙ kkᵀ ⊙ Γ)_i
 
@@ -26,7 +26,7 @@ identity could give the x part too, as a difference of sums; under strong decay,
 tiny, that difference lost all precision, so the kernel makes (x ⊙ E) dS'ᵀ on its own.)
 
 Every product takes bf16 operands and a float32 accumulator; dq, dk (per value head) and dv
-leave in bf16, dβ and dG in float32. Shared memory at K = V = 128: 218 KiB (one CTA per SM);
+leave in bf16, dβ and dG in float32. Shared memory at K = V = 128: 222 KiB (one CTA per SM);
 tiles of the same shape are reused once their first content is dead (see the kernel).
 Scope: C = 64, K and V in {64, 128}, no packed rows (as the walks). Runs in JAX's Mosaic GPU
 interpreter; `chunk_grads_reference` (the VJP of the chunk map, float32, exact inverse) is its
@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import mosaic_common as mc
-from pallas_kernels.gpu.intra_chunk import _cta_coords, _grid
+from pallas_kernels.gpu.intra_chunk import _compiler_params, _cta_coords, _grid
 
 CHUNK = 64
 MM_DTYPE = jnp.bfloat16
@@ -64,7 +64,7 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 
 
 def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
-                gated: bool = True, interpret=None):
+                gated: bool = True, profile_dir: str = "", interpret=None):
   """(dq, dk, dv, dβ, dG) of the delta rule's chunk form, per value head.
 
   Args:
@@ -73,13 +73,15 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
       cumulative log gates (ignored when not gated); beta `[B, HV, T]` float32;
       h_t, dh_t: `[B, HV, Nc, V, K]` bf16, the state entering each chunk and the cotangent of
       the state leaving it, transposed; de_t: `[B, HV, Nc, V, C]` bf16, dE transposed.
+    profile_dir: if set, Mosaic GPU's in-kernel profiler writes a trace of the kernel's named
+      phases there on every call (`experiments.kernel_trace` reads it); for measurement.
   Returns:
     dq, dk `[B, T, HV, K]` bf16 (each value head's share: GVA sums them), dv `[B, T, HV, V]`
     bf16, dβ `[B, HV, T]` float32 and dG `[B, HV, T]` float32 (None when not gated): the
     gradient with respect to the chunk cumulative gates G.
   """
   outs = _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, scale=float(scale),
-                      gated=bool(gated), interpret=interpret)
+                      gated=bool(gated), profile_dir=profile_dir, interpret=interpret)
   outs = mc.sync_if_interpreted(outs, interpret)
   if not gated:
     return (*outs, None)
@@ -90,8 +92,9 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
   return dq, dk, dv, dbeta, dg.reshape(b, hv, t)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated", "interpret"))
-def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "profile_dir", "interpret"))
+def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, interpret,
+                 profile_dir=""):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c = CHUNK
@@ -129,6 +132,8 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
       # Row sums against k reload it from shared memory rather than hold [C, K] float32 live.
       k_sum = lambda x: jnp.sum(k_s[...].astype(_F32) * x, axis=1)
 
+      gates = jax.named_scope("gates, M")
+      gates.__enter__()
       arrived(0, 1, 2, 3)
       beta_row = plgpu.load(b_rows, layout=_ROWS)
       lower = mc.iota(c, 0) >= mc.iota(c, 1)
@@ -145,6 +150,7 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
       else:
         be_row = beta_row
         decay = lambda: jnp.where(lower, 1.0, 0.0)     # T0 is M already
+      gates.__exit__(None, None, None)
 
       with jax.named_scope("dA, dq"):
         arrived(4, 5, 6, 7)
@@ -235,6 +241,7 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
                   plgpu.Barrier(num_barriers=12))
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
+                      compiler_params=_compiler_params(profile_dir),
                       **_grid(b, hv, nc, dv))(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t)
 
 

@@ -1,0 +1,94 @@
+"""Time the walk path's per-chunk backward kernel (`pallas_kernels.gpu.chunk_grads`) alone,
+gated (GDN) and ungated (DeltaNet), and optionally break one call into its named phases with
+Mosaic GPU's in-kernel profiler.
+
+On the H200 (2026-12-04) the gated kernel took 573 µs and the ungated one 386 µs inside the
+op (docs/BENCHMARKS.md "fourteenth stage"); this program isolates that difference:
+
+    python3 -u -m experiments.bench_chunk_grads --profile_dir=/tmp/cg_prof
+
+prints, per variant, the median wall time of a call (block_until_ready, after a warm-up) and,
+with --profile_dir, the mean time per CTA of each phase (`experiments.kernel_trace`). Inputs
+are random with the op's shapes (q, k, v, E, dO `[B, T, H, D]` bf16; T0, the states and the
+cotangents in the walks' layouts); the kernel's work does not depend on their values. Off GPU
+the kernel runs in JAX's Mosaic GPU interpreter (to check this program, not to time it) and
+--profile_dir is refused.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import cli
+from experiments import kernel_trace
+
+_SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
+_ITERS = flags.DEFINE_integer("iters", 30, "Timed calls per variant; the median is reported.")
+_PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "If set, one profiled call per variant "
+                                   "writes its trace here and its phases are printed.")
+
+
+def _inputs(b, t, h, d):
+  from pallas_kernels.gpu import chunk_grads as cg  # pylint: disable=g-import-not-at-top
+  nc, c = t // cg.CHUNK, cg.CHUNK
+  keys = iter(jax.random.split(jax.random.key(0), 12))
+  bf = jnp.bfloat16
+  normal = lambda shape, dtype=bf: (0.3 * jax.random.normal(next(keys), shape)).astype(dtype)
+  act = lambda: normal((b, t, h, d))
+  return dict(q=act(), k=act(), v=act(), e=act(), do=act(),
+              t0=jnp.tril(normal((b, h, nc, c, c))),
+              g=-jnp.abs(normal((b, h, t), jnp.float32)),
+              beta=jax.nn.sigmoid(normal((b, h, t), jnp.float32)),
+              h_t=normal((b, h, nc, d, d)), dh_t=normal((b, h, nc, d, d)),
+              de_t=normal((b, h, nc, d, c)))
+
+
+def main(argv):
+  del argv
+  from pallas_kernels.gpu import chunk_grads as cg  # pylint: disable=g-import-not-at-top
+  b, t, h, d = (int(x) for x in _SHAPE.value.split(","))
+  x = _inputs(b, t, h, d)
+  interpret = None
+  if jax.default_backend() != "gpu":
+    if _PROFILE_DIR.value:
+      raise app.UsageError("--profile_dir needs a GPU (the in-kernel profiler is compiled in)")
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+    interpret = plgpu.InterpretGPUParams()
+  print(f"chunk_grads at B{b} T{t} H{h} D{d}, {jax.devices()[0].device_kind}", flush=True)
+  for gated in (True, False):
+    name = "gated (GDN)" if gated else "ungated (DeltaNet)"
+    fn = jax.jit(lambda a, gated=gated: cg.chunk_grads(**a, scale=d ** -0.5, gated=gated,
+                                                       interpret=interpret))
+    jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(_ITERS.value):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(x))
+      times.append(time.perf_counter() - start)
+    print(f"{name}: median {np.median(times) * 1e6:.0f} µs, min {np.min(times) * 1e6:.0f} µs "
+          f"over {_ITERS.value} calls", flush=True)
+    if _PROFILE_DIR.value:
+      out = os.path.join(_PROFILE_DIR.value, "gated" if gated else "ungated")
+      os.makedirs(out, exist_ok=True)
+      prof = jax.jit(lambda a, gated=gated, out=out: cg.chunk_grads(
+          **a, scale=d ** -0.5, gated=gated, profile_dir=out))
+      jax.block_until_ready(prof(x))
+      traces = sorted(glob.glob(os.path.join(out, "*.json")), key=os.path.getmtime)
+      if not traces:
+        raise RuntimeError(f"the profiled call wrote no trace into {out}")
+      with open(traces[-1]) as f:
+        rows, span = kernel_trace.summarize(json.load(f))
+      print(kernel_trace.to_markdown(rows, span, title=f"{name}: "), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.parse_flags)
