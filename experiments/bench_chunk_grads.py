@@ -5,7 +5,7 @@ Mosaic GPU's in-kernel profiler.
 On the H200 (2026-12-04) the gated kernel took 573 µs and the ungated one 386 µs inside the
 op (docs/BENCHMARKS.md "fourteenth stage"); this program isolates that difference:
 
-    python3 -u -m experiments.bench_chunk_grads --profile_dir=/tmp/cg_prof
+    python3 -u -m experiments.bench_chunk_grads --profile_dir=/tmp/cg_prof --approx_math=false,true
 
 prints, per variant, the median wall time of a call (block_until_ready, after a warm-up) and,
 with --profile_dir, the mean time per CTA of each phase (`experiments.kernel_trace`). Inputs
@@ -33,6 +33,8 @@ from experiments import kernel_trace
 
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
 _ITERS = flags.DEFINE_integer("iters", 30, "Timed calls per variant; the median is reported.")
+_APPROX = flags.DEFINE_list("approx_math", "false", "Variants of the kernel's approx_math "
+                            "(e.g. false,true: an A/B of ex2.approx for e^x).")
 _PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "If set, one profiled call per variant "
                                    "writes its trace here and its phases are printed.")
 
@@ -64,10 +66,13 @@ def main(argv):
     from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
     interpret = plgpu.InterpretGPUParams()
   print(f"chunk_grads at B{b} T{t} H{h} D{d}, {jax.devices()[0].device_kind}", flush=True)
-  for gated in (True, False):
-    name = "gated (GDN)" if gated else "ungated (DeltaNet)"
-    fn = jax.jit(lambda a, gated=gated: cg.chunk_grads(**a, scale=d ** -0.5, gated=gated,
-                                                       interpret=interpret))
+  variants = [(gated, approx == "true") for approx in _APPROX.value for gated in (True, False)]
+  if not set(_APPROX.value) <= {"false", "true"}:
+    raise app.UsageError(f"--approx_math takes false and/or true, got {_APPROX.value}")
+  for gated, approx in variants:
+    name = ("gated (GDN)" if gated else "ungated (DeltaNet)") + (", approx_math" if approx else "")
+    fn = jax.jit(lambda a, gated=gated, approx=approx: cg.chunk_grads(
+        **a, scale=d ** -0.5, gated=gated, approx_math=approx, interpret=interpret))
     jax.block_until_ready(fn(x))
     times = []
     for _ in range(_ITERS.value):
@@ -77,10 +82,11 @@ def main(argv):
     print(f"{name}: median {np.median(times) * 1e6:.0f} µs, min {np.min(times) * 1e6:.0f} µs "
           f"over {_ITERS.value} calls", flush=True)
     if _PROFILE_DIR.value:
-      out = os.path.join(_PROFILE_DIR.value, "gated" if gated else "ungated")
+      out = os.path.join(_PROFILE_DIR.value, ("gated" if gated else "ungated")
+                         + ("_approx" if approx else ""))
       os.makedirs(out, exist_ok=True)
-      prof = jax.jit(lambda a, gated=gated, out=out: cg.chunk_grads(
-          **a, scale=d ** -0.5, gated=gated, profile_dir=out))
+      prof = jax.jit(lambda a, gated=gated, approx=approx, out=out: cg.chunk_grads(
+          **a, scale=d ** -0.5, gated=gated, approx_math=approx, profile_dir=out))
       jax.block_until_ready(prof(x))
       traces = sorted(glob.glob(os.path.join(out, "*.json")), key=os.path.getmtime)
       if not traces:

@@ -23,10 +23,11 @@ def _run(*args):
 
 
 def test_times_both_variants_in_the_interpreter():
-  proc = _run("--shape=1,64,1,64", "--iters=1")
+  proc = _run("--shape=1,64,1,64", "--iters=1", "--approx_math=false,true")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "chunk_grads at B1 T64 H1 D64" in proc.stdout
-  for name in ("gated (GDN)", "ungated (DeltaNet)"):
+  for name in ("gated (GDN)", "ungated (DeltaNet)", "gated (GDN), approx_math",
+               "ungated (DeltaNet), approx_math"):
     assert re.search(rf"^{re.escape(name)}: median \d+ µs, min \d+ µs over 1 calls$",
                      proc.stdout, re.M), proc.stdout
 

@@ -108,8 +108,9 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk, dv):
           sds((b, t, hv, dv), bf), sds((b, t, hv, dv), bf), sds((b, hv, nc, 64, 64), bf),
           sds((b, hv, t), f32), sds((b, hv, t), f32), sds((b, hv, nc, dv, dk), bf),
           sds((b, hv, nc, dv, dk), bf), sds((b, hv, nc, dv, 64), bf))
-  for gated in (True, False):
-    fn = lambda *a, gated=gated: cg._chunk_grads(*a, scale=0.1, gated=gated, interpret=None)
+  for gated, approx in ((True, False), (False, False), (True, True)):
+    fn = lambda *a, gated=gated, approx=approx: cg._chunk_grads(
+        *a, scale=0.1, gated=gated, approx_math=approx, interpret=None)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, dv, gated, estimates[-1])

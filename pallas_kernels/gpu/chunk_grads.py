@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import mosaic_common as mc
-from pallas_kernels.gpu.intra_chunk import _compiler_params, _cta_coords, _grid
+from pallas_kernels.gpu.intra_chunk import PROFILE_EVENTS, _cta_coords, _grid
 
 CHUNK = 64
 MM_DTYPE = jnp.bfloat16
@@ -64,7 +64,8 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 
 
 def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
-                gated: bool = True, profile_dir: str = "", interpret=None):
+                gated: bool = True, approx_math: bool = False, profile_dir: str = "",
+                interpret=None):
   """(dq, dk, dv, dβ, dG) of the delta rule's chunk form, per value head.
 
   Args:
@@ -73,6 +74,9 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
       cumulative log gates (ignored when not gated); beta `[B, HV, T]` float32;
       h_t, dh_t: `[B, HV, Nc, V, K]` bf16, the state entering each chunk and the cotangent of
       the state leaving it, transposed; de_t: `[B, HV, Nc, V, C]` bf16, dE transposed.
+    approx_math: let Mosaic GPU use approximate math (e^x as ex2.approx.ftz of x·log2 e:
+      ~2⁻²² relative, and −1e4 log gates still give 0). Off by default until timed; an A/B
+      knob of `experiments.bench_chunk_grads`.
     profile_dir: if set, Mosaic GPU's in-kernel profiler writes a trace of the kernel's named
       phases there on every call (`experiments.kernel_trace` reads it); for measurement.
   Returns:
@@ -81,7 +85,8 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
     gradient with respect to the chunk cumulative gates G.
   """
   outs = _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, scale=float(scale),
-                      gated=bool(gated), profile_dir=profile_dir, interpret=interpret)
+                      gated=bool(gated), approx_math=bool(approx_math),
+                      profile_dir=profile_dir, interpret=interpret)
   outs = mc.sync_if_interpreted(outs, interpret)
   if not gated:
     return (*outs, None)
@@ -92,9 +97,10 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
   return dq, dk, dv, dbeta, dg.reshape(b, hv, t)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated", "profile_dir", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "approx_math", "profile_dir",
+                                             "interpret"))
 def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, interpret,
-                 profile_dir=""):
+                 approx_math=False, profile_dir=""):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c = CHUNK
@@ -241,8 +247,17 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
                   plgpu.Barrier(num_barriers=12))
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
-                      compiler_params=_compiler_params(profile_dir),
+                      compiler_params=_compiler_params(approx_math, profile_dir),
                       **_grid(b, hv, nc, dv))(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t)
+
+
+def _compiler_params(approx_math: bool, profile_dir: str):
+  params = {}
+  if approx_math:
+    params["approx_math"] = True
+  if profile_dir:
+    params.update(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
+  return plgpu.CompilerParams(**params) if params else None
 
 
 def chunk_grads_reference(q, k, v, e, do, g, beta, h_t, dh_t, de_t, *, scale: float,
