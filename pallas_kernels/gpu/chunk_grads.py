@@ -152,16 +152,18 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
         def decay():
           diff = mc.rows(g_row, (c, c)) - mc.cols(plgpu.load(g_cols, layout=_COLS), (c, c))
           return jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
-        m_s[...] = (m_s[...].astype(_F32) * decay()).astype(MM_DTYPE)    # M = T0 ⊙ Γ
+        gam = decay()   # kept for dA, next: little else is live yet (the dL phase remakes it)
+        m_s[...] = (m_s[...].astype(_F32) * gam).astype(MM_DTYPE)    # M = T0 ⊙ Γ
       else:
         be_row = beta_row
         decay = lambda: jnp.where(lower, 1.0, 0.0)     # T0 is M already
+        gam = decay()
       gates.__exit__(None, None, None)
 
       with jax.named_scope("dA, dq"):
         arrived(4, 5, 6, 7)
         (dp,) = mc.matmuls((c, c, [(do_s, e_s.T)]))
-        d_a = dp * (decay() * scale)
+        d_a = dp * (gam * scale)
         ta_s[...] = d_a.astype(MM_DTYPE)
         # dO and E are read for the last time as they are: dO becomes s e ⊙ dO, E x ⊙ E.
         if gated:
