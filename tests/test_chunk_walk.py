@@ -6,8 +6,8 @@ included (a barrier phase left unobserved fails there), so this file runs in `ma
 Hopper GPU the same tests run the compiled kernel. Oracles:
 * the kernel against `chunk_walk_reference`, a float32 scan over chunks with the kernel's bf16
   operand roundings (the final state to accumulation order, 5e-4; o and e, which leave the
-  kernel in bf16, to 1e-2; the saved chunk states 5e-3), and that reference against the op's `scan` (the delta rule itself,
-  2e-2: bf16 roundings);
+  kernel in bf16, to 1e-2; the saved chunk states 5e-3), and that reference against the op's
+  `scan` (the delta rule itself, 2e-2: bf16 roundings);
 * the op with forward="walk" against `scan`: output, final state and write residual (2e-2),
   under jit, at the edges of T, with GVA, an initial state and −1e4 gates;
 * training through both walks (forward="walk") against `scan`: every gradient, the residual's

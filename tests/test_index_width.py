@@ -83,8 +83,8 @@ def _gpu_kernel_cases(b, t, h, d):
           *a, scale=0.1, gated=True, interpret=None),
           inputs[:2] + [cc] + rows[:2] + inputs[2:3] * 2 + [SDS((b, h, d, d), F32)]),
       "chunk grads": (lambda *a: cg._chunk_grads(*a, scale=0.1, gated=True, interpret=None),
-                      inputs[:3] + inputs[2:3] * 2 + [cc] + rows[:2] + [SDS((b, h, nc, d, d), BF)] * 2
-                      + [SDS((b, h, nc, d, c), BF)]),
+                      inputs[:3] + inputs[2:3] * 2 + [cc] + rows[:2]
+                      + [SDS((b, h, nc, d, d), BF)] * 2 + [SDS((b, h, nc, d, c), BF)]),
       "intra bwd packed": (lambda *a: ic._intra_chunk_bwd(
           *a[:6], a[10:], *a[6:10], scale=0.1, interpret=None),
           inputs + [cc, ck, cc, ck] + segments),

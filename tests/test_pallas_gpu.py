@@ -127,11 +127,13 @@ def test_each_tuning_traces_separately_under_one_jit(monkeypatch):
 def test_remat_intra_decides_whether_the_intra_chunk_part_is_checkpointed():
   # remat_intra only changes what the backward keeps; the traced program shows it as a
   # checkpoint (remat) around the XLA intra-chunk part, and the forward values are the same.
+  # (channel_intra="xla": where the triton extra runs, "auto" takes the Triton channel kernels
+  # and there is no XLA intra-chunk part to checkpoint.)
   args, _ = make_inputs("kda", b=1, t=64, h=1, hv=1, dk=64, dv=64, seed=13)
   results = {}
   for remat in (True, False):
-    fn = lambda *a, remat=remat: ops.kda(*a, implementation="pallas_gpu",
-                                         tuning=pallas_gpu.GpuTuning(remat_intra=remat))[0]
+    tuning = pallas_gpu.GpuTuning(remat_intra=remat, channel_intra="xla")
+    fn = lambda *a, tuning=tuning: ops.kda(*a, implementation="pallas_gpu", tuning=tuning)[0]
     # The printed jaxpr holds nested jaxprs inline; remat's primitive is "remat2" in jax 0.11
     # ("checkpoint" in some other versions).
     text = str(jax.make_jaxpr(fn)(*args))

@@ -138,27 +138,25 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
       # Row sums against k reload it from shared memory rather than hold [C, K] float32 live.
       k_sum = lambda x: jnp.sum(k_s[...].astype(_F32) * x, axis=1)
 
-      gates = jax.named_scope("gates, M")
-      gates.__enter__()
-      arrived(0, 1, 2, 3)
-      beta_row = plgpu.load(b_rows, layout=_ROWS)
-      lower = mc.iota(c, 0) >= mc.iota(c, 1)
-      if gated:
-        g_row = plgpu.load(g_rows, layout=_ROWS)
-        g_last = g_rows[c - 1]
-        entry, exit_ = jnp.exp(g_row), jnp.exp(g_last - g_row)
-        be_row = beta_row * entry
+      with jax.named_scope("gates, M"):
+        arrived(0, 1, 2, 3)
+        beta_row = plgpu.load(b_rows, layout=_ROWS)
+        lower = mc.iota(c, 0) >= mc.iota(c, 1)
+        if gated:
+          g_row = plgpu.load(g_rows, layout=_ROWS)
+          g_last = g_rows[c - 1]
+          entry, exit_ = jnp.exp(g_row), jnp.exp(g_last - g_row)
+          be_row = beta_row * entry
 
-        def decay():
-          diff = mc.rows(g_row, (c, c)) - mc.cols(plgpu.load(g_cols, layout=_COLS), (c, c))
-          return jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
-        gam = decay()   # kept for dA, next: little else is live yet (the dL phase remakes it)
-        m_s[...] = (m_s[...].astype(_F32) * gam).astype(MM_DTYPE)    # M = T0 ⊙ Γ
-      else:
-        be_row = beta_row
-        decay = lambda: jnp.where(lower, 1.0, 0.0)     # T0 is M already
-        gam = decay()
-      gates.__exit__(None, None, None)
+          def decay():
+            diff = mc.rows(g_row, (c, c)) - mc.cols(plgpu.load(g_cols, layout=_COLS), (c, c))
+            return jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+          gam = decay()   # kept for dA, next: little else is live yet (the dL phase remakes it)
+          m_s[...] = (m_s[...].astype(_F32) * gam).astype(MM_DTYPE)    # M = T0 ⊙ Γ
+        else:
+          be_row = beta_row
+          decay = lambda: jnp.where(lower, 1.0, 0.0)     # T0 is M already
+          gam = decay()
 
       with jax.named_scope("dA, dq"):
         arrived(4, 5, 6, 7)

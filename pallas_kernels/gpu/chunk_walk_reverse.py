@@ -25,8 +25,9 @@ One CTA per (batch, value head, 64 value columns), three warpgroups on one chunk
   operands, so nothing is lost by rounding here).
 
 Outputs are transposed (`[.., V, C]`, `[.., V, K]`): `chunk_grads` reads these tiles as the
-wgmma operands it needs. Same sizes and scope as `chunk_walk` (no packed rows). Runs in JAX's Mosaic GPU
-interpreter (register operands staged through scratch tiles there, as in `chunk_walk`).
+wgmma operands it needs. Same sizes and scope as `chunk_walk` (no packed rows). Runs in JAX's
+Mosaic GPU interpreter (register operands staged through scratch tiles there, as in
+`chunk_walk`).
 """
 
 from __future__ import annotations
