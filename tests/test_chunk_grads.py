@@ -87,6 +87,27 @@ def test_kernel_matches_the_chunk_vjp(case):
     assert_close(jnp.asarray(g, jnp.float32), w, TOL, f"{case}: {name}")
 
 
+LINEAR_CASES = [(1, 128, 1, 2, 64, 128), (1, 64, 1, 1, 128, 64)]
+if ON_GPU:
+  LINEAR_CASES += [(2, 512, 2, 4, 128, 128)]
+
+
+@pytest.mark.parametrize("b,t,h,hv,dk,dv", LINEAR_CASES)
+def test_linear_attention_kernel_matches_the_chunk_vjp(b, t, h, hv, dk, dv):
+  # t0=None: linear attention (E = v, no erase); v, g and beta are not read.
+  x = _inputs(b, t, h, hv, dk, dv, seed=t + hv)
+  x["e"] = x["v"]           # what the forward walk writes for linear attention
+  scale = dk ** -0.5
+  got = jax.jit(lambda a: cg.chunk_grads(**dict(a, t0=None), scale=scale, gated=False,
+                                         interpret=INTERPRET))(x)
+  ref_args = {name: val for name, val in x.items() if name != "t0"}
+  want = jax.jit(lambda a: cg.chunk_grads_reference(**a, scale=scale, gated=False,
+                                                    delta=False))(ref_args)
+  assert got[3] is None and got[4] is None and want[3] is None and want[4] is None
+  for name, g, w in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+    assert_close(jnp.asarray(g, jnp.float32), w, TOL, f"linear attention: {name}")
+
+
 def test_refuses_sizes_it_does_not_take():
   assert "V=256" in cg.supported(64, 128, 256)
   assert "chunk_size=32" in cg.supported(32, 64, 64)
@@ -108,9 +129,11 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk, dv):
           sds((b, t, hv, dv), bf), sds((b, t, hv, dv), bf), sds((b, hv, nc, 64, 64), bf),
           sds((b, hv, t), f32), sds((b, hv, t), f32), sds((b, hv, nc, dv, dk), bf),
           sds((b, hv, nc, dv, dk), bf), sds((b, hv, nc, dv, 64), bf))
-  for gated, approx in ((True, False), (False, False), (True, True)):
-    fn = lambda *a, gated=gated, approx=approx: cg._chunk_grads(
-        *a, scale=0.1, gated=gated, approx_math=approx, interpret=None)
+  for gated, approx, delta in ((True, False, True), (False, False, True), (True, True, True),
+                               (False, False, False)):
+    fn = lambda *a, gated=gated, approx=approx, delta=delta: cg._chunk_grads(
+        *a[:5], a[5] if delta else None, *a[6:], scale=0.1, gated=gated, approx_math=approx,
+        interpret=None)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, dv, gated, estimates[-1])

@@ -126,6 +126,51 @@ def test_reverse_kernel_matches_its_rounded_reference(case):
     assert_close(ds00, rds00, 5e-4, "dS0 without dE_ext")
 
 
+LINEAR_KERNEL_CASES = [(1, 192, 1, 2, 64, 128)]
+if ON_GPU:
+  LINEAR_KERNEL_CASES += [(2, 1024, 2, 4, 128, 128)]
+
+
+@pytest.mark.parametrize("b,t,h,hv,dk,dv", LINEAR_KERNEL_CASES)
+def test_linear_attention_walks_match_their_references(b, t, h, hv, dk, dv):
+  # t0=None: linear attention, the same walks without the erase (E = v), both ways.
+  q, k, v, _, g, beta, s0t = _kernel_inputs(b, t, h, hv, dk, dv, seed=t)
+  scale = dk ** -0.5
+  o, e, sf, hs = jax.jit(lambda *a: cw.chunk_walk(*a, scale=scale, gated=False, save_states=True,
+                                                  interpret=INTERPRET))(q, k, v, None, g, beta,
+                                                                       s0t)
+  ro, re, rsf, rh = cw.chunk_walk_reference(q, k, v, None, g, beta, s0t, scale=scale,
+                                            gated=False)
+  np.testing.assert_array_equal(np.asarray(e, np.float32), np.asarray(v, np.float32))
+  assert_close(sf, rsf, 5e-4, "final state")
+  assert_close(hs.astype(jnp.float32), rh, 5e-3, "chunk states")
+  assert_close(o.astype(jnp.float32), ro, 1e-2, "o")
+  r = np.random.default_rng(t)
+  do = jnp.asarray(r.standard_normal((b, t, hv, dv)), jnp.bfloat16)
+  dsf = jnp.asarray(0.1 * r.standard_normal((b, hv, dv, dk)), jnp.float32)
+  args = (q, k, None, g, beta, do, None, dsf)
+  de, dh, ds0 = jax.jit(lambda *a: cwr.chunk_walk_reverse(*a, scale=scale, gated=False,
+                                                          interpret=INTERPRET))(*args)
+  rde, rdh, rds0 = cwr.chunk_walk_reverse_reference(*args, scale=scale, gated=False)
+  assert_close(de.astype(jnp.float32), rde, 1e-2, "dE")
+  assert_close(ds0, rds0, 5e-4, "dS0")
+  assert_close(dh.astype(jnp.float32), rdh, 5e-3, "dh")
+
+
+def test_linear_attention_reference_is_linear_attention():
+  from lineax_attn import ops  # pylint: disable=g-import-not-at-top
+  b, t, h, hv, dk, dv = 1, 192, 1, 2, 64, 64
+  q, k, v, _, g, beta, s0t = _kernel_inputs(b, t, h, hv, dk, dv, seed=4)
+  o, e, sf, _ = cw.chunk_walk_reference(q, k, v, None, g, beta, s0t, scale=0.125, gated=False)
+  f32 = lambda x: x.astype(jnp.float32)
+  want_o, want_s = ops.linear_attention(f32(q), f32(k), f32(v), scale=0.125,
+                                        initial_state=jnp.swapaxes(s0t, -1, -2),
+                                        output_final_state=True, implementation="scan")
+  assert_close(o, want_o, FWD_TOL, "o")
+  assert_close(jnp.swapaxes(sf, -1, -2), want_s, FWD_TOL, "final state")
+  assert_close(e, f32(v), 1e-6, "e = v")
+
+
 def test_reference_is_the_delta_rule():
   # The kernel's oracle against the recurrence itself: `scan` of GDN on the same inputs.
   from lineax_attn import ops  # pylint: disable=g-import-not-at-top
@@ -144,7 +189,7 @@ def test_reference_is_the_delta_rule():
 
 
 OP_CASES = [("gated_delta_rule", 100, 1.0), ("delta_rule", 100, 1.0), ("gated_delta_rule", 1, 1.0),
-            ("gated_delta_rule", 65, 1.0)]
+            ("gated_delta_rule", 65, 1.0), ("linear_attention", 100, 1.0)]
 if ON_GPU:
   OP_CASES += [("gated_delta_rule", 63, 1.0), ("gated_delta_rule", 64, 1.0),
                ("delta_rule", 128, 1.0), ("gated_delta_rule", 1000, 1e4)]
@@ -165,7 +210,7 @@ def test_op_with_the_walk_matches_scan(mixer, t, tau_inv):
 # (Not T = 1: its one β per head gets a gradient whose terms cancel, so the relative error of
 # that one scalar measures bf16 cancellation, not the path: 0.21 here, 0.08 for the split,
 # ~1e-3 for both from T = 3.)
-GRAD_CASES = [("gated_delta_rule", 80, 1), ("delta_rule", 130, 2)]
+GRAD_CASES = [("gated_delta_rule", 80, 1), ("delta_rule", 130, 2), ("linear_attention", 100, 2)]
 if ON_GPU:
   GRAD_CASES += [("gated_delta_rule", 3, 1), ("gated_delta_rule", 64, 2),
                  ("gated_delta_rule", 333, 1)]
@@ -188,7 +233,9 @@ def test_training_through_both_walks_matches_scan(mixer, t, hv):
       return jnp.sum(o * o) + jnp.sum(s * s) + jnp.sum(r * w_r)
     return jax.jit(jax.grad(f, argnums=tuple(range(len(args) + 1))))(*args, s0)
 
-  names = ["q", "k", "v"] + (["g"] if mixer == "gated_delta_rule" else []) + ["beta", "s0"]
+  names = {"gated_delta_rule": ["q", "k", "v", "g", "beta"], "delta_rule": ["q", "k", "v", "beta"],
+           "linear_attention": ["q", "k", "v"]}[mixer] + ["s0"]
+  assert len(names) == len(args) + 1
   for name, g, w in zip(names, loss("pallas_gpu", WALK), loss("scan", None)):
     assert_close(g, w, GRAD_TOL, f"{mixer} T={t} HV={hv}: d{name}")
 
@@ -211,6 +258,22 @@ def test_training_with_unused_outputs_matches_scan(used):
   for name, g, want in zip(["q", "k", "v", "g", "beta"], loss("pallas_gpu", WALK),
                            loss("scan", None)):
     assert_close(g, want, GRAD_TOL, f"{used} only: d{name}")
+
+
+def test_linear_attention_takes_the_walks_without_t0(monkeypatch):
+  # Linear attention runs the walks with t0=None (no gate-free inverse is made) where DeltaNet /
+  # GDN would walk; the split keeps it off them.
+  calls = []
+  real = cw.chunk_walk
+  monkeypatch.setattr(cw, "chunk_walk", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+  args, kw = make_inputs("linear_attention", b=1, t=70, h=1, hv=1, dk=64, dv=64, seed=5)
+  got = run_jit("linear_attention", args, **kw, implementation="pallas_gpu", tuning=WALK)
+  assert calls == [None]
+  split = run_jit("linear_attention", args, **kw, implementation="pallas_gpu",
+                  tuning=pallas_gpu.GpuTuning(forward="split"))
+  assert len(calls) == 1
+  assert_close(got[0], split[0], FWD_TOL, "walk vs split")
+  assert not pallas_gpu._linear_walk_applies(WALK, 128, 256, 64, "mosaic", False)   # V 256
 
 
 def test_auto_takes_the_walk_where_the_triton_extra_runs():

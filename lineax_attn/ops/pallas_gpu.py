@@ -303,6 +303,15 @@ def walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, kernels: 
           and chunk_walk.supported(chunk_size, dk, dv) is None)
 
 
+def _linear_walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, kernels: str,
+                         packed: bool) -> bool:
+  """Linear attention walks where DeltaNet / GDN would and `chunk_grads` takes the sizes (its
+  backward has no fallback)."""
+  from pallas_kernels.gpu import chunk_grads  # pylint: disable=g-import-not-at-top
+  return (walk_applies(tuning, dk, dv, chunk_size, kernels, packed)
+          and chunk_grads.supported(chunk_size, dk, dv) is None)
+
+
 def gate_free_inverse(k, beta_rows, hv: int, c: int):
   """T0 = (I + diag(β) strict(k kᵀ))⁻¹ per chunk, `[B, HV, Nc, C, C]` bf16: the Triton T0
   kernel where the triton extra runs, else XLA's blocked inverse (`triangular`, float32)."""
@@ -320,17 +329,19 @@ def gate_free_inverse(k, beta_rows, hv: int, c: int):
 
 
 def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_states=False):
-  """(o, e, s_final[, t0, h]) of DeltaNet / GDN by the Mosaic walk; q, k unrepeated and
-  unscaled, beta_rows `[B, HV, T]`, g_rows the chunk cumulative log gates `[B, HV, T]` or None
-  (ungated). o and e come back float32 (the walk writes bf16; XLA folds the two casts into the
-  op's cast to v's dtype); with save_states also the gate-free inverses and the bf16 chunk
-  states transposed, h_t `[B, HV, Nc, V, K]` bf16, the backward's residuals."""
+  """(o, e, s_final[, t0, h]) of DeltaNet / GDN by the Mosaic walk, or of linear attention
+  (beta_rows None: no erase, no T0); q, k unrepeated and unscaled, beta_rows `[B, HV, T]`,
+  g_rows the chunk cumulative log gates `[B, HV, T]` or None (ungated). o and e come back
+  float32 (the walk writes bf16; XLA folds the two casts into the op's cast to v's dtype); with
+  save_states also the gate-free inverses (None for linear attention) and the bf16 chunk states
+  transposed, h_t `[B, HV, Nc, V, K]` bf16, the backward's residuals."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   hv = v.shape[2]
-  t0 = gate_free_inverse(k, beta_rows, hv, c)
+  t0 = None if beta_rows is None else gate_free_inverse(k, beta_rows, hv, c)
   bf = lambda x: x.astype(jnp.bfloat16)
-  outs = chunk_walk.chunk_walk(bf(q), bf(k), bf(v), t0, beta_rows if g_rows is None else g_rows,
-                               beta_rows, jnp.swapaxes(s0.astype(_F32), -1, -2),
+  rows = _unread_rows(v) if beta_rows is None else beta_rows
+  outs = chunk_walk.chunk_walk(bf(q), bf(k), bf(v), t0, rows if g_rows is None else g_rows,
+                               rows, jnp.swapaxes(s0.astype(_F32), -1, -2),
                                scale=float(scale), gated=g_rows is not None,
                                save_states=save_states, interpret=interpret)
   o, e, s_final = outs[0].astype(_F32), outs[1].astype(_F32), jnp.swapaxes(outs[2], -1, -2)
@@ -352,8 +363,17 @@ def _walk_train_core(q, k, v, beta, G, s0, scale, c, interpret):
 
 
 def _walk_rows(beta, G):
+  if beta is None:    # linear attention
+    return None, None
   b, t, hv = beta.shape
   return jnp.moveaxis(beta.astype(_F32), 1, 2), None if G is None else G.reshape(b, hv, t)
+
+
+def _unread_rows(v):
+  """`[B, HV, T]` zeros for the gate and β rows the walks copy but linear attention never
+  reads (1/(D+…) of v's bytes)."""
+  b, t, hv = v.shape[:3]
+  return jnp.zeros((b, hv, t), _F32)
 
 
 def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret):
@@ -377,6 +397,8 @@ def _walk_train_core_bwd(scale, c, interpret, res, cts):
   if ds_final is None:
     ds_final = jnp.zeros((*v.shape[:1], v.shape[2], q.shape[-1], v.shape[-1]), _F32)
   beta_rows, g_rows = _walk_rows(beta, G)
+  if beta_rows is None:   # linear attention: rows the kernels copy but do not read
+    beta_rows = _unread_rows(v)
   gate_rows = beta_rows if g_rows is None else g_rows   # (ignored by the kernels ungated)
   bf = lambda x: x.astype(jnp.bfloat16)
   de_t, dh_t, ds0_t = chunk_walk_reverse.chunk_walk_reverse(
@@ -386,7 +408,7 @@ def _walk_train_core_bwd(scale, c, interpret, res, cts):
   ds0 = jnp.swapaxes(ds0_t, -1, -2)
   b, t, h, dk = q.shape
   hv, dv = v.shape[2:]
-  if chunk_grads.supported(c, dk, dv) is not None:
+  if chunk_grads.supported(c, dk, dv) is not None:   # (linear attention never walks there)
     grads = _grads_after_reverse(q, k, v, beta, G, None, t0, jnp.swapaxes(h_t, -1, -2), e,
                                  jnp.swapaxes(de_t, -1, -2), jnp.swapaxes(dh_t, -1, -2), do,
                                  scale=scale, c=c, interpret=interpret, kernels="mosaic",
@@ -399,7 +421,7 @@ def _walk_train_core_bwd(scale, c, interpret, res, cts):
     heads = lambda x: jnp.sum(x.reshape(b, t, h, hv // h, dk).astype(_F32), axis=3)
     dq, dk_ = heads(dq), heads(dk_)
   return (dq.astype(q.dtype), dk_.astype(k.dtype), dv_.astype(v.dtype),
-          jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype),
+          None if beta is None else jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype),
           None if G is None else dG.reshape(G.shape).astype(G.dtype), ds0)
 
 
@@ -454,6 +476,13 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
     g = None if g is None else g * (m if g.ndim == 3 else m[..., None])
   # (Under shard_map the kernel's outputs would lack the varying-axes types: XLA path there.)
   interpret = interpret_params() if kernels == "mosaic" else None
+  if (g is None and erase is None and write is None and not vma(q, k, v)
+      and _linear_walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None)):
+    # Linear attention on the walks without their erase (E = v).
+    vw = v if m is None else v * m[..., None]
+    o, e, s_final = _walk_train_core(pad(q), pad(k), pad(vw), None, None, s0, scale, c,
+                                     interpret)
+    return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
     walk = walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None)

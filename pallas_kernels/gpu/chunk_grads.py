@@ -28,6 +28,9 @@ tiny, that difference lost all precision, so the kernel makes (x ⊙ E) dS'ᵀ o
 Every product takes bf16 operands and a float32 accumulator; dq, dk (per value head) and dv
 leave in bf16, dβ and dG in float32. Shared memory at K = V = 128: 222 KiB (one CTA per SM);
 tiles of the same shape are reused once their first content is dead (see the kernel).
+Linear attention (t0 None: no erase, E = v) keeps only dA, dq, dk = dAᵀ q + E dS'ᵀ and dv = dE
+(a kernel of its own below, `_linear_kernel`, on a third of the shared memory).
+
 Scope: C = 64, K and V in {64, 128}, no packed rows (as the walks). Runs in JAX's Mosaic GPU
 interpreter; `chunk_grads_reference` (the VJP of the chunk map, float32, exact inverse) is its
 oracle.
@@ -70,7 +73,8 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
 
   Args:
     q, k: `[B, T, H, K]` bf16; v, e (the pseudo-values the forward used), do: `[B, T, HV, V]`
-      bf16; t0: `[B, HV, Nc, C, C]` bf16 gate-free inverses; g: `[B, HV, T]` float32 chunk
+      bf16; t0: `[B, HV, Nc, C, C]` bf16 gate-free inverses, or None for linear attention
+      (then v, g and beta are not read and dβ, dG are None); g: `[B, HV, T]` float32 chunk
       cumulative log gates (ignored when not gated); beta `[B, HV, T]` float32;
       h_t, dh_t: `[B, HV, Nc, V, K]` bf16, the state entering each chunk and the cotangent of
       the state leaving it, transposed; de_t: `[B, HV, Nc, V, C]` bf16, dE transposed.
@@ -88,6 +92,8 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
                       gated=bool(gated), approx_math=bool(approx_math),
                       profile_dir=profile_dir, interpret=interpret)
   outs = mc.sync_if_interpreted(outs, interpret)
+  if t0 is None:
+    return (*outs, None, None)
   if not gated:
     return (*outs, None)
   dq, dk, dv, dbeta, dg_rows, tail = outs
@@ -110,8 +116,14 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
                                                   f"HV={hv} a multiple of H={h}") + ".")
   nc, n_rep = t // c, hv // h
   sds = jax.ShapeDtypeStruct
-  out_type = (sds((b, t, hv, dk), MM_DTYPE), sds((b, t, hv, dk), MM_DTYPE),
-              sds((b, t, hv, dv), MM_DTYPE), sds((b, hv, t), _F32))
+  params = dict(compiler_params=_compiler_params(approx_math, profile_dir), interpret=interpret,
+                **_grid(b, hv, nc, dv))
+  grads = (sds((b, t, hv, dk), MM_DTYPE), sds((b, t, hv, dk), MM_DTYPE),
+           sds((b, t, hv, dv), MM_DTYPE))
+  if t0 is None:
+    return plgpu.kernel(functools.partial(_linear_kernel, b=b, hv=hv, n_rep=n_rep, scale=scale),
+                        out_type=grads, **params)(q, k, e, do, h_t, dh_t, de_t)
+  out_type = grads + (sds((b, hv, t), _F32),)
   if gated:
     out_type += (sds((b, hv, t), _F32), sds((b, hv, t), _F32))     # dG rows, tail
   n_vec = len(out_type) - 3
@@ -246,9 +258,58 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
                   ck, vec, vec, vec, plgpu.SMEM((n_vec, c), _F32),
                   plgpu.Barrier(num_barriers=12))
 
-  return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
-                      compiler_params=_compiler_params(approx_math, profile_dir),
-                      **_grid(b, hv, nc, dv))(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t)
+  return plgpu.kernel(kernel, out_type=out_type, **params)(q, k, v, e, do, t0, g, beta, h_t,
+                                                            dh_t, de_t)
+
+
+def _linear_kernel(q_ref, k_ref, e_ref, do_ref, h_ref, dh_ref, de_ref, dq_ref, dk_ref, dv_ref, *,
+                   b, hv, n_rep, scale):
+  """Linear attention's chunk gradients (E = v, no erase, no gates):
+      dA = s (dO Eᵀ) ⊙ causal    dq = dA k + s dO Sᵀ    dk = dAᵀ q + E dS'ᵀ    dv = dE."""
+  c = CHUNK
+  bi, hi, ci = _cta_coords(b, hv)
+  ki = lax.div(hi, n_rep)
+  rows = pl.ds(ci * c, c)
+  dk, dv = q_ref.shape[-1], e_ref.shape[-1]
+
+  def body(q_s, k_s, e_s, do_s, de_s, h_s, dh_s, ta_s, out_k, bars):
+    loads = [(q_ref.at[bi, rows, ki], q_s), (k_ref.at[bi, rows, ki], k_s),
+             (do_ref.at[bi, rows, hi], do_s), (e_ref.at[bi, rows, hi], e_s),
+             (h_ref.at[bi, hi, ci], h_s), (de_ref.at[bi, hi, ci], de_s),
+             (dh_ref.at[bi, hi, ci], dh_s)]
+    for i, (src, dst) in enumerate(loads):
+      plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+    arrived = lambda *names: [plgpu.barrier_wait(bars.at[i]) for i in names]
+    with jax.named_scope("dA, dq"):
+      arrived(0, 1, 2, 3)
+      (dp,) = mc.matmuls((c, c, [(do_s, e_s.T)]))
+      causal = mc.iota(c, 0) >= mc.iota(c, 1)
+      ta_s[...] = jnp.where(causal, dp * scale, 0.0).astype(MM_DTYPE)
+      do_s[...] = (do_s[...].astype(_F32) * scale).astype(MM_DTYPE)
+      plgpu.commit_smem()
+      arrived(4)
+      (dq,) = mc.matmuls((c, dk, [(ta_s, k_s), (do_s, h_s)]))
+      out_k[...] = dq.astype(MM_DTYPE)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_k, dq_ref.at[bi, rows, hi])
+    with jax.named_scope("dv, dk"):
+      arrived(5)
+      # dv = dE: dEᵀ is read transposed into registers and staged where s dO was (dq is done).
+      do_s[...] = plgpu.load(de_s.T, layout=_WG)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(do_s, dv_ref.at[bi, rows, hi])
+      arrived(6)
+      (dk_,) = mc.matmuls((c, dk, [(ta_s.T, q_s), (e_s, dh_s)]))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # dq's copy has read out_k
+      out_k[...] = dk_.astype(MM_DTYPE)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_k, dk_ref.at[bi, rows, hi])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  ck, cv = mc.smem((c, dk), MM_DTYPE), mc.smem((c, dv), MM_DTYPE)
+  vk = mc.smem((dv, dk), MM_DTYPE)
+  pl.run_scoped(body, ck, ck, cv, cv, mc.smem((dv, c), MM_DTYPE), vk, vk,
+                mc.smem((c, c), MM_DTYPE), ck, plgpu.Barrier(num_barriers=7))
 
 
 def _compiler_params(approx_math: bool, profile_dir: str):
@@ -261,7 +322,7 @@ def _compiler_params(approx_math: bool, profile_dir: str):
 
 
 def chunk_grads_reference(q, k, v, e, do, g, beta, h_t, dh_t, de_t, *, scale: float,
-                          gated: bool = True):
+                          gated: bool = True, delta: bool = True):
   """The same gradients as the VJP of one chunk's map, in float32 at Precision.HIGHEST with the
   exact inverse (a triangular solve, not T0): the kernel's oracle. Arguments as `chunk_grads`
   (without t0); every array is read in float32.
@@ -272,7 +333,8 @@ def chunk_grads_reference(q, k, v, e, do, g, beta, h_t, dh_t, de_t, *, scale: fl
       E = (I + L)⁻¹ (β ⊙ v) − (I + L)⁻¹ (β e ⊙ k) S,    L = diag(β) (k kᵀ ⊙ Γ) strictly lower
       O = s (e ⊙ q) S + P E_f,    S' = γ S + (x ⊙ k)ᵀ E_f
   and the scalar ⟨dO, O⟩ + ⟨dE, E⟩ + ⟨dS', S'⟩ is differentiated with respect to q, k, v, β and
-  G (per value head: q and k repeated over the value heads of a group)."""
+  G (per value head: q and k repeated over the value heads of a group). delta=False: linear
+  attention, E = v (g and beta unread; dβ and dG None)."""
   hp = lax.Precision.HIGHEST
   f = lambda x: x.astype(_F32)
   b, t, h, dk = q.shape
@@ -298,17 +360,20 @@ def chunk_grads_reference(q, k, v, e, do, g, beta, h_t, dh_t, de_t, *, scale: fl
     eye = jnp.eye(c, dtype=_F32)
     solve = lambda rhs: lax.linalg.triangular_solve(eye + lmat, rhs, left_side=True,
                                                     lower=True, unit_diagonal=True)
-    e_new = (solve(vc * bc[..., None])
-             - mm("...ck,...kv->...cv", solve(kc * (bc * entry)[..., None]), s_in))
+    e_new = vc if not delta else (
+        solve(vc * bc[..., None])
+        - mm("...ck,...kv->...cv", solve(kc * (bc * entry)[..., None]), s_in))
     o = scale * mm("...ck,...kv->...cv", qc * entry[..., None], s_in) + mm(
         "...ij,...jv->...iv", p, e_f)
     s_out = gamma[..., None, None] * s_in + mm("...ck,...cv->...kv", kc * exit_[..., None], e_f)
     return jnp.sum(d_o * o) + jnp.sum(d_e * e_new) + jnp.sum(ds_out * s_out)
 
+  gated = gated and delta
   gc = per_row(g) if gated else jnp.zeros((b, hv, nc, c), _F32)
+  bc = per_row(beta) if delta else jnp.ones((b, hv, nc, c), _F32)
   grads = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(chunks(rep(q)), chunks(rep(k)), chunks(v),
-                                                  per_row(beta), gc)
+                                                  bc, gc)
   dq, dk_, dv, dbeta, dg = grads
   back = lambda x: jnp.moveaxis(x, 1, 3).reshape(b, t, hv, -1)
-  return (back(dq), back(dk_), back(dv), dbeta.reshape(b, hv, t),
+  return (back(dq), back(dk_), back(dv), dbeta.reshape(b, hv, t) if delta else None,
           dg.reshape(b, hv, t) if gated else None)

@@ -26,6 +26,9 @@ factor ≤ 1 on the lower triangle (no overflow however strong the decay); e = e
 x = e^{G_C − G} (exit), γ = e^{G_C}. Products take bf16 operands and float32 accumulators; the
 state is float32 throughout. E and O leave the kernel in bf16 (E: the tile the output read).
 
+Linear attention is the same walk without the erase (`t0=None`): E = v, no Rᵀ, no M̃, so the
+chain is the state update alone.
+
 Scope: T a multiple of 64, K = 64 or 128, V a multiple of 64, GVA (key head = value head //
 (HV / H)), an initial state. Packed segments are not taken (the caller keeps the Triton walk
 for them). Forward only: under differentiation the op runs the split's custom VJP.
@@ -101,15 +104,16 @@ def stream_ring(issue, nc: int, stages: int, in_free):
 
 def copy_chunk_keys(refs, rings, bi, ki, hi, n, slot, bar):
   """Starts the TMA copies both walks need of chunk n into ring `slot`: q and k (key head ki),
-  T0, the gates three times (one copy per register layout read from it: the state warpgroup's
-  columns, the other's rows and columns) and β. refs: (q, k, t0, g, beta) in HBM; rings: (q_s,
-  k_s, m_s, (g_state, g_rows, g_cols), b_cols)."""
+  T0 (unless t0 is None: linear attention), the gates three times (one copy per register layout
+  read from it: the state warpgroup's columns, the other's rows and columns) and β. refs: (q,
+  k, t0, g, beta) in HBM; rings: (q_s, k_s, m_s, (g_state, g_rows, g_cols), b_cols)."""
   q_ref, k_ref, t0_ref, g_ref, beta_ref = refs
   q_s, k_s, m_s, g_rings, b_cols = rings
   rows = pl.ds(n * CHUNK, CHUNK)
   plgpu.copy_gmem_to_smem(q_ref.at[bi, rows, ki], q_s.at[slot], bar)
   plgpu.copy_gmem_to_smem(k_ref.at[bi, rows, ki], k_s.at[slot], bar)
-  plgpu.copy_gmem_to_smem(t0_ref.at[bi, hi, n], m_s.at[slot], bar)
+  if t0_ref is not None:
+    plgpu.copy_gmem_to_smem(t0_ref.at[bi, hi, n], m_s.at[slot], bar)
   for dst in g_rings:
     plgpu.copy_gmem_to_smem(g_ref.at[bi, hi, rows], dst.at[slot], bar)
   plgpu.copy_gmem_to_smem(beta_ref.at[bi, hi, rows], b_cols.at[slot], bar)
@@ -160,11 +164,12 @@ def _product(a, b, shape, stage=None):
 
 def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
                save_states: bool = False, interpret=None):
-  """(o, e, s_final_t[, h_t]) of the delta rule's chunk form.
+  """(o, e, s_final_t[, h_t]) of the delta rule's chunk form, or of linear attention.
 
   Args:
     q, k: `[B, T, H, K]` bf16; v `[B, T, HV, V]` bf16 (T a multiple of 64, HV a multiple of H).
-    t0: `[B, HV, Nc, C, C]` bf16, the gate-free inverses (I + diag(β) strict(k kᵀ))⁻¹.
+    t0: `[B, HV, Nc, C, C]` bf16, the gate-free inverses (I + diag(β) strict(k kᵀ))⁻¹; or None
+      for linear attention (no erase: E = v, S ← γ S + kᵀ E; beta is then not read).
     g: `[B, HV, T]` float32 chunk-local cumulative log gates (read only when `gated`).
     beta: `[B, HV, T]` float32.
     s0t: `[B, HV, V, K]` float32, the initial state transposed.
@@ -179,6 +184,14 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
   outs = _chunk_walk(q, k, v, t0, g, beta, s0t, scale=float(scale), gated=bool(gated),
                      save_states=bool(save_states), interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
+
+
+def kernel_args(args, i):
+  """Both walks' HBM inputs `args` without their t0 (at index i) where it is None (linear
+  attention), and a function putting the None back in t0's place among the kernel's refs."""
+  if args[i] is not None:
+    return tuple(args), tuple
+  return (*args[:i], *args[i + 1:]), lambda refs: (*refs[:i], None, *refs[i:])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "interpret"))
@@ -199,7 +212,8 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
     out_type.append(jax.ShapeDtypeStruct((b, hv, nc, dv, dk), MM_DTYPE))
   vec = plgpu.SMEM((stages, c), f32)
   # In-bar arrivals: one per TMA copy of a chunk (q, k, v, T0 and the four gate vectors).
-  n_copies = 8
+  delta = t0 is not None
+  n_copies = 8 if delta else 7
 
   def kernel(q_ref, k_ref, v_ref, t0_ref, g_ref, beta_ref, s0_ref, o_ref, e_ref, sf_ref, h_ref,
              q_s, k_s, v_s, m_s, g_state, g_rows, g_cols, b_cols, s_pub, e_pub, o_out, s_f32,
@@ -251,12 +265,16 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
           entry = mc.cols(jnp.exp(g_col), (bv, c))
           exit_ = mc.cols(jnp.exp(g_last - g_col), (bv, c))
           decay = jnp.exp(g_last)
-        # Rᵀ = vᵀ − (Sᵀ kᵀ) ⊙ eᵀ, then Eᵀ = Rᵀ M̃ᵀ once the output warpgroup has made M̃.
-        ks_t = _product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
+        # Rᵀ = vᵀ − (Sᵀ kᵀ) ⊙ eᵀ, then Eᵀ = Rᵀ M̃ᵀ once the output warpgroup has made M̃;
+        # linear attention writes v itself.
         v_t = plgpu.load(v_s.at[slot].T, layout=_WG).astype(f32)
-        r_t = v_t - (ks_t * entry if gated else ks_t)
-        plgpu.barrier_wait(m_ready.at[slot])
-        e_t = _product(r_t.astype(MM_DTYPE), m_s.at[slot].T, (bv, c), stage_c)
+        if delta:
+          ks_t = _product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
+          r_t = v_t - (ks_t * entry if gated else ks_t)
+          plgpu.barrier_wait(m_ready.at[slot])
+          e_t = _product(r_t.astype(MM_DTYPE), m_s.at[slot].T, (bv, c), stage_c)
+        else:
+          e_t = v_t
         e_pub.at[half].T[...] = e_t.astype(MM_DTYPE)
         plgpu.commit_smem()
         plgpu.barrier_arrive(pub_ready.at[half])
@@ -280,17 +298,17 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         half = lax.rem(n, 2)
         rows = pl.ds(n * c, c)
         plgpu.barrier_wait(in_bar.at[slot])
-        beta_col = plgpu.load(b_cols.at[slot], layout=_COLS)
         gam = decay_mask(g_rows, g_cols, slot, gated)
         if gated:
           entry = mc.rows(jnp.exp(plgpu.load(g_rows.at[slot], layout=_ROWS)) * scale, (c, bv))
         else:
           entry = scale
-        # M̃ = T0 ⊙ Γ · diag(β), over T0 in the ring: the state warpgroup's Eᵀ = Rᵀ M̃ᵀ.
-        t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(f32)
-        m_s.at[slot][...] = (t0_tile * gam * mc.cols(beta_col, (c, c))).astype(MM_DTYPE)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(m_ready.at[slot])
+        if delta:   # M̃ = T0 ⊙ Γ · diag(β) over T0 in the ring: the state's Eᵀ = Rᵀ M̃ᵀ
+          beta_col = plgpu.load(b_cols.at[slot], layout=_COLS)
+          t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(f32)
+          m_s.at[slot][...] = (t0_tile * gam * mc.cols(beta_col, (c, c))).astype(MM_DTYPE)
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(m_ready.at[slot])
         qk = _product(q_s.at[slot], k_s.at[slot].T, (c, c))
         p = (qk * (gam * scale)).astype(MM_DTYPE)
         plgpu.barrier_wait(pub_ready.at[half])
@@ -324,22 +342,25 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
     scratch.update(stage_k=mc.smem((bv, dk), MM_DTYPE), stage_c=mc.smem((bv, c), MM_DTYPE),
                    stage_p=mc.smem((c, c), MM_DTYPE))
 
+  ins, with_t0 = kernel_args((q, k, v, t0, g, beta, s0t), 3)
+
   def body(*refs):
     names = list(scratch)
-    n_in = 7 + len(out_type)
-    outs = refs[7:n_in] + (() if save_states else (None,))
-    return kernel(*refs[:7], *outs, **dict(zip(names, refs[n_in:])))
+    n_in = len(ins) + len(out_type)
+    outs = refs[len(ins):n_in] + (() if save_states else (None,))
+    return kernel(*with_t0(refs[:len(ins)]), *outs, **dict(zip(names, refs[n_in:])))
 
   return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch.values()),
                       grid=(b, hv, dv // bv), grid_names=("b", "h", "v"), num_threads=3,
-                      thread_name="wg", interpret=interpret)(q, k, v, t0, g, beta, s0t)
+                      thread_name="wg", interpret=interpret)(*ins)
 
 
 def chunk_walk_reference(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True):
   """The same walk as a float32 `lax.scan` over chunks at Precision.HIGHEST, with the kernel's
   bf16 roundings of the product operands (Sᵀ, Rᵀ, M̃, P, E, (x ⊙ E)): the oracle the kernel
-  must match to float32 accumulation noise. Same arguments; returns (o, e, s_final_t, h_t) in
-  float32, h_t the bf16-rounded state entering each chunk `[B, HV, Nc, V, K]`."""
+  must match to float32 accumulation noise. Same arguments (t0 None: linear attention);
+  returns (o, e, s_final_t, h_t) in float32, h_t the bf16-rounded state entering each chunk
+  `[B, HV, Nc, V, K]`."""
   hp = lax.Precision.HIGHEST
   f32 = jnp.float32
   rnd = lambda x: x.astype(MM_DTYPE).astype(f32)
@@ -351,7 +372,8 @@ def chunk_walk_reference(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool
   vc = split(v.astype(f32))
   gc = jnp.moveaxis(g.astype(f32).reshape(b, hv, nc, c), 2, 0) if gated else None
   bc = jnp.moveaxis(beta.astype(f32).reshape(b, hv, nc, c), 2, 0)
-  tc = jnp.moveaxis(t0.astype(f32), 2, 0)
+  delta = t0 is not None
+  tc = jnp.moveaxis(t0.astype(f32), 2, 0) if delta else jnp.zeros((nc, b, hv, c, c), f32)
   lower = jnp.tril(jnp.ones((c, c), bool))
 
   def step(s_t, xs):   # s_t [B, HV, V, K]
@@ -366,9 +388,12 @@ def chunk_walk_reference(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool
       decay = jnp.ones(b_.shape[:-1], f32)
     s_lo = rnd(s_t)
     ks = jnp.einsum("bhvk,bchk->bhvc", s_lo, k_, precision=hp)
-    r_t = jnp.einsum("bchv->bhvc", v_) - ks * entry[:, :, None, :]
-    m = rnd(t0_ * gam * b_[:, :, None, :])
-    e_t = jnp.einsum("bhvj,bhij->bhvi", rnd(r_t), m, precision=hp)
+    if delta:
+      r_t = jnp.einsum("bchv->bhvc", v_) - ks * entry[:, :, None, :]
+      m = rnd(t0_ * gam * b_[:, :, None, :])
+      e_t = jnp.einsum("bhvj,bhij->bhvi", rnd(r_t), m, precision=hp)
+    else:   # linear attention: E = v
+      e_t = jnp.einsum("bchv->bhvc", v_)
     e_lo = rnd(e_t)
     p = rnd(jnp.einsum("bihk,bjhk->bhij", q_, k_, precision=hp) * gam * scale)
     o = (jnp.einsum("bihk,bhvk->bhiv", q_, s_lo, precision=hp) * (entry * scale)[..., None]

@@ -43,8 +43,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.gpu import mosaic_common as mc
 from pallas_kernels.gpu.chunk_walk import (BLOCK_V, CHUNK, MEMORY_REGS, MM_DTYPE, OUTPUT_REGS,
                                            SMEM_LIMIT, STATE_REGS, _COLS, _WG, _product,
-                                           copy_chunk_keys, decay_mask, load_state, store_state,
-                                           stream_ring, supported)
+                                           copy_chunk_keys, decay_mask, kernel_args, load_state,
+                                           store_state, stream_ring, supported)
 from pallas_kernels.gpu.state_passing import check_index_range
 
 
@@ -64,7 +64,8 @@ def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, ga
   """(de_t, dh_t, ds0_t): the reverse state pass of `chunk_walk`.
 
   Args:
-    q, k, t0, g, beta: as `chunk_walk` takes them.
+    q, k, t0, g, beta: as `chunk_walk` takes them (t0 None: linear attention, whose state
+      cotangent has no erase term: dS' = γ dS + qᵀ (s e ⊙ dO)).
     do, de_ext: `[B, T, HV, V]` bf16, the cotangents of o and of e; de_ext may be None (e
       unused downstream: no copies, no add).
     dsf_t: `[B, HV, V, K]` float32, the cotangent of the final state, transposed.
@@ -93,8 +94,8 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
               jax.ShapeDtypeStruct((b, hv, nc, dv, dk), MM_DTYPE),
               jax.ShapeDtypeStruct((b, hv, dv, dk), f32))
   vec = plgpu.SMEM((stages, c), f32)
-  with_dx = de_ext is not None
-  n_copies = 8 + with_dx   # q, k, dO, (dE_ext,) T0 and four gate vectors per chunk
+  with_dx, delta = de_ext is not None, t0 is not None
+  n_copies = 7 + with_dx + delta   # q, k, dO, (dE_ext,) (T0,) and four gate vectors per chunk
 
   def kernel(q_ref, k_ref, t0_ref, g_ref, beta_ref, do_ref, dx_ref, dsf_ref, de_ref, dh_ref,
              ds0_ref, q_s, k_s, do_s, dx_s, m_s, p_s, g_state, b_cols, g_rows, g_cols, s_pub,
@@ -160,10 +161,13 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
         de_out.at[half][...] = de_t.astype(MM_DTYPE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(de_out.at[half], de_ref.at[bi, hi, n, vs])
-        z_t = _product(de_t.astype(MM_DTYPE), m_s.at[slot], (bv, c), stage_c)   # the chain
-        kz_t = _product((z_t * key_scale).astype(MM_DTYPE), k_s.at[slot], (bv, dk), stage_c)
+        ds_next = (ds_t * decay if gated else ds_t) + qdo_t
+        if delta:
+          z_t = _product(de_t.astype(MM_DTYPE), m_s.at[slot], (bv, c), stage_c)   # the chain
+          kz_t = _product((z_t * key_scale).astype(MM_DTYPE), k_s.at[slot], (bv, dk), stage_c)
+          ds_next = ds_next - kz_t
         plgpu.barrier_arrive(in_free.at[slot])
-        return (ds_t * decay if gated else ds_t) + qdo_t - kz_t
+        return ds_next
 
       ds_t = lax.fori_loop(0, nc, step, ds_init)
       store_state(ds_t, s_f32, ds0_ref.at[bi, hi, vs])
@@ -176,8 +180,9 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
         slot = lax.rem(j, stages)
         plgpu.barrier_wait(in_bar.at[slot])
         gam = decay_mask(g_rows, g_cols, slot, gated)
-        t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(jnp.float32)
-        m_s.at[slot][...] = (t0_tile * gam).astype(MM_DTYPE)          # M = T0 ⊙ Γ
+        if delta:
+          t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(jnp.float32)
+          m_s.at[slot][...] = (t0_tile * gam).astype(MM_DTYPE)        # M = T0 ⊙ Γ
         qk = _product(q_s.at[slot], k_s.at[slot].T, (c, c))
         p_s.at[slot][...] = (qk * (gam * scale)).astype(MM_DTYPE)     # P = s q kᵀ ⊙ Γ
         plgpu.commit_smem()
@@ -200,11 +205,11 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
   if interpret is not None:   # staging tiles for register operands (`chunk_walk._product`)
     scratch.update(stage_k=mc.smem((bv, dk), MM_DTYPE), stage_c=mc.smem((bv, c), MM_DTYPE))
 
-  ins = (q, k, t0, g, beta, do) + ((de_ext,) if with_dx else ()) + (dsf_t,)
+  ins, with_t0 = kernel_args((q, k, t0, g, beta, do, *([de_ext] if with_dx else []), dsf_t), 2)
   n_io = len(ins) + len(out_type)
 
   def body(*refs):
-    io = list(refs[:n_io])
+    io = list(with_t0(refs[:len(ins)])) + list(refs[len(ins):n_io])
     if not with_dx:
       io.insert(6, None)
     return kernel(*io, **dict(zip(scratch, refs[n_io:])))
@@ -231,7 +236,8 @@ def chunk_walk_reverse_reference(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale:
   dxc = jnp.zeros_like(doc) if de_ext is None else split(de_ext)
   gc = jnp.moveaxis(g.astype(f32).reshape(b, hv, nc, c), 2, 0)
   bc = jnp.moveaxis(beta.astype(f32).reshape(b, hv, nc, c), 2, 0)
-  tc = jnp.moveaxis(t0.astype(f32), 2, 0)
+  delta = t0 is not None
+  tc = jnp.moveaxis(t0.astype(f32), 2, 0) if delta else jnp.zeros((nc, b, hv, c, c), f32)
   lower = jnp.tril(jnp.ones((c, c), bool))
 
   def step(ds_t, xs):   # ds_t [B, HV, V, K]
@@ -253,9 +259,12 @@ def chunk_walk_reverse_reference(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale:
     p = rnd(jnp.einsum("bihk,bjhk->bhij", q_, k_, precision=hp) * gam * scale)
     m = rnd(t0_ * gam)
     de_t = dx_t + jnp.einsum("bhvi,bhij->bhvj", do_t, p, precision=hp) + kds * col(exit_)
-    z = jnp.einsum("bhvi,bhij->bhvj", rnd(de_t), m, precision=hp)
-    kz = jnp.einsum("bhvc,bchk->bhvk", rnd(z * col(b_ * entry)), k_, precision=hp)
-    return ds_t * decay[..., None, None] + qdo - kz, (de_t, ds_lo)
+    ds_next = ds_t * decay[..., None, None] + qdo
+    if delta:   # (linear attention: no erase term)
+      z = jnp.einsum("bhvi,bhij->bhvj", rnd(de_t), m, precision=hp)
+      ds_next = ds_next - jnp.einsum("bhvc,bchk->bhvk", rnd(z * col(b_ * entry)), k_,
+                                     precision=hp)
+    return ds_next, (de_t, ds_lo)
 
   xs = (qc, kc, doc, dxc, tc, gc if gated else bc, bc)
   ds0, (de_t, dh_t) = lax.scan(step, dsf_t.astype(f32), tuple(x[::-1] for x in xs))
