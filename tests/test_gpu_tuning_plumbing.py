@@ -23,6 +23,8 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
   assert ops.GpuTuning.parse("remat_intra=false, channel_pair=kernel") == ops.GpuTuning(
       remat_intra=False, channel_pair="kernel")
   assert ops.GpuTuning.parse("remat_intra=True").remat_intra is True
+  assert ops.GpuTuning.parse("channel_span=80").channel_span == 80.0
+  assert ops.GpuTuning().channel_span == 0.0          # the exact diagonal blocks by default
 
 
 @pytest.mark.parametrize("text, match", [
@@ -30,6 +32,9 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
     ("remat_intra", "field=value"),            # no value
     ("remat_intra=0", "true or false"),        # not a bool word
     ("channel_pair=fast", "channel_pair"),     # checked by GpuTuning itself
+    ("channel_span=wide", "a number"),         # not a number
+    ("channel_span=81", r"\[0, 80\]"),          # past e^80's bound
+    ("channel_span=-1", r"\[0, 80\]"),
 ])
 def test_parse_rejects_bad_text(text, match):
   with pytest.raises(ValueError, match=match):

@@ -466,9 +466,13 @@ def _channel_inputs(seed, *, dk, dv, t=128, hv=2, tau=1.0):
 _TAU = {"random": 1.0, "strong": 0.1, "packed": 10.0}
 
 
+# span 80: the bounded-span path (blocks.CHANNEL_SPAN; off by default): "random" and "packed"
+# chunks take it (bf16 diagonal blocks), "strong" ones (16-row spans past 80 nats) keep the
+# exact path, so both paths and their switch run.
+@pytest.mark.parametrize("span", [0.0, 80.0])
 @pytest.mark.parametrize("case,dk,dv", [("random", 64, 64), ("random", 128, 128),
                                         ("strong", 128, 64), ("packed", 64, 128)])
-def test_channel_intra_kernel_matches_exact_reference(case, dk, dv):
+def test_channel_intra_kernel_matches_exact_reference(case, dk, dv, span):
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   from lineax_attn.ops import chunked  # pylint: disable=g-import-not-at-top
   q, k, kt, vt, _, G = _channel_inputs(3, dk=dk, dv=dv, tau=_TAU[case])
@@ -477,7 +481,7 @@ def test_channel_intra_kernel_matches_exact_reference(case, dk, dv):
     ids = _packed_ids()
     segments = gpu_chunks.kernel_segments(ids, 64)
     same, cont, keep = gpu_chunks.segment_masks(ids, 64)
-  got = channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=64)
+  got = channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=64, span=span)
   ch = lambda x: gpu_chunks.to_chunks(x, 64)
   QG, P, Y, U, KG, dc = chunked._intra_chunk(ch(q), ch(k), ch(kt), ch(vt), ch(G), "channel",
                                              same, cont, keep, matmul="highest", solve="trsm")
@@ -489,6 +493,21 @@ def test_channel_intra_kernel_matches_exact_reference(case, dk, dv):
       np.testing.assert_allclose(g_, w, rtol=1e-5, atol=1e-30)
     else:   # NY goes through M in bf16 and the erase keys: 1e-2 (5.6e-3 in the interpreter)
       assert_close(g_, w, 1e-2 if name == "ny" else 5e-3, f"{name} ({case})")
+
+
+def test_bounded_span_path_is_taken_only_where_the_decay_is_bounded():
+  # span 80: chunks whose 16-row sub-chunks decay by at most 80 nats take the tensor-core
+  # diagonal blocks (P changes by bf16 rounding), steeper ones keep the exact path (P is the
+  # exact path's to the bit); a span of 0 is the exact path itself.
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  for case, taken in (("random", True), ("strong", False)):
+    q, k, kt, vt, _, G = _channel_inputs(3, dk=64, dv=64, tau=_TAU[case])
+    p_of = lambda span: np.asarray(channel_intra.channel_intra_fwd(
+        q, k, kt, vt, G, chunk=64, span=span)[2], np.float32)
+    exact, bounded = p_of(0.0), p_of(80.0)
+    assert np.array_equal(exact, bounded) != taken, case
+  with pytest.raises(ValueError, match="span"):
+    channel_intra.channel_intra_fwd(q, k, kt, vt, G, chunk=64, span=100.0)
 
 
 def test_channel_kernel_phases_split_the_pair_matrix_exactly():
@@ -527,9 +546,10 @@ def _channel_forward(seed, case, dk, dv):
   return inputs, segidx, segments, outs, m
 
 
+@pytest.mark.parametrize("span", [0.0, 80.0])
 @pytest.mark.parametrize("case,dk,dv", [("random", 64, 64), ("strong", 128, 128),
                                         ("packed", 64, 128)])
-def test_channel_intra_backward_kernel_matches_exact_reference(case, dk, dv):
+def test_channel_intra_backward_kernel_matches_exact_reference(case, dk, dv, span):
   # The kernel's half of the backward (pairs and solve) against its float32 oracle; the XLA half
   # (channel_grads) is checked on CPU (tests/test_triton_path.py).
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
@@ -537,7 +557,8 @@ def test_channel_intra_backward_kernel_matches_exact_reference(case, dk, dv):
   ks = jax.random.split(jax.random.key(5), 3)
   d_ny, d_p, d_u = (jax.random.normal(key, outs[i].shape).astype(outs[i].dtype)
                     for key, i in zip(ks, (0, 2, 3)))
-  got = channel_intra.channel_intra_bwd(q, k, kt, vt, G, segments, m, d_ny, d_p, d_u, chunk=64)
+  got = channel_intra.channel_intra_bwd(q, k, kt, vt, G, segments, m, d_ny, d_p, d_u, chunk=64,
+                                        span=span)
   want = gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, d_ny, d_p, d_u,
                                                       c=64)
   for name, g_, w in zip(("dq", "dkt", "dk", "d_rk", "dvt"), got, want):
@@ -588,6 +609,19 @@ def test_op_gradients_with_fused_channel_grads_match_scan(mixer, implementation)
   want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
   for i, (g_, w) in enumerate(zip(got, want)):
     assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} fused grads, grad {i}")
+
+
+@pytest.mark.parametrize("mixer", ["kda", "gdn2"])
+def test_op_gradients_with_the_bounded_span_path_match_scan(mixer):
+  # GpuTuning(channel_span=80): the channel kernels take their diagonal blocks on the tensor
+  # cores where the sub-chunks decay by at most 80 nats (here: all of them), fused grads.
+  tuning = ops.GpuTuning(channel_grads="kernel", triton_intra="kernel", channel_intra="triton",
+                         channel_span=80.0)
+  args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=8)
+  got = output_and_state_grads(mixer, args, kw["initial_state"], "triton", tuning=tuning)
+  want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
+  for i, (g_, w) in enumerate(zip(got, want)):
+    assert_close(g_, w, GRAD_TOL, f"{mixer} bounded-span grads, grad {i}")
 
 
 @pytest.mark.parametrize("mixer", ["gated_delta_rule", "kda"])

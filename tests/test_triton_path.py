@@ -226,14 +226,14 @@ def test_channel_backward_glue_from_exact_pair_grads_equals_autodiff(packed):
   # kernel's; the Triton interpreter checked the kernel against this composition).
   stubs = ("_channel_kernel_call", "_channel_kernel_bwd_call", "_channel_kernel_grads_call")
   saved = {name: getattr(gpu_prepare, name) for name in stubs}
-  gpu_prepare._channel_kernel_call = lambda q, k, kt, vt, g, segidx, c: exact(
+  gpu_prepare._channel_kernel_call = lambda q, k, kt, vt, g, segidx, c, span=0.0: exact(
       q, k, kt, vt, g) + (jnp.zeros(()),)
   calls = []
   gpu_prepare._channel_kernel_bwd_call = (
-      lambda q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c: calls.append("half") or
+      lambda q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c, span=0.0: calls.append("half") or
       gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, d_ny, d_p, d_u, c=c))
 
-  def fused(q, k, kt, vt, g, segidx, m, cts, c):
+  def fused(q, k, kt, vt, g, segidx, m, cts, c, span=0.0):
     calls.append("fused")
     pairs = gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, cts[0],
                                                          cts[2], cts[3], c=c)

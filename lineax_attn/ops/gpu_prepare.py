@@ -93,28 +93,29 @@ def _chunked_gates(g, c):
   return chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))[0]
 
 
-def _channel_kernel_call(q, k, kt, vt, g, segidx, c):
-  """The forward kernel: prepare_chunks' six outputs and M (bf16, the backward's residual)."""
+def _channel_kernel_call(q, k, kt, vt, g, segidx, c, span=0.0):
+  """The forward kernel: prepare_chunks' six outputs and M (bf16, the backward's residual).
+  span: the bounded-span path's bound (`GpuTuning.channel_span`; 0 off)."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
   return channel_intra.channel_intra_fwd(q, k, kt, vt, _chunk_gates(g, c), segments, chunk=c,
-                                         with_inverse=True)
+                                         with_inverse=True, span=float(span))
 
 
-def _channel_kernel_bwd_call(q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c):
+def _channel_kernel_bwd_call(q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c, span=0.0):
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
   return channel_intra.channel_intra_bwd(q, k, kt, vt, _chunk_gates(g, c), segments, m, d_ny,
-                                         d_p, d_u, chunk=c)
+                                         d_p, d_u, chunk=c, span=float(span))
 
 
-def _channel_kernel_grads_call(q, k, kt, vt, g, segidx, m, cts, c):
+def _channel_kernel_grads_call(q, k, kt, vt, g, segidx, m, cts, c, span=0.0):
   """The fused backward kernel: (dq, dk, dkt, dvt, dg) float32 `[B, T, HV, D]`."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
   d_ny, d_qg, d_p, d_u, d_kg, d_gc = cts
   return channel_intra.channel_intra_grads(q, k, kt, vt, _chunk_gates(g, c), segments, m, d_ny,
-                                           d_qg, d_p, d_u, d_kg, d_gc, chunk=c)
+                                           d_qg, d_p, d_u, d_kg, d_gc, chunk=c, span=float(span))
 
 
 def channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, d_ny, d_p, d_u, *, c):
@@ -172,27 +173,28 @@ def channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, *, c):
           back(d_ktp + entry * d_r, kt), back(d_vt, vt), back(dg, g))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def channel_intra_kernel(q, k, kt, vt, g, segidx, c, fused_grads=False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def channel_intra_kernel(q, k, kt, vt, g, segidx, c, fused_grads=False, span=0.0):
   """`prepare_chunks` for per-channel gates with the Triton kernels
   (`pallas_kernels.gpu.triton.channel_intra`): forward, and the backward's pairs and solve,
   the elementwise rest in XLA (`channel_grads`) or, with `fused_grads`
-  (`GpuTuning.channel_grads="kernel"`), in the backward kernel itself."""
-  return _channel_kernel_call(q, k, kt, vt, g, segidx, c)[:6]
+  (`GpuTuning.channel_grads="kernel"`), in the backward kernel itself. span: the kernels'
+  bounded-span path (`GpuTuning.channel_span`, 0 off)."""
+  return _channel_kernel_call(q, k, kt, vt, g, segidx, c, span)[:6]
 
 
-def _channel_intra_fwd(q, k, kt, vt, g, segidx, c, fused_grads):
-  *outs, m = _channel_kernel_call(q, k, kt, vt, g, segidx, c)
+def _channel_intra_fwd(q, k, kt, vt, g, segidx, c, fused_grads, span):
+  *outs, m = _channel_kernel_call(q, k, kt, vt, g, segidx, c, span)
   return tuple(outs), (q, k, kt, vt, g, segidx, m)
 
 
-def _channel_intra_bwd(c, fused_grads, res, cts):
+def _channel_intra_bwd(c, fused_grads, span, res, cts):
   q, k, kt, vt, g, segidx, m = res
   if fused_grads:
-    grads = _channel_kernel_grads_call(q, k, kt, vt, g, segidx, m, cts, c)
+    grads = _channel_kernel_grads_call(q, k, kt, vt, g, segidx, m, cts, c, span)
     return tuple(d.astype(x.dtype) for d, x in zip(grads, (q, k, kt, vt, g))) + (None,)
   d_ny, _, d_p, d_u, _, _ = cts
-  pair_grads = _channel_kernel_bwd_call(q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c)
+  pair_grads = _channel_kernel_bwd_call(q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c, span)
   return channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, c=c) + (None,)
 
 

@@ -107,6 +107,12 @@ class GpuTuning:
       ms and fwd+bwd 2.13 against the split's 0.81 / 2.38 (jla 0.36 / 1.09); DeltaNet 0.44 /
       1.95 against 0.83 / 2.18. Mosaic kernels only (`implementation="pallas_gpu"`), rows not
       packed, K in {64, 128}; other calls keep "split".
+    channel_span: the per-channel Triton kernels' bounded-span path (KDA, GDN-2;
+      `pallas_kernels.gpu.triton.blocks.CHANNEL_SPAN`): 0 (the default) computes the 16 × 16
+      diagonal blocks of the pair matrices exactly in float32 everywhere; a bound in (0, 80]
+      nats lets every channel slice of a chunk whose 16-row sub-chunks decay by at most that
+      much take them on the tensor cores instead (bf16 operands, factors e^x with |x| ≤ the
+      bound). Interpreter-tested, not yet timed (docs/KERNELS_GPU.md, "Toward KDA / GDN-2").
   """
 
   intra: str = "kernel"
@@ -120,6 +126,7 @@ class GpuTuning:
   intra_grads: str = "auto"
   state_pass: str = "mosaic"
   forward: str = "auto"
+  channel_span: float = 0.0
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
@@ -135,6 +142,10 @@ class GpuTuning:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")
     if not isinstance(self.remat_intra, bool):
       raise ValueError(f"GpuTuning.remat_intra must be a bool, got {self.remat_intra!r}.")
+    span = self.channel_span
+    if isinstance(span, bool) or not isinstance(span, (int, float)) or not 0 <= span <= 80:
+      raise ValueError(f"GpuTuning.channel_span must be a number of nats in [0, 80] (0: off), "
+                       f"got {span!r}.")
 
   @classmethod
   def parse(cls, text: str) -> "GpuTuning":
@@ -153,6 +164,11 @@ class GpuTuning:
         if value.lower() not in ("true", "false"):
           raise ValueError(f"GpuTuning.{name} must be true or false, got {value!r}.")
         values[name] = value.lower() == "true"
+      elif fields[name].type in (float, "float"):
+        try:
+          values[name] = float(value)
+        except ValueError:
+          raise ValueError(f"GpuTuning.{name} must be a number, got {value!r}.") from None
       else:
         values[name] = value
     return cls(**values)

@@ -148,7 +148,8 @@ def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernel
   """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
   if channel_kernel_applies(q, k_erase, v_write, g, c=c, tuning=tuning, kernels=kernels):
     ny, qg, p, u, kg, gc = channel_intra_kernel(q, k, k_erase, v_write, g, segidx, c,
-                                                tuning.channel_grads == "kernel")
+                                                tuning.channel_grads == "kernel",
+                                                float(tuning.channel_span))
   else:
     ny, qg, p, u, kg, gc = prepare_chunks(q, k, k_erase, v_write, g, segidx, c=c,
                                           tuning=tuning)

@@ -117,6 +117,14 @@ CHANNEL_BK = 16
 # spills on sm_90a / sm_80 (ptxas off GPU). 1 until timed on a GPU
 # (`bench_triton_parts --band_stages=1,2`).
 CHANNEL_BAND_STAGES = 1
+# The bounded-span path of the channel kernels (docs/KERNELS_GPU.md "Toward KDA / GDN-2 at jla's
+# speed"): 0 keeps the exact float32 diagonal blocks everywhere. Above 0, a channel slice of a
+# chunk whose every 16-row sub-chunk decays by at most CHANNEL_SPAN nats (in every channel of
+# the slice) takes its diagonal blocks on the tensor cores like the off-diagonal ones, anchored
+# at the sub-chunk's first row: the factors are e^x with |x| <= CHANNEL_SPAN (finite in float32
+# and bf16 up to ~88), bf16 operands instead of float32 sums. Other slices keep the exact path.
+# 0 until timed on a GPU (interpreter-tested at 80, the bound jla's vector-gate kernels use).
+CHANNEL_SPAN = 0.0
 
 
 def solve_bk(dk: int, dv: int) -> int:

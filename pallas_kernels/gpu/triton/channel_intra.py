@@ -128,26 +128,66 @@ def _pair_masks(seg_ptr, rows, ii, jj, PACKED: tl.constexpr):
 
 @triton.jit
 def _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk, HV: tl.constexpr, K: tl.constexpr,
-                      SUBC: tl.constexpr):
+                      SUBC: tl.constexpr, THROUGH: tl.constexpr = False):
   """Sub-chunk blk's anchoring at its first row n, on the channel slice `cols` (g is G's
   [C, BK] slice): (rows of blk [C, 1], columns before n [1, C], e^{G_i − G_n} on blk's rows,
-  e^{G_n − G_j} on the rows before n), zero elsewhere."""
+  e^{G_n − G_j} on the rows before n), zero elsewhere. THROUGH (the bounded-span path): the
+  columns run through blk's own rows too, where e^{G_n − G_j} ≥ 1 (at most e^{span})."""
   n = blk * SUBC
   g_n = tl.load(g_ptr + ((row0 + n) * HV + hv) * K + cols)
   in_p = ((rc >= n) & (rc < n + SUBC))[:, None]
-  before = (rc < n)[:, None]
+  limit = n + SUBC if THROUGH else n
+  before = (rc < limit)[:, None]
   row_f = tl.where(in_p, tl.exp(tl.where(in_p, g - g_n[None, :], 0.0)), 0.0)
   col_f = tl.where(before, tl.exp(tl.where(before, g_n[None, :] - g, 0.0)), 0.0)
-  return in_p, (rc < n)[None, :], row_f, col_f
+  return in_p, (rc < limit)[None, :], row_f, col_f
+
+
+@triton.jit
+def _slice_bounded(g_ptr, row0, hv, cols, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                   SUBC: tl.constexpr, SPAN: tl.constexpr):
+  """Whether every 16-row sub-chunk of the chunk decays by at most SPAN nats in every channel
+  of the slice (G is non-increasing within a chunk: a sub-chunk's decay is its first row's G
+  less its last row's)."""
+  span = tl.zeros((), tl.float32)
+  for blk in tl.static_range(C // SUBC):
+    first = tl.load(g_ptr + ((row0 + blk * SUBC) * HV + hv) * K + cols)
+    last = tl.load(g_ptr + ((row0 + blk * SUBC + SUBC - 1) * HV + hv) * K + cols)
+    span = tl.maximum(span, tl.max(first - last, axis=0))
+  return span <= SPAN
 
 
 @triton.jit
 def _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc, p_band, l_band,
                  HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr,
-                 BAND_STAGES: tl.constexpr, SKIP: tl.constexpr):
+                 BAND_STAGES: tl.constexpr, SKIP: tl.constexpr, SPAN: tl.constexpr = 0.0):
   """Adds the channel slice `cols` (q, k, k̃, G its [C, BK] slices) to P and L (unmasked): the
   anchored products to p_acc / l_acc [C, C], the diagonal blocks to p_band / l_band [C, SUBC]
-  (entry (i, r) of row i's band r, `_expand_bands` places them once all slices are in)."""
+  (entry (i, r) of row i's band r, `_expand_bands` places them once all slices are in). With
+  SPAN > 0 a slice whose sub-chunks decay by at most SPAN takes the diagonal blocks into the
+  anchored products instead (`blocks.CHANNEL_SPAN`)."""
+  bounded = False
+  if SPAN > 0:
+    bounded = _slice_bounded(g_ptr, row0, hv, cols, HV, K, C, SUBC, SPAN)
+  if bounded:
+    for blk in tl.static_range(C // SUBC):
+      _, _, row_f, col_f = _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk, HV, K, SUBC,
+                                             True)
+      kc = tl.trans((k * col_f).to(tl.bfloat16))
+      p_acc = tl.dot((q * row_f).to(tl.bfloat16), kc, p_acc)
+      l_acc = tl.dot((kt * row_f).to(tl.bfloat16), kc, l_acc)
+  else:
+    p_acc, l_acc, p_band, l_band = _pairs_slice_exact(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc,
+                                                      cols, p_acc, l_acc, p_band, l_band, HV,
+                                                      K, C, SUBC, BAND_STAGES, SKIP)
+  return p_acc, l_acc, p_band, l_band
+
+
+@triton.jit
+def _pairs_slice_exact(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols, p_acc, l_acc, p_band,
+                       l_band, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                       SUBC: tl.constexpr, BAND_STAGES: tl.constexpr, SKIP: tl.constexpr):
+  """`_pairs_slice` with exact float32 diagonal blocks (any decay)."""
   # Off-diagonal pairs, anchored at each sub-chunk's first row n: rows of sub-chunk p against
   # the columns before n, e^{G_i − G_n} · e^{G_n − G_j}, both exponents ≤ 0. They are exactly
   # zero inside the diagonal blocks, which the bands below fill.
@@ -207,7 +247,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, BAND_STAGES: tl.constexpr,
-                SBK: tl.constexpr, SKIP: tl.constexpr):
+                SBK: tl.constexpr, SKIP: tl.constexpr, SPAN: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
@@ -232,7 +272,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K)
     p_acc, l_acc, p_band, l_band = _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols,
                                                 p_acc, l_acc, p_band, l_band, HV, K, C, SUBC,
-                                                BAND_STAGES, SKIP)
+                                                BAND_STAGES, SKIP, SPAN)
     entry, exit_, gc = _boundary_factors(g, tl.load(g_ptr + last * K + cols), cont, keep,
                                          cont_last, PACKED)
     ck = chunk * C * K + ii * K + cols[None, :]
@@ -280,13 +320,74 @@ def _elementwise_grads(q, k, kt, gsum, d_q, d_kt, d_k, d_r, d_qg, d_kg, d_gc, g_
 
 
 @triton.jit
+def _anchored_grads(q, k, kt, g, g_ptr, row0, hv, rc, cols, blk, w_p, w_l, d_q, d_kt, d_k,
+                    HV: tl.constexpr, K: tl.constexpr, SUBC: tl.constexpr,
+                    THROUGH: tl.constexpr):
+  """Sub-chunk blk's anchored share of the pairs' cotangents on one channel slice (columns
+  before its first row, or through its own rows with THROUGH: `_anchored_factors`)."""
+  in_p, cols_before, row_f, col_f = _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk, HV, K,
+                                                      SUBC, THROUGH)
+  block = in_p & cols_before                               # rows of p, its columns
+  wp = tl.where(block, w_p, tl.zeros_like(w_p))
+  wl = tl.where(block, w_l, tl.zeros_like(w_l))
+  kc = (k * col_f).to(tl.bfloat16)
+  d_q += row_f * tl.dot(wp, kc)
+  d_kt += row_f * tl.dot(wl, kc)
+  back = tl.dot(tl.trans(wp), (q * row_f).to(tl.bfloat16))
+  back = tl.dot(tl.trans(wl), (kt * row_f).to(tl.bfloat16), back)
+  d_k += col_f * back
+  return d_q, d_kt, d_k
+
+
+@triton.jit
+def _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_ptr, wl_ptr, seg, row0,
+                 hv, rc, base, cc0, cols, w_p, w_l, d_q, d_kt, d_k, HV: tl.constexpr,
+                 K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, PACKED: tl.constexpr,
+                 BAND_STAGES: tl.constexpr, SKIP: tl.constexpr):
+  """The pairs' cotangents on one channel slice with exact float32 diagonal blocks: the bands,
+  then the anchored off-diagonal sub-chunks."""
+  # Diagonal blocks, exact float32, band r: this row x and b = 16⌊x/16⌋ + r of its sub-chunk.
+  # As i (dQ, dK̃): W_xb K_b E_xb, b ≤ x; as j (dK): W_bx A_b E_bx, b ≥ x. A run-time loop,
+  # pipelined as in the forward. First, in tiles of the operands' layout: added to the
+  # products' accumulators, each band cost three layout conversions through shared memory.
+  for r in tl.range(SUBC if (SKIP & 4) == 0 else 0, num_stages=BAND_STAGES):
+    b = base + r
+    b_rows = row0 + b
+    up = r <= rc - base                                       # b ≤ x
+    down = r >= rc - base                                     # b ≥ x
+    g_b = _rows(g_ptr, b_rows, hv, cols, HV, K)
+    e = tl.exp(tl.where(up[:, None], g - g_b, g_b - g))       # ≤ 0 either way
+    keep_r = up
+    keep_c = down
+    if PACKED:
+      same = seg == tl.load(seg_ptr + b_rows)
+      keep_r = keep_r & same
+      keep_c = keep_c & same
+    w_pr = tl.where(keep_r, tl.load(dp_ptr + cc0 + rc * C + b).to(tl.float32), 0.0)
+    w_lr = tl.load(wl_ptr + cc0 + rc * C + b)                # W_l as stored: masked
+    w_pc = tl.where(keep_c, tl.load(dp_ptr + cc0 + b * C + rc).to(tl.float32), 0.0)
+    w_lc = tl.load(wl_ptr + cc0 + b * C + rc)
+    kb = _rows(k_ptr, b_rows, hv, cols, HV, K) * tl.where(up[:, None], e, 0.0)
+    d_q += w_pr[:, None] * kb
+    d_kt += w_lr[:, None] * kb
+    d_k += tl.where(down[:, None], e, 0.0) * (
+        w_pc[:, None] * _rows(q_ptr, b_rows, hv, cols, HV, K)
+        + w_lc[:, None] * _rows(kt_ptr, b_rows, hv, cols, HV, K))
+  # Off-diagonal pairs, anchored as in the forward.
+  for blk in tl.static_range(1, C // SUBC if (SKIP & 2) == 0 else 1):
+    d_q, d_kt, d_k = _anchored_grads(q, k, kt, g, g_ptr, row0, hv, rc, cols, blk, w_p, w_l,
+                                     d_q, d_kt, d_k, HV, K, SUBC, False)
+  return d_q, d_kt, d_k
+
+
+@triton.jit
 def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, m_ptr,
                 dny_ptr, dqg_ptr, dp_ptr, du_ptr, dkg_ptr, dgc_ptr, t,
                 dq_ptr, dkt_ptr, dk_ptr, drk_ptr, dvt_ptr, wl_ptr, dg_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 GRADS: tl.constexpr, BAND_STAGES: tl.constexpr, SBK: tl.constexpr,
-                SKIP: tl.constexpr):
+                SKIP: tl.constexpr, SPAN: tl.constexpr):
   """The pair and solve part of the backward; with GRADS also the elementwise rest and dG
   (`_elementwise_grads`), storing whole gradients in the inputs' `[B, T, HV, D]` layout;
   without, the pair and solve parts chunk-major and the rest is the caller's (XLA)."""
@@ -338,6 +439,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   w_p = tl.where(keep_p, tl.load(dp_ptr + cc).to(tl.float32), 0.0).to(tl.bfloat16)
   tl.debug_barrier()                    # the scratches above (dL, dR_k), then their loads below
   base = (rc // SUBC) * SUBC
+  seg = 0.0                             # read only when PACKED
   if PACKED:
     seg = tl.load(seg_ptr + rows)
   for s in range(K // BK):
@@ -350,42 +452,17 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     d_q = tl.zeros((C, BK), tl.float32)
     d_kt = tl.zeros((C, BK), tl.float32)
     d_k = tl.zeros((C, BK), tl.float32)
-    for r in tl.range(SUBC if (SKIP & 4) == 0 else 0, num_stages=BAND_STAGES):
-      b = base + r
-      b_rows = row0 + b
-      up = r <= rc - base                                       # b ≤ x
-      down = r >= rc - base                                     # b ≥ x
-      g_b = _rows(g_ptr, b_rows, hv, cols, HV, K)
-      e = tl.exp(tl.where(up[:, None], g - g_b, g_b - g))       # ≤ 0 either way
-      keep_r = up
-      keep_c = down
-      if PACKED:
-        same = seg == tl.load(seg_ptr + b_rows)
-        keep_r = keep_r & same
-        keep_c = keep_c & same
-      w_pr = tl.where(keep_r, tl.load(dp_ptr + cc0 + rc * C + b).to(tl.float32), 0.0)
-      w_lr = tl.load(wl_ptr + cc0 + rc * C + b)                # W_l as stored: masked
-      w_pc = tl.where(keep_c, tl.load(dp_ptr + cc0 + b * C + rc).to(tl.float32), 0.0)
-      w_lc = tl.load(wl_ptr + cc0 + b * C + rc)
-      kb = _rows(k_ptr, b_rows, hv, cols, HV, K) * tl.where(up[:, None], e, 0.0)
-      d_q += w_pr[:, None] * kb
-      d_kt += w_lr[:, None] * kb
-      d_k += tl.where(down[:, None], e, 0.0) * (
-          w_pc[:, None] * _rows(q_ptr, b_rows, hv, cols, HV, K)
-          + w_lc[:, None] * _rows(kt_ptr, b_rows, hv, cols, HV, K))
-    # Off-diagonal pairs, anchored as in the forward.
-    for blk in tl.static_range(1, C // SUBC if (SKIP & 2) == 0 else 1):
-      in_p, cols_before, row_f, col_f = _anchored_factors(g, g_ptr, row0, hv, rc, cols, blk,
-                                                          HV, K, SUBC)
-      block = in_p & cols_before                               # rows of p, columns before n
-      wp = tl.where(block, w_p, tl.zeros_like(w_p))
-      wl = tl.where(block, w_l, tl.zeros_like(w_l))
-      kc = (k * col_f).to(tl.bfloat16)
-      d_q += row_f * tl.dot(wp, kc)
-      d_kt += row_f * tl.dot(wl, kc)
-      back = tl.dot(tl.trans(wp), (q * row_f).to(tl.bfloat16))
-      back = tl.dot(tl.trans(wl), (kt * row_f).to(tl.bfloat16), back)
-      d_k += col_f * back
+    bounded = False
+    if SPAN > 0:   # the bounded-span path (`blocks.CHANNEL_SPAN`): no bands, four anchored blocks
+      bounded = _slice_bounded(g_ptr, row0, hv, cols, HV, K, C, SUBC, SPAN)
+    if bounded:
+      for blk in tl.static_range(C // SUBC):
+        d_q, d_kt, d_k = _anchored_grads(q, k, kt, g, g_ptr, row0, hv, rc, cols, blk, w_p, w_l,
+                                         d_q, d_kt, d_k, HV, K, SUBC, True)
+    else:
+      d_q, d_kt, d_k = _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_ptr,
+                                    wl_ptr, seg, row0, hv, rc, base, cc0, cols, w_p, w_l, d_q,
+                                    d_kt, d_k, HV, K, C, SUBC, PACKED, BAND_STAGES, SKIP)
     ck = chunk * C * K + ii * K + cols[None, :]
     if GRADS:
       g_last = tl.load(g_ptr + ((row0 + C - 1) * HV + hv) * K + cols)
@@ -406,11 +483,12 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "with_inverse", "precision", "num_warps",
-                                             "band_stages", "skip_phases"))
+                                             "band_stages", "skip_phases", "span"))
 def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_inverse=False,
                       precision: str = blocks.INTRA_PRECISION,
                       num_warps: int = blocks.CHANNEL_WARPS,
-                      band_stages: int = blocks.CHANNEL_BAND_STAGES, skip_phases: int = 0):
+                      band_stages: int = blocks.CHANNEL_BAND_STAGES, skip_phases: int = 0,
+                      span: float = blocks.CHANNEL_SPAN):
   """The intra-chunk part for per-channel gates (module docstring).
 
   q, k, kt, vt: `[B, T, HV, K]` (vt `[B, T, HV, V]`), the scaled queries, keys, erase keys and
@@ -420,7 +498,8 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   Returns (ny, qg, p, u, kg, gc) as `gpu_prepare.prepare_chunks` (ny, qg, kg `[B, HV, Nc, C, K]`
   bf16, p `[B, HV, Nc, C, C]` bf16, u `[B, HV, Nc, C, V]` float32, gc `[B, HV, Nc, K]` float32),
   and M `[B, HV, Nc, C, C]` bf16 after them if `with_inverse`. skip_phases: for timing only,
-  phases left out (a sum of `blocks.PHASE_*`; the results are then wrong).
+  phases left out (a sum of `blocks.PHASE_*`; the results are then wrong). span: the bounded-span
+  path's bound in nats (`blocks.CHANNEL_SPAN`; 0 = exact diagonal blocks everywhere).
   """
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
@@ -444,9 +523,16 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
       kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
       WITH_INVERSE=with_inverse, PREC=precision, BAND_STAGES=band_stages,
-      SBK=blocks.solve_bk(dk, dv), SKIP=_phases(skip_phases))
+      SBK=blocks.solve_bk(dk, dv), SKIP=_phases(skip_phases), SPAN=_span(span))
   outs = (ny, qg, p, u, kg, gc)
   return outs + (m,) if with_inverse else outs
+
+
+def _span(span) -> float:
+  if not 0.0 <= float(span) <= 80.0:
+    raise ValueError(f"span={span!r}: expected 0 (off) or a bound in (0, 80] nats (e^80 is "
+                     f"the largest anchor factor the bounded path lets through)")
+  return float(span)
 
 
 def _phases(skip: int) -> int:
@@ -457,7 +543,7 @@ def _phases(skip: int) -> int:
 
 
 def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps,
-              band_stages, skip_phases=0, solve_bk=None):
+              band_stages, skip_phases=0, solve_bk=None, span=0.0):
   """The backward kernel's launch; cotangents None (the kernel half) or (dqg, dkg, dgc)."""
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
@@ -486,33 +572,34 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
       GRADS=grads, BAND_STAGES=band_stages,
       SBK=solve_bk or blocks.channel_bwd_solve_bk(dk, dv, hopper=_on_hopper()),
-      SKIP=_phases(skip_phases))
+      SKIP=_phases(skip_phases), SPAN=_span(span))
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages"))
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "span"))
 def channel_intra_bwd(q, k, kt, vt, G, segments, m, dny, dp, du, *, chunk: int,
                       num_warps: int = blocks.CHANNEL_WARPS,
-                      band_stages: int = blocks.CHANNEL_BAND_STAGES):
+                      band_stages: int = blocks.CHANNEL_BAND_STAGES,
+                      span: float = blocks.CHANNEL_SPAN):
   """The backward of `channel_intra_fwd`'s NY, P and U through the pairs and the solve.
 
   Arguments as the forward's, plus its bf16 M and the cotangents dny, dp, du (chunk-major).
   Returns (dq, dkt, dk, d_rk, dvt), float32 `[B, HV, Nc, C, D]`: dq, dkt, dk the gradients
   through P and L (pair(Q), pair(K̃); dk from both), d_rk the cotangent of the solve's key
   right-hand side K̃ ⊙ e^G, dvt that of Ṽ. The elementwise terms (QG, KG, gc, the entry and exit
-  factors) and dG are the caller's: `lineax_attn.ops.gpu_prepare`.
+  factors) and dG are the caller's: `lineax_attn.ops.gpu_prepare`. span: as the forward's.
   """
   dq, dkt, dk, d_rk, dvt, _, _ = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, None,
                                            chunk=chunk, num_warps=num_warps,
-                                           band_stages=band_stages)
+                                           band_stages=band_stages, span=span)
   return dq, dkt, dk, d_rk, dvt
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "skip_phases",
-                                             "solve_bk"))
+                                             "solve_bk", "span"))
 def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc, *, chunk: int,
                         num_warps: int = blocks.CHANNEL_WARPS,
                         band_stages: int = blocks.CHANNEL_BAND_STAGES, skip_phases: int = 0,
-                        solve_bk: int | None = None):
+                        solve_bk: int | None = None, span: float = blocks.CHANNEL_SPAN):
   """The whole backward of `channel_intra_fwd`'s six outputs in one kernel: what
   `channel_intra_bwd` computes plus the elementwise rest and dG (`_elementwise_grads`), which
   `gpu_prepare.channel_grads` otherwise does in XLA.
@@ -521,10 +608,11 @@ def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc
   K]`) and gc (`[B, HV, Nc, K]`); segments (seg, cont, keep) as the forward's. Returns (dq, dk,
   dkt, dvt, dg), float32 `[B, T, HV, D]`: the gradients of q, k, k̃, ṽ and of the log gate g
   whose in-chunk sums are G. skip_phases: as `channel_intra_fwd`'s (timing only); solve_bk:
-  columns a step of the solve loops (None: `blocks.channel_bwd_solve_bk`'s; for benchmarks).
+  columns a step of the solve loops (None: `blocks.channel_bwd_solve_bk`'s; for benchmarks);
+  span: as the forward's.
   """
   dq, dkt, dk, _, dvt, _, dg = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du,
                                          (dqg, dkg, dgc), chunk=chunk, num_warps=num_warps,
                                          band_stages=band_stages, skip_phases=skip_phases,
-                                         solve_bk=solve_bk)
+                                         solve_bk=solve_bk, span=span)
   return dq, dk, dkt, dvt, dg
