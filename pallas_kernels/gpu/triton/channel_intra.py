@@ -50,6 +50,13 @@ dG's in-chunk reverse cumsum as `tl.cumsum(reverse=True)` over the slice's rows)
 whole gradients in the inputs' `[B, T, HV, D]` layout, so the float32 pair parts never make a
 round trip through HBM and XLA's passes over them and the layout transposes go away.
 
+The bounded-span path (`span` > 0, `blocks.CHANNEL_SPAN` / `GpuTuning.channel_span`; off by
+default until timed): a channel slice whose every 16-row sub-chunk decays by at most `span`
+nats (its first row's G less its last's, every channel of the slice) skips the bands and runs
+the anchored products through the diagonal blocks too, the anchor factor e^{G_n − G_j} of a row
+inside its own block then being ≥ 1 and at most e^{span} (≤ e^80, a normal number), so the
+whole slice is four bf16 tensor-core products; other slices keep the exact bands.
+
 Segments (packed sequences): seg (the segment id relative to the chunk's first row), cont and
 keep, each [B, T] float32 (`gpu_chunks.kernel_segments`); pairs of different segments are zero,
 rows whose segment started inside the chunk do not see the entry state (QG, K̃ ⊙ e^G scaled by
