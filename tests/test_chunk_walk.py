@@ -262,7 +262,8 @@ def test_training_with_unused_outputs_matches_scan(used):
 
 def test_linear_attention_takes_the_walks_without_t0(monkeypatch):
   # Linear attention runs the walks with t0=None (no gate-free inverse is made) where DeltaNet /
-  # GDN would walk; the split keeps it off them.
+  # GDN would walk, when asked (forward="walk": "auto" keeps it on the split until compiled);
+  # the split keeps it off them.
   calls = []
   real = cw.chunk_walk
   monkeypatch.setattr(cw, "chunk_walk", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
@@ -274,6 +275,7 @@ def test_linear_attention_takes_the_walks_without_t0(monkeypatch):
   assert len(calls) == 1
   assert_close(got[0], split[0], FWD_TOL, "walk vs split")
   assert not pallas_gpu._linear_walk_applies(WALK, 128, 256, 64, "mosaic", False)   # V 256
+  assert not pallas_gpu._linear_walk_applies(pallas_gpu.GpuTuning(), 64, 64, 64, "mosaic", False)
 
 
 def test_auto_takes_the_walk_where_the_triton_extra_runs():

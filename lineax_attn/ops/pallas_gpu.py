@@ -307,9 +307,11 @@ def walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, kernels: 
 def _linear_walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, kernels: str,
                          packed: bool) -> bool:
   """Linear attention walks where DeltaNet / GDN would and `chunk_grads` takes the sizes (its
-  backward has no fallback)."""
+  backward has no fallback), for now only when asked (`forward="walk"`): its kernels' t0=None
+  branches have run in the interpreter and lowered for CUDA but not yet compiled on a GPU, so
+  "auto" keeps linear attention on the split until they have."""
   from pallas_kernels.gpu import chunk_grads  # pylint: disable=g-import-not-at-top
-  return (walk_applies(tuning, dk, dv, chunk_size, kernels, packed)
+  return (tuning.forward == "walk" and walk_applies(tuning, dk, dv, chunk_size, kernels, packed)
           and chunk_grads.supported(chunk_size, dk, dv) is None)
 
 
