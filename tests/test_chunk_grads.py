@@ -129,8 +129,12 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk, dv):
           sds((b, t, hv, dv), bf), sds((b, t, hv, dv), bf), sds((b, hv, nc, 64, 64), bf),
           sds((b, hv, t), f32), sds((b, hv, t), f32), sds((b, hv, nc, dv, dk), bf),
           sds((b, hv, nc, dv, dk), bf), sds((b, hv, nc, dv, 64), bf))
-  for gated, approx, delta in ((True, False, True), (False, False, True), (True, True, True),
-                               (False, False, False)):
+  # Every variant at the largest tiles (K = V = 128, where shared memory is tightest); the
+  # gated kernel alone at the others.
+  variants = [(True, False, True)]
+  if dk == dv == 128:
+    variants += [(False, False, True), (True, True, True), (False, False, False)]
+  for gated, approx, delta in variants:
     fn = lambda *a, gated=gated, approx=approx, delta=delta: cg._chunk_grads(
         *a[:5], a[5] if delta else None, *a[6:], scale=0.1, gated=gated, approx_math=approx,
         interpret=None)
