@@ -342,9 +342,8 @@ def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_s
   hv = v.shape[2]
   t0 = None if beta_rows is None else gate_free_inverse(k, beta_rows, hv, c)
   bf = lambda x: x.astype(jnp.bfloat16)
-  rows = _unread_rows(v) if beta_rows is None else beta_rows
-  outs = chunk_walk.chunk_walk(bf(q), bf(k), bf(v), t0, rows if g_rows is None else g_rows,
-                               rows, jnp.swapaxes(s0.astype(_F32), -1, -2),
+  outs = chunk_walk.chunk_walk(bf(q), bf(k), bf(v), t0, *_kernel_rows(beta_rows, g_rows, v),
+                               jnp.swapaxes(s0.astype(_F32), -1, -2),
                                scale=float(scale), gated=g_rows is not None,
                                save_states=save_states, interpret=interpret)
   o, e, s_final = outs[0].astype(_F32), outs[1].astype(_F32), jnp.swapaxes(outs[2], -1, -2)
@@ -372,11 +371,13 @@ def _walk_rows(beta, G):
   return jnp.moveaxis(beta.astype(_F32), 1, 2), None if G is None else G.reshape(b, hv, t)
 
 
-def _unread_rows(v):
-  """`[B, HV, T]` zeros for the gate and β rows the walks copy but linear attention never
-  reads (1/(D+…) of v's bytes)."""
-  b, t, hv = v.shape[:3]
-  return jnp.zeros((b, hv, t), _F32)
+def _kernel_rows(beta_rows, g_rows, v):
+  """The (gate, β) rows `[B, HV, T]` the walks copy: β stands in for an ungated mixer's gates
+  and zeros for linear attention's β (the kernels read neither)."""
+  if beta_rows is None:
+    b, t, hv = v.shape[:3]
+    beta_rows = jnp.zeros((b, hv, t), _F32)
+  return (beta_rows if g_rows is None else g_rows), beta_rows
 
 
 def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret):
@@ -399,10 +400,7 @@ def _walk_train_core_bwd(scale, c, interpret, res, cts):
     do = jnp.zeros(v.shape, jnp.bfloat16)
   if ds_final is None:
     ds_final = jnp.zeros((*v.shape[:1], v.shape[2], q.shape[-1], v.shape[-1]), _F32)
-  beta_rows, g_rows = _walk_rows(beta, G)
-  if beta_rows is None:   # linear attention: rows the kernels copy but do not read
-    beta_rows = _unread_rows(v)
-  gate_rows = beta_rows if g_rows is None else g_rows   # (ignored by the kernels ungated)
+  gate_rows, beta_rows = _kernel_rows(*_walk_rows(beta, G), v)
   bf = lambda x: x.astype(jnp.bfloat16)
   de_t, dh_t, ds0_t = chunk_walk_reverse.chunk_walk_reverse(
       bf(q), bf(k), t0, gate_rows, beta_rows, bf(do), None if de_ext is None else bf(de_ext),

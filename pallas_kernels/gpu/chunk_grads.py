@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import mosaic_common as mc
-from pallas_kernels.gpu.intra_chunk import PROFILE_EVENTS, _cta_coords, _grid
+from pallas_kernels.gpu.intra_chunk import _cta_coords, _grid
 
 CHUNK = 64
 MM_DTYPE = jnp.bfloat16
@@ -116,7 +116,7 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
                                                   f"HV={hv} a multiple of H={h}") + ".")
   nc, n_rep = t // c, hv // h
   sds = jax.ShapeDtypeStruct
-  params = dict(compiler_params=_compiler_params(approx_math, profile_dir), interpret=interpret,
+  params = dict(compiler_params=mc.compiler_params(profile_dir, approx_math), interpret=interpret,
                 **_grid(b, hv, nc, dv))
   grads = (sds((b, t, hv, dk), MM_DTYPE), sds((b, t, hv, dk), MM_DTYPE),
            sds((b, t, hv, dv), MM_DTYPE))
@@ -310,15 +310,6 @@ def _linear_kernel(q_ref, k_ref, e_ref, do_ref, h_ref, dh_ref, de_ref, dq_ref, d
   vk = mc.smem((dv, dk), MM_DTYPE)
   pl.run_scoped(body, ck, ck, cv, cv, mc.smem((dv, c), MM_DTYPE), vk, vk,
                 mc.smem((c, c), MM_DTYPE), ck, plgpu.Barrier(num_barriers=7))
-
-
-def _compiler_params(approx_math: bool, profile_dir: str):
-  params = {}
-  if approx_math:
-    params["approx_math"] = True
-  if profile_dir:
-    params.update(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
-  return plgpu.CompilerParams(**params) if params else None
 
 
 def chunk_grads_reference(q, k, v, e, do, g, beta, h_t, dh_t, de_t, *, scale: float,

@@ -186,12 +186,18 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
   return mc.sync_if_interpreted(outs, interpret)
 
 
-def kernel_args(args, i):
-  """Both walks' HBM inputs `args` without their t0 (at index i) where it is None (linear
-  attention), and a function putting the None back in t0's place among the kernel's refs."""
-  if args[i] is not None:
-    return tuple(args), tuple
-  return (*args[:i], *args[i + 1:]), lambda refs: (*refs[:i], None, *refs[i:])
+def kernel_args(args):
+  """Both walks' HBM inputs: `args` without the inputs a call does not have (None: t0 for
+  linear attention, dE_ext without a residual), and a function putting each None back in its
+  place among the kernel's input refs."""
+  absent = [i for i, x in enumerate(args) if x is None]
+
+  def with_absent(refs):
+    refs = list(refs)
+    for i in absent:
+      refs.insert(i, None)
+    return tuple(refs)
+  return tuple(x for x in args if x is not None), with_absent
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "interpret"))
@@ -342,13 +348,13 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
     scratch.update(stage_k=mc.smem((bv, dk), MM_DTYPE), stage_c=mc.smem((bv, c), MM_DTYPE),
                    stage_p=mc.smem((c, c), MM_DTYPE))
 
-  ins, with_t0 = kernel_args((q, k, v, t0, g, beta, s0t), 3)
+  ins, with_absent = kernel_args((q, k, v, t0, g, beta, s0t))
 
   def body(*refs):
     names = list(scratch)
     n_in = len(ins) + len(out_type)
     outs = refs[len(ins):n_in] + (() if save_states else (None,))
-    return kernel(*with_t0(refs[:len(ins)]), *outs, **dict(zip(names, refs[n_in:])))
+    return kernel(*with_absent(refs[:len(ins)]), *outs, **dict(zip(names, refs[n_in:])))
 
   return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch.values()),
                       grid=(b, hv, dv // bv), grid_names=("b", "h", "v"), num_threads=3,

@@ -205,14 +205,12 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
   if interpret is not None:   # staging tiles for register operands (`chunk_walk._product`)
     scratch.update(stage_k=mc.smem((bv, dk), MM_DTYPE), stage_c=mc.smem((bv, c), MM_DTYPE))
 
-  ins, with_t0 = kernel_args((q, k, t0, g, beta, do, *([de_ext] if with_dx else []), dsf_t), 2)
+  ins, with_absent = kernel_args((q, k, t0, g, beta, do, de_ext, dsf_t))
   n_io = len(ins) + len(out_type)
 
   def body(*refs):
-    io = list(with_t0(refs[:len(ins)])) + list(refs[len(ins):n_io])
-    if not with_dx:
-      io.insert(6, None)
-    return kernel(*io, **dict(zip(scratch, refs[n_io:])))
+    return kernel(*with_absent(refs[:len(ins)]), *refs[len(ins):n_io],
+                  **dict(zip(scratch, refs[n_io:])))
 
   return plgpu.kernel(body, out_type=out_type, scratch_types=tuple(scratch.values()),
                       grid=(b, hv, dv // bv), grid_names=("b", "h", "v"), num_threads=3,

@@ -61,7 +61,6 @@ from pallas_kernels.gpu import state_passing as sp
 
 CHUNK = sp.CHUNK
 BLOCK = 16            # diagonal block of the inverse
-PROFILE_EVENTS = 32   # profiler ranges per CTA (the kernels have fewer than 16 named phases)
 _BF16 = jnp.bfloat16
 _F32 = jnp.float32
 
@@ -215,14 +214,6 @@ def _vec_inputs(beta, g, gx, segments):
   return vecs
 
 
-def _compiler_params(profile_dir):
-  """Mosaic GPU's in-kernel profiler when asked for: one trace per call, the phases below
-  (`jax.named_scope`) as ranges per CTA. Off (None) otherwise: then the scopes cost nothing."""
-  if not profile_dir:
-    return None
-  return plgpu.CompilerParams(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
-
-
 def _grid(b, hv, nc, dv):
   """One CTA per (batch row, value head, chunk) on a 1-D grid.
 
@@ -337,7 +328,7 @@ def _intra_chunk_fwd(q, k, v, beta, g, gx, segments, *, scale, with_inverse, int
         plgpu.Barrier(num_barriers=3 + len(vecs)), *_vec_specs(packed))
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
-                      compiler_params=_compiler_params(profile_dir),
+                      compiler_params=mc.compiler_params(profile_dir),
                       **_grid(b, hv, nc, dv))(q, k, v, *vecs)
 
 
@@ -465,7 +456,7 @@ def _intra_chunk_bwd(q, k, v, beta, g, gx, segments, m, dny, dp, du, *, scale, i
         plgpu.Barrier(num_barriers=7 + len(vecs)), *_vec_specs(packed))
 
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
-                      compiler_params=_compiler_params(profile_dir),
+                      compiler_params=mc.compiler_params(profile_dir),
                       **_grid(b, hv, nc, dv))(q, k, v, *vecs, m, dny, dp, du)
 
 

@@ -56,6 +56,21 @@ def matmuls(*groups):
   return pl.run_scoped(body, *(plgpu.ACC((r, c), jnp.float32) for r, c, _ in groups))
 
 
+PROFILE_EVENTS = 32   # profiler ranges per CTA (the kernels have fewer than 16 named phases)
+
+
+def compiler_params(profile_dir: str = "", approx_math: bool = False):
+  """Mosaic GPU's compiler parameters, or None for the defaults. profile_dir: the in-kernel
+  profiler, one trace per call with the kernel's `jax.named_scope` phases as ranges per CTA
+  (off, the scopes cost nothing). approx_math: approximate transcendentals (e^x as ex2.approx)."""
+  params = {}
+  if approx_math:
+    params["approx_math"] = True
+  if profile_dir:
+    params.update(profile_space=PROFILE_EVENTS, profile_dir=profile_dir)
+  return plgpu.CompilerParams(**params) if params else None
+
+
 def sync_if_interpreted(outs, interpret):
   """Waits for an interpreted kernel's results before returning them.
 
