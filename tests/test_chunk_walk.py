@@ -189,7 +189,8 @@ def test_reference_is_the_delta_rule():
 
 
 OP_CASES = [("gated_delta_rule", 100, 1.0), ("delta_rule", 100, 1.0), ("gated_delta_rule", 1, 1.0),
-            ("gated_delta_rule", 65, 1.0), ("linear_attention", 100, 1.0)]
+            ("gated_delta_rule", 65, 1.0), ("linear_attention", 100, 1.0),
+            ("linear_attention", 1, 1.0)]
 if ON_GPU:
   OP_CASES += [("gated_delta_rule", 63, 1.0), ("gated_delta_rule", 64, 1.0),
                ("delta_rule", 128, 1.0), ("gated_delta_rule", 1000, 1e4)]
