@@ -5,7 +5,8 @@ Mosaic GPU's in-kernel profiler.
 On the H200 (2026-12-04) the gated kernel took 573 µs and the ungated one 386 µs inside the
 op (docs/BENCHMARKS.md "fourteenth stage"); this program isolates that difference:
 
-    python3 -u -m experiments.bench_chunk_grads --profile_dir=/tmp/cg_prof --approx_math=false,true
+    JAX_PLATFORMS=cuda,cpu python3 -u -m experiments.bench_chunk_grads --profile_dir=/tmp/cg_prof \
+        --approx_math=false,true
 
 prints, per variant, the median wall time of a call (block_until_ready, after a warm-up) and,
 with --profile_dir, the mean time per CTA of each phase (`experiments.kernel_trace`). Inputs
@@ -65,6 +66,12 @@ def main(argv):
       raise app.UsageError("--profile_dir needs a GPU (the in-kernel profiler is compiled in)")
     from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
     interpret = plgpu.InterpretGPUParams()
+  if _PROFILE_DIR.value:
+    try:  # the profiler hands its trace to the host through a CPU callback
+      jax.devices("cpu")
+    except RuntimeError as err:
+      raise app.UsageError("--profile_dir needs the CPU platform beside the GPU "
+                           "(JAX_PLATFORMS=cuda,cpu)") from err
   print(f"chunk_grads at B{b} T{t} H{h} D{d}, {jax.devices()[0].device_kind}", flush=True)
   variants = [(gated, approx == "true") for approx in _APPROX.value for gated in (True, False)]
   if not set(_APPROX.value) <= {"false", "true"}:

@@ -261,10 +261,30 @@ def test_training_with_unused_outputs_matches_scan(used):
     assert_close(g, want, GRAD_TOL, f"{used} only: d{name}")
 
 
+def test_approx_math_reaches_chunk_grads_and_keeps_the_gradients(monkeypatch):
+  # GpuTuning(approx_math=True) hands approx_math to the per-chunk backward (e^x as
+  # ex2.approx on a GPU; the interpreter computes it exactly), whose gradients stay the scan's.
+  from pallas_kernels.gpu import chunk_grads as cg  # pylint: disable=g-import-not-at-top
+  seen, real = [], cg.chunk_grads
+  monkeypatch.setattr(cg, "chunk_grads", lambda *a, **k: seen.append(k["approx_math"])
+                      or real(*a, **k))
+  args, kw = make_inputs("gated_delta_rule", b=1, t=64, h=1, hv=1, dk=64, dv=64, seed=41)
+
+  def grads(impl, tuning):
+    f = lambda *a: jnp.sum(run_jit("gated_delta_rule", a, **kw, implementation=impl,
+                                   tuning=tuning)[0] ** 2)
+    return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
+
+  got = grads("pallas_gpu", pallas_gpu.GpuTuning(forward="walk", approx_math=True))
+  assert seen == [True]
+  for name, g, want in zip(["q", "k", "v", "g", "beta"], got, grads("scan", None)):
+    assert_close(g, want, GRAD_TOL, f"approx_math: d{name}")
+
+
 def test_linear_attention_takes_the_walks_without_t0(monkeypatch):
   # Linear attention runs the walks with t0=None (no gate-free inverse is made) where DeltaNet /
-  # GDN would walk, when asked (forward="walk": "auto" keeps it on the split until compiled);
-  # the split keeps it off them.
+  # GDN would walk (forward="walk", or "auto" where the triton extra runs); the split keeps it
+  # off them.
   calls = []
   real = cw.chunk_walk
   monkeypatch.setattr(cw, "chunk_walk", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
@@ -276,7 +296,9 @@ def test_linear_attention_takes_the_walks_without_t0(monkeypatch):
   assert len(calls) == 1
   assert_close(got[0], split[0], FWD_TOL, "walk vs split")
   assert not pallas_gpu._linear_walk_applies(WALK, 128, 256, 64, "mosaic", False)   # V 256
-  assert not pallas_gpu._linear_walk_applies(pallas_gpu.GpuTuning(), 64, 64, 64, "mosaic", False)
+  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+  assert (pallas_gpu._linear_walk_applies(pallas_gpu.GpuTuning(), 64, 64, 64, "mosaic", False)
+          == triton_gpu.available())   # "auto" walks where DeltaNet / GDN do
 
 
 def test_auto_takes_the_walk_where_the_triton_extra_runs():

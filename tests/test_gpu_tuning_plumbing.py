@@ -24,7 +24,9 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
       remat_intra=False, channel_pair="kernel")
   assert ops.GpuTuning.parse("remat_intra=True").remat_intra is True
   assert ops.GpuTuning.parse("channel_span=80").channel_span == 80.0
-  assert ops.GpuTuning().channel_span == 0.0          # the exact diagonal blocks by default
+  assert ops.GpuTuning().channel_span == 80.0         # the bounded-span path by default
+  assert ops.GpuTuning.parse("approx_math=false").approx_math is False
+  assert ops.GpuTuning().approx_math is True           # ex2.approx in chunk_grads by default
 
 
 @pytest.mark.parametrize("text, match", [
@@ -35,6 +37,7 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
     ("channel_span=wide", "a number"),         # not a number
     ("channel_span=81", r"\[0, 80\]"),          # past e^80's bound
     ("channel_span=-1", r"\[0, 80\]"),
+    ("approx_math=yes", "true or false"),
 ])
 def test_parse_rejects_bad_text(text, match):
   with pytest.raises(ValueError, match=match):

@@ -466,7 +466,7 @@ def _channel_inputs(seed, *, dk, dv, t=128, hv=2, tau=1.0):
 _TAU = {"random": 1.0, "strong": 0.1, "packed": 10.0}
 
 
-# span 80: the bounded-span path (blocks.CHANNEL_SPAN; off by default): "random" and "packed"
+# span 80: the bounded-span path (blocks.CHANNEL_SPAN, the default): "random" and "packed"
 # chunks take it (bf16 diagonal blocks), "strong" ones (16-row spans past 80 nats) keep the
 # exact path, so both paths and their switch run.
 @pytest.mark.parametrize("span", [0.0, 80.0])
@@ -519,7 +519,7 @@ def test_channel_kernel_phases_split_the_pair_matrix_exactly():
   from pallas_kernels.gpu.triton import blocks, channel_intra  # pylint: disable=g-import-not-at-top
   q, k, kt, vt, _, G = _channel_inputs(5, dk=64, dv=64)
   p_of = lambda skip: np.asarray(channel_intra.channel_intra_fwd(
-      q, k, kt, vt, G, chunk=64, skip_phases=skip)[2], np.float32)
+      q, k, kt, vt, G, chunk=64, skip_phases=skip, span=0.0)[2], np.float32)
   whole, no_bands, no_anchored = (p_of(0), p_of(blocks.PHASE_BANDS),
                                   p_of(blocks.PHASE_ANCHORED))
   rc = np.arange(64)
@@ -600,10 +600,12 @@ def test_fused_channel_grads_match_the_kernel_half_and_the_glue(case, dk, dv):
 @pytest.mark.parametrize("implementation", ["triton", "pallas_gpu"])
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
 def test_op_gradients_with_fused_channel_grads_match_scan(mixer, implementation):
-  # The op's every gradient with the fused backward on both GPU paths, against the scan.
+  # The op's every gradient with the fused backward on both GPU paths, against the scan, on the
+  # exact diagonal blocks (channel_span=0; the default bounded-span path is tested below).
   if implementation == "pallas_gpu" and not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
     pytest.skip("pallas_gpu needs a Hopper GPU")
-  tuning = ops.GpuTuning(channel_grads="kernel", triton_intra="kernel", channel_intra="triton")
+  tuning = ops.GpuTuning(channel_grads="kernel", triton_intra="kernel", channel_intra="triton",
+                         channel_span=0.0)
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=3)
   got = output_and_state_grads(mixer, args, kw["initial_state"], implementation, tuning=tuning)
   want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
@@ -613,8 +615,8 @@ def test_op_gradients_with_fused_channel_grads_match_scan(mixer, implementation)
 
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
 def test_op_gradients_with_the_bounded_span_path_match_scan(mixer):
-  # GpuTuning(channel_span=80): the channel kernels take their diagonal blocks on the tensor
-  # cores where the sub-chunks decay by at most 80 nats (here: all of them), fused grads.
+  # GpuTuning(channel_span=80, the default): the channel kernels take their diagonal blocks on
+  # the tensor cores where the sub-chunks decay by at most 80 nats (here: all of them).
   tuning = ops.GpuTuning(channel_grads="kernel", triton_intra="kernel", channel_intra="triton",
                          channel_span=80.0)
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=8)

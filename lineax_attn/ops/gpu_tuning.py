@@ -101,18 +101,28 @@ class GpuTuning:
       walks (`pallas_kernels.gpu.chunk_walk`, `chunk_walk_reverse`: a memory, a factor / output
       and a state warpgroup per CTA, the state transposed in registers), T0 from the Triton T0
       kernel or, without the extra, XLA's inverse; differentiated, the forward walk saves the
-      chunk states, the reverse walk makes dE and the state cotangents, then the state pass's
-      products (XLA) and the Mosaic intra-chunk backward on M = T0 ⊙ Γ. On the H200
-      (2026-12-03, B4 T4096 H16 D128; docs/BENCHMARKS.md "thirteenth stage") GDN forward 0.48
-      ms and fwd+bwd 2.13 against the split's 0.81 / 2.38 (jla 0.36 / 1.09); DeltaNet 0.44 /
-      1.95 against 0.83 / 2.18. Mosaic kernels only (`implementation="pallas_gpu"`), rows not
-      packed, K in {64, 128}; other calls keep "split".
+      chunk states, the reverse walk makes dE and the state cotangents, then one kernel per
+      chunk makes dq, dk, dv, dβ, dG (`pallas_kernels.gpu.chunk_grads`; V = 256: XLA's
+      products and the split's intra-chunk backward). Linear attention takes the same walks
+      without T0 and erase. On the H200 (2026-12-04, B4 T4096 H16 D128; docs/BENCHMARKS.md
+      "fifteenth stage") fwd+bwd GDN 1.16 ms, DeltaNet 1.24, linear attention 0.67 against the
+      split's 2.36 / 2.15 / 1.95 (jla: GDN 0.88, DeltaNet 0.94). Mosaic kernels only
+      (`implementation="pallas_gpu"`), rows not packed, K in {64, 128}; other calls keep
+      "split".
     channel_span: the per-channel Triton kernels' bounded-span path (KDA, GDN-2;
-      `pallas_kernels.gpu.triton.blocks.CHANNEL_SPAN`): 0 (the default) computes the 16 × 16
-      diagonal blocks of the pair matrices exactly in float32 everywhere; a bound in (0, 80]
-      nats lets every channel slice of a chunk whose 16-row sub-chunks decay by at most that
-      much take them on the tensor cores instead (bf16 operands, factors e^x with |x| ≤ the
-      bound). Interpreter-tested, not yet timed (docs/KERNELS_GPU.md, "Toward KDA / GDN-2").
+      `pallas_kernels.gpu.triton.blocks.CHANNEL_SPAN`): a bound in (0, 80] nats (80, the
+      default) lets every channel slice of a chunk whose 16-row sub-chunks decay by at most
+      that much take the 16 × 16 diagonal blocks of the pair matrices on the tensor cores
+      (bf16 operands, factors e^x with |x| ≤ the bound); steeper slices, and every slice with
+      0, compute them exactly in float32. On the H200 (2026-12-04) 80 took KDA fwd+bwd from
+      5.65 to 4.62 ms and GDN-2 from 5.82 to 4.84 (docs/KERNELS_GPU.md, "Toward KDA / GDN-2").
+    approx_math: whether the walk path's per-chunk backward (`pallas_kernels.gpu.chunk_grads`)
+      computes e^x as ex2.approx (relative error ~2⁻²², far below its bf16 operands') instead
+      of the exact float32 exp. On by default: on the H200 (2026-12-04, B4 T4096 H16 D128,
+      `bench_ab`, 5 rounds) GDN fwd+bwd took 1.164 ms with it against 1.202 without (jla
+      0.878); standalone the gated kernel's mean CTA span fell from 26.5 to 24.7 µs (its
+      "gates, M" and "dL, dB" phases, `experiments.bench_chunk_grads`). Ungated mixers compute
+      no e^x there.
   """
 
   intra: str = "kernel"
@@ -126,7 +136,8 @@ class GpuTuning:
   intra_grads: str = "auto"
   state_pass: str = "mosaic"
   forward: str = "auto"
-  channel_span: float = 0.0
+  channel_span: float = 80.0
+  approx_math: bool = True
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
@@ -140,8 +151,9 @@ class GpuTuning:
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")
-    if not isinstance(self.remat_intra, bool):
-      raise ValueError(f"GpuTuning.remat_intra must be a bool, got {self.remat_intra!r}.")
+    for name in ("remat_intra", "approx_math"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"GpuTuning.{name} must be a bool, got {getattr(self, name)!r}.")
     span = self.channel_span
     if isinstance(span, bool) or not isinstance(span, (int, float)) or not 0 <= span <= 80:
       raise ValueError(f"GpuTuning.channel_span must be a number of nats in [0, 80] (0: off), "

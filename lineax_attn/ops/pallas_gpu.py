@@ -21,14 +21,16 @@ resources:
   a reverse kernel for the state cotangent (docs/MATH.md §3.6 steps 1-2) plus batched matmuls,
   wired as a `jax.custom_vjp`.
 
-* **Walks (DeltaNet / GDN, `GpuTuning(forward="walk")`; "auto", the default, where the triton
-  extra runs):** the warp-specialised Mosaic GPU walks of `pallas_kernels.gpu.chunk_walk` and
-  `chunk_walk_reverse` instead of the intra-chunk forward and the state pass: a gate-free
-  inverse T0 per chunk, then one walk that makes every per-chunk factor on chip with the state
-  transposed in registers; differentiated, the reverse walk, XLA's products and the
-  intra-chunk backward kernel on M = T0 ⊙ Γ (`_walk_train_core`). On the H200 GDN forward 0.48
-  ms and fwd+bwd 2.13 against the split's 0.81 / 2.38 (docs/BENCHMARKS.md "thirteenth stage").
-  Packed rows keep the split.
+* **Walks (linear attention, DeltaNet, GDN; `GpuTuning(forward="walk")`; "auto", the default,
+  where the triton extra runs):** the warp-specialised Mosaic GPU walks of
+  `pallas_kernels.gpu.chunk_walk` and `chunk_walk_reverse` instead of the intra-chunk forward
+  and the state pass: a gate-free inverse T0 per chunk (none for linear attention), then one
+  walk that makes every per-chunk factor on chip with the state transposed in registers;
+  differentiated, the reverse walk and one kernel per chunk for dq, dk, dv, dβ, dG
+  (`pallas_kernels.gpu.chunk_grads`; V = 256 keeps XLA's products and the split's backward),
+  wired in `_walk_train_core`. On the H200 fwd+bwd GDN 1.27-1.33 ms, DeltaNet 1.06, linear
+  attention 0.67 against the split's 2.36 / 2.15 / 1.95 (docs/BENCHMARKS.md "fourteenth" and
+  "fifteenth stage"). Packed rows keep the split.
 * **Fused (DeltaNet / GDN, `GpuTuning(forward="fused")`, opt-in; on the H200 slower than the
   split in fwd+bwd, docs/BENCHMARKS.md "twelfth stage"):** the Triton
   kernels of `pallas_kernels.gpu.triton.fused_forward` instead of the intra-chunk kernel and
@@ -306,12 +308,12 @@ def walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, kernels: 
 
 def _linear_walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, kernels: str,
                          packed: bool) -> bool:
-  """Linear attention walks where DeltaNet / GDN would and `chunk_grads` takes the sizes (its
-  backward has no fallback), for now only when asked (`forward="walk"`): its kernels' t0=None
-  branches have run in the interpreter and lowered for CUDA but not yet compiled on a GPU, so
-  "auto" keeps linear attention on the split until they have."""
+  """Linear attention walks wherever DeltaNet / GDN would (`walk_applies`: "walk", or "auto"
+  where the triton extra runs) and `chunk_grads` takes the sizes (its backward has no
+  fallback). Compiled and timed on the H200 (2026-12-04): 0.67 ms fwd+bwd at B4 T4096 H16 D128
+  against the split's 1.95 and GDN's 1.27."""
   from pallas_kernels.gpu import chunk_grads  # pylint: disable=g-import-not-at-top
-  return (tuning.forward == "walk" and walk_applies(tuning, dk, dv, chunk_size, kernels, packed)
+  return (walk_applies(tuning, dk, dv, chunk_size, kernels, packed)
           and chunk_grads.supported(chunk_size, dk, dv) is None)
 
 
@@ -358,9 +360,11 @@ def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_s
 # makes dE and the state cotangents from q, k, T0 and the gates; then one kernel per chunk
 # (`chunk_grads`) makes dq, dk, dv, dβ and dG from them in the inputs' layout. Where that
 # kernel does not take the sizes (V = 256), XLA's products and the split's intra-chunk backward
-# do its work. G: the chunk cumulative gates `[B, HV, Nc, C]` (None ungated).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _walk_train_core(q, k, v, beta, G, s0, scale, c, interpret):
+# do its work. G: the chunk cumulative gates `[B, HV, Nc, C]` (None ungated). approx_math:
+# `GpuTuning.approx_math`, for chunk_grads.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _walk_train_core(q, k, v, beta, G, s0, scale, c, interpret, approx_math):
+  del approx_math
   return _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret)
 
 
@@ -380,7 +384,8 @@ def _kernel_rows(beta_rows, g_rows, v):
   return (beta_rows if g_rows is None else g_rows), beta_rows
 
 
-def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret):
+def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, approx_math):
+  del approx_math
   # symbolic_zeros: the differentiable arguments come wrapped (CustomVJPPrimal)
   q, k, v, beta, G, s0 = (x.value if isinstance(x, _CustomVJPPrimal) else x
                           for x in (q, k, v, beta, G, s0))
@@ -389,7 +394,7 @@ def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret):
   return (o, e, s_final), (q, k, v, beta, G, t0, h, e.astype(jnp.bfloat16))
 
 
-def _walk_train_core_bwd(scale, c, interpret, res, cts):
+def _walk_train_core_bwd(scale, c, interpret, approx_math, res, cts):
   from pallas_kernels.gpu import chunk_grads  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
   q, k, v, beta, G, t0, h_t, e = res
@@ -417,7 +422,7 @@ def _walk_train_core_bwd(scale, c, interpret, res, cts):
     return grads + (ds0,)
   dq, dk_, dv_, dbeta, dG = chunk_grads.chunk_grads(
       bf(q), bf(k), bf(v), e, bf(do), t0, gate_rows, beta_rows, h_t, dh_t, de_t,
-      scale=float(scale), gated=G is not None, interpret=interpret)
+      scale=float(scale), gated=G is not None, interpret=interpret, approx_math=approx_math)
   if hv != h:   # GVA: each value head's share of its key head's gradient, summed in float32
     heads = lambda x: jnp.sum(x.reshape(b, t, h, hv // h, dk).astype(_F32), axis=3)
     dq, dk_ = heads(dq), heads(dk_)
@@ -482,7 +487,7 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
     # Linear attention on the walks without their erase (E = v).
     vw = v if m is None else v * m[..., None]
     o, e, s_final = _walk_train_core(pad(q), pad(k), pad(vw), None, None, s0, scale, c,
-                                     interpret)
+                                     interpret, tuning.approx_math)
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
@@ -494,7 +499,7 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
                                               functools.partial(to_chunks, c=c))
       if walk:
         o, e, s_final = _walk_train_core(pad(q), pad(k), pad(v), pad(beta), G, s0, scale, c,
-                                         interpret)
+                                         interpret, tuning.approx_math)
       else:
         o, e, s_final = _fused_core(pad(q), pad(k), pad(v), pad(beta), G, s0, segidx, scale, c,
                                     interpret, kernels)

@@ -123,8 +123,10 @@ CHANNEL_BAND_STAGES = 1
 # the slice) takes its diagonal blocks on the tensor cores like the off-diagonal ones, anchored
 # at the sub-chunk's first row: the factors are e^x with |x| <= CHANNEL_SPAN (finite in float32
 # and bf16 up to ~88), bf16 operands instead of float32 sums. Other slices keep the exact path.
-# 0 until timed on a GPU (interpreter-tested at 80, the bound jla's vector-gate kernels use).
-CHANNEL_SPAN = 0.0
+# 80 (the bound jla's vector-gate kernels use): on the H200 (2026-12-04, B4 T4096 H16 D128,
+# fwd+bwd) KDA 4.62 ms and GDN-2 4.84 against 5.65 / 5.82 with 0 (docs/BENCHMARKS.md
+# "fifteenth stage").
+CHANNEL_SPAN = 80.0
 
 
 def solve_bk(dk: int, dv: int) -> int:
