@@ -5,7 +5,7 @@ Mosaic GPU's in-kernel profiler.
 On the H200 (2026-12-04) the gated kernel took 573 µs and the ungated one 386 µs inside the
 op (docs/BENCHMARKS.md "fourteenth stage"); this program isolates that difference:
 
-    JAX_PLATFORMS=cuda,cpu python3 -u -m experiments.bench_chunk_grads --profile_dir=/tmp/cg_prof \
+    JAX_PLATFORMS=cuda,cpu python3 -u -m experiments.bench_chunk_grads --profile_dir=/tmp/cg_prof \\
         --approx_math=false,true
 
 prints, per variant, the median wall time of a call (block_until_ready, after a warm-up) and,
