@@ -136,7 +136,7 @@ class GpuTuning:
   intra_grads: str = "auto"
   state_pass: str = "mosaic"
   forward: str = "auto"
-  channel_span: float = 80.0
+  channel_span: float = 80.0   # = blocks.CHANNEL_SPAN (literal: no kernel import at start-up)
   approx_math: bool = True
 
   def __post_init__(self):

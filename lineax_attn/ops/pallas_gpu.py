@@ -28,9 +28,9 @@ resources:
   walk that makes every per-chunk factor on chip with the state transposed in registers;
   differentiated, the reverse walk and one kernel per chunk for dq, dk, dv, dβ, dG
   (`pallas_kernels.gpu.chunk_grads`; V = 256 keeps XLA's products and the split's backward),
-  wired in `_walk_train_core`. On the H200 fwd+bwd GDN 1.27-1.33 ms, DeltaNet 1.06, linear
-  attention 0.67 against the split's 2.36 / 2.15 / 1.95 (docs/BENCHMARKS.md "fourteenth" and
-  "fifteenth stage"). Packed rows keep the split.
+  wired in `_walk_train_core`. On the H200 (2026-12-04) fwd+bwd GDN 1.16 ms, DeltaNet 1.24,
+  linear attention 0.67 against the split's 2.36 / 2.15 / 1.95 (docs/BENCHMARKS.md "fifteenth
+  stage"). Packed rows keep the split.
 * **Fused (DeltaNet / GDN, `GpuTuning(forward="fused")`, opt-in; on the H200 slower than the
   split in fwd+bwd, docs/BENCHMARKS.md "twelfth stage"):** the Triton
   kernels of `pallas_kernels.gpu.triton.fused_forward` instead of the intra-chunk kernel and
