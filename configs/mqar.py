@@ -68,6 +68,8 @@ def get_config(size: str = "cpu") -> ml_collections.ConfigDict:
   c.steps_per_call = 25
   c.vmap_lrs = True
   c.max_minutes = ml_collections.config_dict.placeholder(float)
+  # Stop a run once its training loss is below this (None: every step; `TrainSettings`).
+  c.stop_loss = ml_collections.config_dict.placeholder(float)
   # ModelConfig overrides for every mixer (2 layers of mixer + SwiGLU).
   c.model = ml_collections.ConfigDict(dict(
       n_layers=2, num_heads=2, attn_heads=2, chunk_size=64, implementation="chunk",

@@ -16,7 +16,8 @@ the delta-rule intra forward's inverse forced: `blocks.INTRA_INVERSES`), ours wi
 `GpuTuning` after `@` (`GpuTuning.parse`'s fields, `;`-separated, e.g.
 `pallas_gpu@state_pass=triton`), ours with the fused walks' kernel knobs after `#`
 (`;`-separated: `scores=walk|stored`, `blocks.FUSED_SCORES`; `launch=BLOCK_V:warps:stages`,
-`blocks.FUSED_WALK_LAUNCH`; e.g. `triton@forward=fused#scores=stored;launch=16:4:2`), ours
+`blocks.FUSED_WALK_LAUNCH`; e.g. `triton@forward=fused#scores=stored;launch=16:4:2`; and, on the walks too, `t0=warps:BK:inverse`,
+`blocks.T0_LAUNCH`, the gate-free inverse's launch: `pallas_gpu#t0=8:64:tiles`), ours
 with every row cut into P pieces after `/` (`lineax_attn.parallel.pieces.row_split`, for small B·H:
 `pallas_gpu/8` at `--shape=1,65536,16,128`), ours with the Triton kernels' custom call forced
 after `+`
@@ -83,7 +84,7 @@ def forced_inverse(inverse: str | None):
 
 
 # The `#` knobs of a variant and the `blocks` constants they set.
-_KNOB_ATTRS = {"scores": "FUSED_SCORES", "launch": "FUSED_WALK_LAUNCH"}
+_KNOB_ATTRS = {"scores": "FUSED_SCORES", "launch": "FUSED_WALK_LAUNCH", "t0": "T0_LAUNCH"}
 
 
 @contextlib.contextmanager
@@ -106,7 +107,8 @@ def forced_blocks(values: dict):
 
 
 def parse_fused_knobs(text: str) -> dict:
-  """"scores=stored;launch=16:4:2" -> {"scores": "stored", "launch": (16, 4, 2)}."""
+  """"scores=stored;launch=16:4:2;t0=8:64:tiles" -> {"scores": "stored", "launch": (16, 4, 2),
+  "t0": (8, 64, "tiles")}."""
   from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
   knobs = {}
   for item in filter(None, text.split(";")):
@@ -115,9 +117,16 @@ def parse_fused_knobs(text: str) -> dict:
       knobs["scores"] = value
     elif key == "launch" and len(value.split(":")) == 3 and value.replace(":", "").isdigit():
       knobs["launch"] = tuple(int(x) for x in value.split(":"))
+    elif key == "t0" and len(value.split(":")) == 3:
+      warps, bk, inverse = value.split(":")
+      if not (warps.isdigit() and bk.isdigit()):
+        raise ValueError(f"--variants: T0 knob {item!r} is not t0=warps:BK:inverse")
+      # (BK against K is checked when the kernel is traced; here only the form)
+      knobs["t0"] = blocks.check_t0_launch((int(warps), int(bk), inverse), int(bk))
     else:
       raise ValueError(f"--variants: fused knob {item!r} is not scores="
-                       f"{'|'.join(blocks.FUSED_SCORES_CHOICES)} or launch=BLOCK_V:warps:stages")
+                       f"{'|'.join(blocks.FUSED_SCORES_CHOICES)}, launch=BLOCK_V:warps:stages "
+                       "or t0=warps:BK:inverse")
   return knobs
 
 
@@ -195,8 +204,8 @@ def parse_variant(variant: str) -> Variant:
   if call_target and call_target not in ("legacy", "ffi"):
     raise ValueError(f"--variants: call target {call_target!r} is not 'legacy' or 'ffi'")
   knobs = parse_fused_knobs(knob_text) if knob_text else {}
-  if knobs and (tuning is None or tuning.forward != "fused"):
-    raise ValueError(f"--variants: {variant!r}: fused knobs need @forward=fused")
+  if set(knobs) - {"t0"} and (tuning is None or tuning.forward != "fused"):
+    raise ValueError(f"--variants: {variant!r}: fused knobs but t0 need @forward=fused")
   return Variant(impl, inverse or None, tuning, call_target or None, knobs,
                  int(pieces_text) if pieces_text else None)
 

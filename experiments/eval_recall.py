@@ -87,11 +87,13 @@ def _lr(x: float) -> str:
 
 def _mqar_entry(row: dict, with_steps: bool) -> str:
   """"acc (lr)", with the steps trained where runs differ ("?" for rows older than the steps
-  field) and † where the time budget cut the run short."""
+  field), † where the time budget cut the run short and ✓ where it stopped on its loss
+  (`stop_loss`: solved before its steps)."""
   inside = _lr(row["lr"])
-  if with_steps or row.get("partial"):
+  if with_steps or row.get("partial") or row.get("converged"):
     inside += f", {row['steps']} steps" if "steps" in row else ", ? steps"
-  return f"{row['accuracy']:.3f} ({inside})" + (" †" if row.get("partial") else "")
+  mark = " †" if row.get("partial") else " ✓" if row.get("converged") else ""
+  return f"{row['accuracy']:.3f} ({inside})" + mark
 
 
 def mqar_table(rows: list[dict], mixers: list[str]) -> str:
@@ -125,6 +127,9 @@ def mqar_table(rows: list[dict], mixers: list[str]) -> str:
   if any(r.get("partial") for r in rows):
     table += ("\n\n† stopped by the time budget before its steps; tested as trained after the "
               "steps shown.")
+  if any(r.get("converged") for r in rows):
+    table += ("\n\n✓ stopped once its training loss fell below the run's stop_loss (every LR, "
+              "mean over one compiled call); tested after the steps shown.")
   return table + "\n\nState size per layer (d_k·d_v·H_v; softmax: KV cache 2·T·H_kv·d_h): " + \
       "; ".join(notes)
 
@@ -204,7 +209,7 @@ def run_mqar(config, workdir: str | None) -> str:
   settings = recall.TrainSettings(
       steps=config.steps, batch_size=config.batch_size, warmup_fraction=config.warmup_fraction,
       weight_decay=config.weight_decay, steps_per_call=config.steps_per_call,
-      vmap_lrs=config.vmap_lrs)
+      vmap_lrs=config.vmap_lrs, stop_loss=config.stop_loss)
   rows_path = None
   if workdir:
     os.makedirs(workdir, exist_ok=True)

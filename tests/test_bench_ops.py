@@ -282,6 +282,14 @@ def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():
     bench_ab.parse_variant("jla/4")
   with pytest.raises(ValueError, match="need @forward=fused"):
     bench_ab.parse_variant("triton#scores=stored")
+  # The T0 kernel's launch is a knob of the walks too (no @forward=fused needed).
+  assert bench_ab.parse_variant("pallas_gpu#t0=8:64:tiles").knobs == {"t0": (8, 64, "tiles")}
+  with pytest.raises(ValueError, match="T0 launch"):
+    bench_ab.parse_variant("pallas_gpu#t0=3:64:tiles")
+  with pytest.raises(ValueError, match="T0 launch"):
+    bench_ab.parse_variant("pallas_gpu#t0=4:64:blocked")
+  with pytest.raises(ValueError, match="T0 knob"):
+    bench_ab.parse_variant("pallas_gpu#t0=a:64:tiles")
   with pytest.raises(ValueError, match="fused knob 'launch=16:4'"):
     bench_ab.parse_variant("triton@forward=fused#launch=16:4")
   with pytest.raises(ValueError, match="fused knob 'scores=cached'"):

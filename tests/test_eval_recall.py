@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -113,6 +114,33 @@ def test_a_deadline_stops_the_run_after_its_first_call_and_keeps_it():
   assert len(cut.loss_curve()) == 4  # never more windows than steps
 
 
+def test_stop_loss_stops_a_run_once_every_lr_is_below_it():
+  # Oracle: the full run's own losses. With stop_loss above every chunk mean the run stops after
+  # its first call; with stop_loss between the first and last chunk means it stops at the first
+  # call whose mean (of every LR) is below it, and trains exactly those steps. Never otherwise.
+  cfg = _tiny_config("deltanet").replace(n_layers=1)
+  settings = recall.TrainSettings(steps=12, batch_size=8, steps_per_call=4)
+  full = recall.train_mqar_lrs(cfg, TASK, [1e-2, 3e-3], settings, seed=0)
+  means = full.losses.reshape(3, 4, 2).mean(axis=1)            # [call, lr]
+  assert not full.converged
+  top = float(means.max()) + 1.0
+  early = recall.train_mqar_lrs(cfg, TASK, [1e-2, 3e-3],
+                                dataclasses.replace(settings, stop_loss=top), seed=0)
+  assert (early.steps, early.converged, early.partial) == (4, True, False)
+  np.testing.assert_allclose(early.losses, full.losses[:4], rtol=1e-5)
+  cut = float(means.max(axis=1)[-1]) + 1e-6         # the last call is below, maybe an earlier
+  want = 4 * (1 + int(np.argmax(means.max(axis=1) < cut)))
+  mid = recall.train_mqar_lrs(cfg, TASK, [1e-2, 3e-3],
+                              dataclasses.replace(settings, stop_loss=cut), seed=0)
+  assert (mid.steps, mid.converged) == (want, True)
+  low = recall.train_mqar_lrs(cfg, TASK, [1e-2, 3e-3],
+                              dataclasses.replace(settings, stop_loss=1e-9), seed=0)
+  assert (low.steps, low.converged) == (12, False)
+  for bad in (0.0, -1.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="stop_loss"):
+      recall.TrainSettings(stop_loss=bad)
+
+
 def test_decay_horizons_read_the_gate_parameters():
   # Oracle: 1 / (exp(A_log) softplus(dt_bias)) from the parameters in numpy, pooled over layers.
   for mixer in ("gdn", "kda"):
@@ -141,6 +169,8 @@ def test_mqar_table_entries_say_steps_and_cut_runs():
   assert eval_recall._mqar_entry(row, True) == "0.500 (1e-3, 300 steps)"
   assert eval_recall._mqar_entry(dict(row, partial=True, steps=250), False) == \
       "0.500 (1e-3, 250 steps) †"
+  assert eval_recall._mqar_entry(dict(row, converged=True, steps=175), False) == \
+      "0.500 (1e-3, 175 steps) ✓"
   old = {k: v for k, v in row.items() if k not in ("steps", "partial")}   # rows before the field
   assert eval_recall._mqar_entry(old, True) == "0.500 (1e-3, ? steps)"
   table = eval_recall.mqar_table([row, dict(row, mixer="kda", steps=100, partial=True)],

@@ -789,6 +789,26 @@ def test_fused_walk_knobs_are_checked():
     ff.fused_forward(q, k, v, beta, None, s0, scale=1.0, gated=False, launch=(48, 4, 1))
 
 
+# The T0 kernel's launches (`blocks.T0_LAUNCH`, timed by experiments/bench_t0.py) change how
+# k kᵀ is sliced and how the inverse is built, never what it is: T0 against the float32
+# inverse of the same bf16 keys. 5e-3: T0 is stored in bf16 (its rounding alone is ~2e-3 rms
+# of an entry) and tf32 products build it (~1e-3, intra_chunk's docstring); measured 5e-4.
+@pytest.mark.parametrize("dk", [64, 128])
+@pytest.mark.parametrize("launch", [(4, 16, "batched"), (8, 64, "tiles"), (2, 64, "batched")])
+def test_gate_free_inverse_at_every_launch_matches_the_exact_inverse(dk, launch):
+  from experiments import bench_t0
+  from pallas_kernels.gpu.triton import fused_forward as ff
+  if dk % launch[1]:
+    pytest.skip("BK does not divide K")
+  k, beta = bench_t0.inputs(2, 128, 2, dk, seed=3)
+  got = jax.jit(lambda k_, b_: ff.gate_free_inverse(k_, b_, hv=2, launch=launch))(k, beta)
+  want = bench_t0.exact_inverse(k, beta)
+  assert got.shape == want.shape and got.dtype == BF
+  assert bench_t0.rel_rms(got.astype(jnp.float32), want) < 5e-3, launch
+  with pytest.raises(ValueError, match="T0 launch"):
+    ff.gate_free_inverse(k, beta, hv=2, launch=(4, 48, "batched"))
+
+
 # The kernel-level check of `intra_chunk_bwd_from_states` the op-level tests lacked. Compiled on
 # the H200 (2026-12-03) its dk was wrong at K = V = 128 with the products' V loop in two steps
 # of 64, at either slice-stage count, and right in one step of 128 (`blocks.from_states_vs`, now

@@ -111,11 +111,19 @@ class TrainSettings:
   b2: float = 0.98
   steps_per_call: int = 25          # steps per compiled lax.scan (dispatch overhead)
   vmap_lrs: bool = True             # train the learning rates of a cell at once
+  # Stop a run once every LR's mean training loss over one compiled call is below this (None:
+  # train every step). MQAR's loss falls to ~0 once a model solves the task and stays there, so
+  # the steps after only cost time; the run's `converged` and `steps` say where it stopped.
+  stop_loss: float | None = None
 
   def __post_init__(self):
     for name in ("steps", "batch_size", "steps_per_call"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+    if self.stop_loss is not None and not (math.isfinite(self.stop_loss)
+                                           and self.stop_loss > 0):
+      raise ValueError(f"stop_loss must be None or a positive finite float, got "
+                       f"{self.stop_loss}.")
     if not 0.0 <= self.warmup_fraction < 1.0:
       raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}.")
 
@@ -231,6 +239,7 @@ class MQARRun:
   first_call_seconds: float   # the first compiled call (compile + chunk steps)
   examples_per_s: float       # steady state, all learning rates together
   partial: bool = False       # stopped by the deadline before its steps
+  converged: bool = False     # stopped early: its loss fell below `TrainSettings.stop_loss`
 
   def loss_curve(self, points: int = 24) -> list[list[float]]:
     """[[last step of the window, mean loss per LR...], ...] over `points` equal windows: the
@@ -308,7 +317,7 @@ def train_mqar_lrs(model_config: ModelConfig, task: synthetic.MQARConfig, lrs: S
   peaks = jnp.asarray(lrs, jnp.float32)
   losses, call_times = [], []
   order, order_epoch = None, -1
-  partial = False
+  partial = converged = False
   for start in range(0, s.total_steps, s.chunk):
     if start and deadline is not None and time.perf_counter() > deadline:
       partial = True
@@ -322,6 +331,9 @@ def train_mqar_lrs(model_config: ModelConfig, task: synthetic.MQARConfig, lrs: S
                                                 data_inputs, data_labels, order)
     losses.append(np.asarray(chunk_losses))  # also waits for the chunk
     call_times.append(time.perf_counter() - tc)
+    if s.stop_loss is not None and np.all(losses[-1].mean(axis=0) < s.stop_loss):
+      converged = True
+      break
   seconds = time.perf_counter() - t0
   steady = call_times[1:] or call_times
   examples_per_s = s.chunk * s.batch_size * len(lrs) / float(np.median(steady))
@@ -330,7 +342,7 @@ def train_mqar_lrs(model_config: ModelConfig, task: synthetic.MQARConfig, lrs: S
   losses = np.concatenate(losses)
   return MQARRun(lrs=lrs, models=models, losses=losses, steps=len(losses), seconds=seconds,
                  first_call_seconds=call_times[0], examples_per_s=examples_per_s,
-                 partial=partial)
+                 partial=partial, converged=converged)
 
 
 def train_mqar(model_config: ModelConfig, task: synthetic.MQARConfig, *, lr: float,
@@ -414,7 +426,8 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
   Returns:
     (rows, info). rows: one per (cell, lr): mixer, d_model, seq_len, num_pairs, vocab, lr,
     accuracy, best (whether this LR is the cell's best), state_size, params, final_loss,
-    train_seconds, steps (trained), partial (the budget stopped it first), loss_curve
+    train_seconds, steps (trained), partial (the budget stopped it first), converged (its
+    loss fell below `settings.stop_loss` first), loss_curve
     ([[step, mean loss], ...] over 24 windows), decay_horizons (`decay_horizons` of the trained
     model, None ungated).
     info: {"complete": bool, "skipped_cells": [...], "partial_cells": [...], "elapsed_s": float,
@@ -467,6 +480,7 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
                  best=j == best, state_size=state_size(cfg, t), params=int(params),
                  final_loss=float(np.mean(run.losses[-max(1, settings.chunk):, j])),
                  train_seconds=run.seconds, steps=run.steps, partial=run.partial,
+                 converged=run.converged,
                  loss_curve=[[pt[0], pt[1 + j]] for pt in curve],
                  decay_horizons=decay_horizons(run.models[j]))
       rows.append(row)

@@ -230,6 +230,27 @@ FUSED_SCORES = "walk"
 FUSED_WALK_LAUNCH: tuple[int, int, int] | None = None
 
 
+# The T0 kernel's launch (`fused_forward._t0_kernel`, the gate-free inverse of the walks):
+# (warps, BK: key columns a step of its k kᵀ loop, inverse: `INTRA_INVERSES`). It holds only
+# k kᵀ and the inverse (no NY / U / P tiles, unlike the intra kernel whose launch it started
+# from), so wider steps and other warp counts may pay: `experiments/bench_t0.py` times them.
+T0_LAUNCH: tuple[int, int, str] = (INTRA_WARPS, INTRA_BK, INTRA_INVERSE)
+
+
+def check_t0_launch(launch, dk: int) -> tuple[int, int, str]:
+  """launch as (warps, BK, inverse), checked against head dim dk."""
+  try:
+    warps, bk, inverse = launch
+    warps, bk = int(warps), int(bk)
+  except (TypeError, ValueError):
+    raise ValueError(f"T0 launch {launch!r} is not (warps, BK, inverse)") from None
+  if warps not in (1, 2, 4, 8) or bk not in (16, 32, 64, 128) or dk % bk or (
+      inverse not in INTRA_INVERSES):
+    raise ValueError(f"T0 launch {launch!r} needs warps in (1, 2, 4, 8), BK in (16, 32, 64, "
+                     f"128) dividing K={dk} and an inverse in {INTRA_INVERSES}")
+  return warps, bk, inverse
+
+
 def fused_walk_launch(dk: int, dv: int, *, hopper: bool = False) -> tuple[int, int, int]:
   """(BLOCK_V, warps, pipeline stages) of `fused_forward`'s two chunk walks (K <= 128).
 

@@ -45,14 +45,14 @@ import triton.language as tl
 
 from pallas_kernels.gpu.triton import blocks
 from pallas_kernels.gpu.triton.intra_chunk import (_batched_unit_lower_inverse, _chunk_index,
-                                                   _gamma, _ungated_gamma)
+                                                   _gamma, _unit_lower_inverse, _ungated_gamma)
 from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _on_hopper, _structs
 
 @triton.jit
 def _t0_kernel(q_ptr, k_ptr, beta_ptr, seg_ptr, t, scale, t0_ptr, p0_ptr,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
                BK: tl.constexpr, PACKED: tl.constexpr, PREC: tl.constexpr,
-               STORE_SCORES: tl.constexpr):
+               STORE_SCORES: tl.constexpr, BATCHED: tl.constexpr):
   scale = tl.cast(scale, tl.float32)   # jax-triton passes a Python float as float64
   rc, rows, qk_base, _, vec0, chunk = _chunk_index(t, H, HV, K, K, C)
   ii, jj = rc[:, None], rc[None, :]
@@ -68,7 +68,10 @@ def _t0_kernel(q_ptr, k_ptr, beta_ptr, seg_ptr, t, scale, t0_ptr, p0_ptr,
   beta = tl.load(beta_ptr + vec0 + rc)
   lower = _ungated_gamma(seg_ptr, rows, ii, jj, PACKED)
   lmat = tl.where(ii > jj, beta[:, None] * kk * lower, 0.0)
-  t0 = _batched_unit_lower_inverse(lmat, ii, jj, PREC)
+  if BATCHED:
+    t0 = _batched_unit_lower_inverse(lmat, ii, jj, PREC)
+  else:
+    t0 = _unit_lower_inverse(lmat, ii, jj, PREC)
   tl.store(t0_ptr + chunk * C * C + ii * C + jj, t0.to(tl.bfloat16))
   if STORE_SCORES:   # the scores s q kᵀ, unmasked: the walks' Γ masks and gates them
     tl.store(p0_ptr + chunk * C * C + ii * C + jj, (scale * qk).to(tl.bfloat16))
@@ -309,27 +312,33 @@ def _fused_forward(q, k, v, beta, g, s0, segments, *, scale, gated, save_states,
   return o, e, s_final, (t0, p0 if stored else None), states
 
 
-def _t0_call(q, k, beta, seg, *, scale, hv, packed, stored):
-  """`_t0_kernel` over every chunk: (t0, p0 or a placeholder)."""
+def _t0_call(q, k, beta, seg, *, scale, hv, packed, stored, launch=None):
+  """`_t0_kernel` over every chunk: (t0, p0 or a placeholder). launch: (warps, BK, inverse),
+  else `blocks.T0_LAUNCH`."""
   b, t, h, dk = k.shape
   c = blocks.CHUNK
   nc = t // c
+  warps, bk, inverse = blocks.check_t0_launch(launch or blocks.T0_LAUNCH, dk)
+  if stored:   # q kᵀ beside k kᵀ: two [C, BK] slices a step, the intra kernel's slicing
+    bk = blocks.INTRA_BK
   return _jax_triton().triton_call(
       q, k, beta, seg, t, scale, kernel=_t0_kernel,
       out_shape=_structs(((b, hv, nc, c, c), MM_DTYPE),
                          ((b, hv, nc, c, c) if stored else (1,), MM_DTYPE)),
-      grid=(nc, b * hv), num_warps=blocks.INTRA_WARPS, num_stages=1, H=h, HV=hv, K=dk, C=c,
-      BK=blocks.INTRA_BK, PACKED=packed, PREC=blocks.INTRA_PRECISION, STORE_SCORES=stored)
+      grid=(nc, b * hv), num_warps=warps, num_stages=1, H=h, HV=hv, K=dk, C=c,
+      BK=bk, PACKED=packed, PREC=blocks.INTRA_PRECISION, STORE_SCORES=stored,
+      BATCHED=inverse == "batched")
 
 
-@functools.partial(jax.jit, static_argnames=("hv",))
-def gate_free_inverse(k, beta, *, hv: int):
+@functools.partial(jax.jit, static_argnames=("hv", "launch"))
+def gate_free_inverse(k, beta, *, hv: int, launch: tuple[int, int, str] | None = None):
   """T0 = (I + diag(β) strict(k kᵀ))⁻¹ of every chunk, `[B, HV, Nc, C, C]` bf16 (the T0 kernel
   alone, for `pallas_kernels.gpu.chunk_walk`). k `[B, T, H, K]` (T a multiple of 64), beta
-  `[B, HV, T]` float32; value head hv reads key head hv // (HV / H). Unpacked rows only."""
+  `[B, HV, T]` float32; value head hv reads key head hv // (HV / H). Unpacked rows only.
+  launch: (warps, BK, inverse) (`blocks.T0_LAUNCH` when None; a timing run's knob)."""
   k = k.astype(MM_DTYPE)
   t0, _ = _t0_call(k, k, beta.astype(jnp.float32), beta.astype(jnp.float32), scale=1.0, hv=hv,
-                   packed=False, stored=False)
+                   packed=False, stored=False, launch=launch)
   return t0
 
 
