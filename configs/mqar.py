@@ -23,12 +23,15 @@ Sizes:
 
 Both sizes use Zoology's blocks (no output gate) and `gate_init="long"` for every mixer: MQAR
 measures the state update, and with the LM's output gates and FLA's gate init the gated mixers
-stay at chance for thousands of steps (docs/EXPERIMENTS.md, "MQAR sweeps"). At T 512 `long` is
-too short (its ~200-token initial horizons left GDN, KDA and GDN-2 at chance after 6,000
-steps); run T 512 cells with `--config.model.gate_init=very_long` (GDN 0.998, GDN-2 0.996, KDA
-0.94 after 6,300-8,000 steps; docs/EXPERIMENTS.md, "T 512 N 64 with gate_init=very_long").
+stay at chance for thousands of steps (docs/EXPERIMENTS.md, "MQAR sweeps"). Where keys wait
+long for their queries `long` is too short: at T 512 (N 64: GDN, KDA and GDN-2 at chance after
+6,000 steps) and at T 256 N 64 (0.53 / 0.51 / 0.0006 after 8,000); `very_long` gives them
+0.94-0.9997 there. The whole grid (docs/EXPERIMENTS.md, "The whole MQAR grid") ran `long` at
+T <= 256 and `--config.model.gate_init=very_long` at T 512.
 
-`max_minutes` (None = no limit) applies to the MQAR sweep; `niah` is used with `--checkpoint`.
+`max_minutes` (None = no limit) applies to the MQAR sweep; `stop_loss` (None = every step) ends
+a run once its training loss is below it (the grid used 1e-3); `niah` is used with
+`--checkpoint`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,24 @@
 """Time the walks' gate-free inverse kernel (`fused_forward._t0_kernel`) at several launches.
 
 The Mosaic walks of DeltaNet and GDN read one factor per chunk from HBM, the gate-free inverse
-T0 = (I + diag(β) strict(k kᵀ))⁻¹, made by a Triton kernel beforehand. On the H200
-(2026-12-04, B4 T4096 H16 D128) it took ~95 µs of GDN's 1.16 ms fwd+bwd, jax-linear-attention's
-own ~49. Its launch was inherited from the intra kernel, which holds far more live tiles; this
-program times it at other launches, `warps:BK:inverse` (`blocks.T0_LAUNCH`: warps, key columns
-a step of the k kᵀ loop, and `blocks.INTRA_INVERSES`):
+T0 = (I + diag(β) strict(k kᵀ))⁻¹, made by a Triton kernel beforehand (jax-linear-attention's
+own takes ~49 µs at B4 T4096 H16 D128). Its first launch was the intra kernel's, which holds far
+more live tiles; this program times it at others, `warps:BK:inverse` (warps, key columns a step
+of the k kᵀ loop, `blocks.INTRA_INVERSES`):
 
-    python3 -u -m experiments.bench_t0 --launches=4:16:batched,4:128:batched,8:128:tiles \\
+    python3 -u -m experiments.bench_t0 --launches=4:16:batched,4:128:batched,8:128:tiles \
         --out_json=/tmp/t0.json
 
-Per launch: the median over `--rounds` interleaved rounds (the order rotated each round, so
-drift does not favour one) of each round's median call time, its range, and the relative rms
-error of T0 against the float32 inverse (`ops.triangular.unit_lower_inverse`, products at
-HIGHEST) over the same inputs: L2-normalised keys (as the layers feed them) and β in (0, 1).
-The HBM floor printed beside is k, β read once and T0 written once at the GPU's nominal
-bandwidth (`--hbm_tb_s`). Off GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1;
-to check the program and the errors, not to time).
+Per launch: over `--rounds` interleaved rounds (the order rotated each round, so drift does not
+favour one), each round's time per call of `--iters` calls queued and waited for once (the
+GPU's time per call: one call waited for alone measured 200-400 µs on the H200 for this
+~100 µs kernel, the host's dispatch), the median of the rounds and their range, and the
+relative rms error of T0 against the float32 inverse (`ops.triangular.unit_lower_inverse`,
+products at HIGHEST) of the same bf16 inputs: unit-norm keys (as the layers feed them) and β
+in (0, 1). The HBM floor printed beside it is k and β read once and T0 written once at the
+nominal bandwidth (`--hbm_tb_s`). On the H200 (2026-12-04): `blocks.t0_launch`'s docstring.
+Off GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1; to check the program and
+the errors, not to time).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,K (HV = H).")
 _LAUNCHES = flags.DEFINE_list(
     "launches", "4:16:batched,4:64:batched,4:128:batched,8:128:batched,2:128:batched,"
     "4:128:tiles,8:128:tiles,8:64:tiles",
-    "warps:BK:inverse launches to time (the library's blocks.T0_LAUNCH is added first).")
+    "warps:BK:inverse launches to time (the library's, blocks.t0_launch, is added first).")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per launch and round.")
 _HBM = flags.DEFINE_float("hbm_tb_s", 4.8, "HBM bandwidth for the floor, TB/s (H200: 4.8).")
@@ -83,7 +85,7 @@ def main(argv):
   b, t, h, dk = (int(x) for x in _SHAPE.value.split(","))
   if t % blocks.CHUNK:
     raise app.UsageError(f"--shape: T={t} is not a multiple of {blocks.CHUNK}")
-  launches = [blocks.check_t0_launch(blocks.T0_LAUNCH, dk)]
+  launches = [blocks.check_t0_launch(blocks.T0_LAUNCH or blocks.t0_launch(dk), dk)]
   launches += [x for x in (parse_launch(s, dk) for s in _LAUNCHES.value) if x not in launches]
   k, beta = inputs(b, t, h, dk)
   ref = exact_inverse(k, beta)
@@ -91,23 +93,23 @@ def main(argv):
   floor_us = (k.size * 2 + beta.size * 4 + b * h * nc * c * c * 2) / (_HBM.value * 1e12) * 1e6
   print(f"T0 kernel at B{b} T{t} H{h} K{dk}, {jax.devices()[0].device_kind}; HBM floor "
         f"{floor_us:.1f} µs at {_HBM.value} TB/s", flush=True)
-  calls, errors = {}, {}
+  calls, errors = {}, {}   # calls return without waiting (queued)
   for launch in launches:
     fn = jax.jit(lambda k_, b_, launch=launch: ff.gate_free_inverse(k_, b_, hv=h, launch=launch))
     out = jax.block_until_ready(fn(k, beta))            # compiles
     errors[launch] = rel_rms(out.astype(jnp.float32), ref)
-    calls[launch] = lambda fn=fn: jax.block_until_ready(fn(k, beta))
+    calls[launch] = lambda fn=fn: fn(k, beta)
   medians = {launch: [] for launch in launches}
   for r in range(_ROUNDS.value):
     order = launches[r % len(launches):] + launches[:r % len(launches)]
     for launch in order:
-      calls[launch]()
-      times = []
-      for _ in range(_ITERS.value):
-        t_start = time.perf_counter()
-        calls[launch]()
-        times.append(time.perf_counter() - t_start)
-      medians[launch].append(float(np.median(times)) * 1e6)
+      jax.block_until_ready(calls[launch]())
+      # Queued, then one wait: the GPU's time per call, not the host's dispatch (a call
+      # waited for alone measured 200-400 µs on the H200 for this ~100 µs kernel).
+      t_start = time.perf_counter()
+      outs = [calls[launch]() for _ in range(_ITERS.value)]
+      jax.block_until_ready(outs)
+      medians[launch].append((time.perf_counter() - t_start) / _ITERS.value * 1e6)
   base = float(np.median(medians[launches[0]]))
   rows = []
   print(f"{'launch (warps:BK:inverse)':<28} {'µs':>8} {'range':>17} {'/ default':>10} "

@@ -245,6 +245,7 @@ def test_eval_program_table(tmp_path, monkeypatch):
   assert payload["metadata"]["partial_cells"] == []
   for r in payload["rows"]:   # 10 steps, none cut short; the curve ends at the last step
     assert (r["steps"], r["partial"], r["loss_curve"][-1][0]) == (10, False, 10)
+    assert (r["converged"], r["gate_init"], r["implementation"]) == (False, "long", "scan")
     assert len(r["loss_curve"]) == 10 and all(math.isfinite(x) for _, x in r["loss_curve"])
     assert r["decay_horizons"] is None   # softmax, DeltaNet: no decay
   assert os.path.getsize(workdir / "mqar.png") > 0

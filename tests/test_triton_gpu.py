@@ -789,17 +789,17 @@ def test_fused_walk_knobs_are_checked():
     ff.fused_forward(q, k, v, beta, None, s0, scale=1.0, gated=False, launch=(48, 4, 1))
 
 
-# The T0 kernel's launches (`blocks.T0_LAUNCH`, timed by experiments/bench_t0.py) change how
+# The T0 kernel's launches (`blocks.t0_launch`, timed by experiments/bench_t0.py) change how
 # k kᵀ is sliced and how the inverse is built, never what it is: T0 against the float32
 # inverse of the same bf16 keys. 5e-3: T0 is stored in bf16 (its rounding alone is ~2e-3 rms
 # of an entry) and tf32 products build it (~1e-3, intra_chunk's docstring); measured 5e-4.
-@pytest.mark.parametrize("dk", [64, 128])
-@pytest.mark.parametrize("launch", [(4, 16, "batched"), (8, 64, "tiles"), (2, 64, "batched")])
+@pytest.mark.parametrize("dk,launch", [
+    (dk, launch) for dk in (64, 128)
+    for launch in (None, (4, 16, "batched"), (8, 64, "tiles"), (2, 64, "batched"),
+                   (4, 128, "batched")) if launch is None or dk % launch[1] == 0])
 def test_gate_free_inverse_at_every_launch_matches_the_exact_inverse(dk, launch):
   from experiments import bench_t0
   from pallas_kernels.gpu.triton import fused_forward as ff
-  if dk % launch[1]:
-    pytest.skip("BK does not divide K")
   k, beta = bench_t0.inputs(2, 128, 2, dk, seed=3)
   got = jax.jit(lambda k_, b_: ff.gate_free_inverse(k_, b_, hv=2, launch=launch))(k, beta)
   want = bench_t0.exact_inverse(k, beta)

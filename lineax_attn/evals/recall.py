@@ -248,8 +248,13 @@ class MQARRun:
     return [[int(hi)] + [float(x) for x in self.losses[lo:hi].mean(axis=0)]
             for lo, hi in zip(bounds[:-1], bounds[1:])]
 
-  def accuracies(self, inputs: np.ndarray, labels: np.ndarray, batch_size: int = 256
+  def accuracies(self, inputs: np.ndarray, labels: np.ndarray, batch_size: int | None = None
                  ) -> list[float]:
+    """Test accuracy per LR. batch_size None: 32,768 tokens a batch (at most 256 rows): the
+    float32 logits of a batch are batch·T·V, 1 GiB at V 8192, so cells sharing a GPU each fit
+    (256 rows at T 512 were 4 GiB, more than a twentieth of an H200 left after training)."""
+    if batch_size is None:
+      batch_size = max(1, min(256, 32768 // inputs.shape[1]))
     return [mqar_accuracy(m, _batches(inputs, labels, batch_size)) for m in self.models]
 
 
@@ -427,7 +432,8 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
     (rows, info). rows: one per (cell, lr): mixer, d_model, seq_len, num_pairs, vocab, lr,
     accuracy, best (whether this LR is the cell's best), state_size, params, final_loss,
     train_seconds, steps (trained), partial (the budget stopped it first), converged (its
-    loss fell below `settings.stop_loss` first), loss_curve
+    loss fell below `settings.stop_loss` first), gate_init and implementation (the model's),
+    loss_curve
     ([[step, mean loss], ...] over 24 windows), decay_horizons (`decay_horizons` of the trained
     model, None ungated).
     info: {"complete": bool, "skipped_cells": [...], "partial_cells": [...], "elapsed_s": float,
@@ -480,7 +486,8 @@ def sweep_mqar(*, mixers: Sequence[str], d_models: Sequence[int], seq_lens: Sequ
                  best=j == best, state_size=state_size(cfg, t), params=int(params),
                  final_loss=float(np.mean(run.losses[-max(1, settings.chunk):, j])),
                  train_seconds=run.seconds, steps=run.steps, partial=run.partial,
-                 converged=run.converged,
+                 converged=run.converged, gate_init=cfg.gate_init,
+                 implementation=cfg.implementation,
                  loss_curve=[[pt[0], pt[1 + j]] for pt in curve],
                  decay_horizons=decay_horizons(run.models[j]))
       rows.append(row)

@@ -314,11 +314,12 @@ def _fused_forward(q, k, v, beta, g, s0, segments, *, scale, gated, save_states,
 
 def _t0_call(q, k, beta, seg, *, scale, hv, packed, stored, launch=None):
   """`_t0_kernel` over every chunk: (t0, p0 or a placeholder). launch: (warps, BK, inverse),
-  else `blocks.T0_LAUNCH`."""
+  else `blocks.T0_LAUNCH` (a timing run's override), else `blocks.t0_launch`'s."""
   b, t, h, dk = k.shape
   c = blocks.CHUNK
   nc = t // c
-  warps, bk, inverse = blocks.check_t0_launch(launch or blocks.T0_LAUNCH, dk)
+  warps, bk, inverse = blocks.check_t0_launch(
+      launch or blocks.T0_LAUNCH or blocks.t0_launch(dk), dk)
   if stored:   # q kᵀ beside k kᵀ: two [C, BK] slices a step, the intra kernel's slicing
     bk = blocks.INTRA_BK
   return _jax_triton().triton_call(
@@ -335,7 +336,7 @@ def gate_free_inverse(k, beta, *, hv: int, launch: tuple[int, int, str] | None =
   """T0 = (I + diag(β) strict(k kᵀ))⁻¹ of every chunk, `[B, HV, Nc, C, C]` bf16 (the T0 kernel
   alone, for `pallas_kernels.gpu.chunk_walk`). k `[B, T, H, K]` (T a multiple of 64), beta
   `[B, HV, T]` float32; value head hv reads key head hv // (HV / H). Unpacked rows only.
-  launch: (warps, BK, inverse) (`blocks.T0_LAUNCH` when None; a timing run's knob)."""
+  launch: (warps, BK, inverse) (`blocks.t0_launch` when None; a timing run's knob)."""
   k = k.astype(MM_DTYPE)
   t0, _ = _t0_call(k, k, beta.astype(jnp.float32), beta.astype(jnp.float32), scale=1.0, hv=hv,
                    packed=False, stored=False, launch=launch)
