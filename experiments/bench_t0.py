@@ -6,7 +6,7 @@ own takes ~49 µs at B4 T4096 H16 D128). Its first launch was the intra kernel's
 more live tiles; this program times it at others, `warps:BK:inverse` (warps, key columns a step
 of the k kᵀ loop, `blocks.INTRA_INVERSES`):
 
-    python3 -u -m experiments.bench_t0 --launches=4:16:batched,4:128:batched,8:128:tiles \
+    python3 -u -m experiments.bench_t0 --launches=4:16:batched,4:128:batched,8:128:tiles \\
         --out_json=/tmp/t0.json
 
 Per launch: over `--rounds` interleaved rounds (the order rotated each round, so drift does not

@@ -22,14 +22,20 @@ def _run(*args):
                         env=ENV, capture_output=True, text=True, timeout=600)
 
 
-def test_times_both_variants_in_the_interpreter():
-  proc = _run("--shape=1,64,1,64", "--iters=1", "--approx_math=false,true")
+def test_times_every_variant_in_the_interpreter():
+  proc = _run("--shape=1,64,1,64", "--iters=1", "--rounds=1", "--approx_math=false,true",
+              "--join_exit=false,true")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "chunk_grads at B1 T64 H1 D64" in proc.stdout
-  for name in ("gated (GDN)", "ungated (DeltaNet)", "gated (GDN), approx_math",
-               "ungated (DeltaNet), approx_math"):
-    assert re.search(rf"^{re.escape(name)}: median \d+ µs, min \d+ µs over 1 calls$",
-                     proc.stdout, re.M), proc.stdout
+  names = [f"{kind}{approx}{join}" for approx in ("", ", approx_math")
+           for kind, joins in (("gated (GDN)", ("", ", join_exit")), ("ungated (DeltaNet)", ("",)))
+           for join in joins]
+  assert len(names) == 6
+  for name in names:
+    assert re.search(rf"^{re.escape(name)}: median \d+ µs a call, min \d+ µs, over 1 rounds "
+                     rf"of 1 queued calls$", proc.stdout, re.M), proc.stdout
+  bad = _run("--shape=1,64,1,64", "--join_exit=maybe")
+  assert bad.returncode != 0 and "--join_exit takes false and/or true" in bad.stderr
 
 
 def test_profiling_off_gpu_is_a_usage_error():

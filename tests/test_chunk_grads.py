@@ -67,13 +67,19 @@ if ON_GPU:
   })
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_matches_the_chunk_vjp(case):
+# join_exit (the exit term as a second accumulator of dk's group) changes only where that
+# product is made: the gated cases again with it, against the same oracle.
+_JOINED = sorted(c for c in CASES if CASES[c][-1])
+
+
+@pytest.mark.parametrize("case,join_exit", [(c, False) for c in sorted(CASES)]
+                         + [(c, True) for c in _JOINED])
+def test_kernel_matches_the_chunk_vjp(case, join_exit):
   b, t, h, hv, dk, dv, gate_scale, floor_gates, gated = CASES[case]
   x = _inputs(b, t, h, hv, dk, dv, seed=len(case), gate_scale=gate_scale,
               floor_gates=floor_gates)
   scale = dk ** -0.5
-  got = jax.jit(lambda a: cg.chunk_grads(**a, scale=scale, gated=gated,
+  got = jax.jit(lambda a: cg.chunk_grads(**a, scale=scale, gated=gated, join_exit=join_exit,
                                          interpret=INTERPRET))(x)
   ref_args = {name: val for name, val in x.items() if name != "t0"}
   want = jax.jit(lambda a: cg.chunk_grads_reference(**a, scale=scale, gated=gated))(ref_args)
@@ -131,13 +137,14 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk, dv):
           sds((b, hv, nc, dv, dk), bf), sds((b, hv, nc, dv, 64), bf))
   # Every variant at the largest tiles (K = V = 128, where shared memory is tightest); the
   # gated kernel alone at the others.
-  variants = [(True, False, True)]
+  variants = [(True, False, True, False)]
   if dk == dv == 128:
-    variants += [(False, False, True), (True, True, True), (False, False, False)]
-  for gated, approx, delta in variants:
-    fn = lambda *a, gated=gated, approx=approx, delta=delta: cg._chunk_grads(
+    variants += [(False, False, True, False), (True, True, True, False),
+                 (False, False, False, False), (True, True, True, True)]
+  for gated, approx, delta, join in variants:
+    fn = lambda *a, gated=gated, approx=approx, delta=delta, join=join: cg._chunk_grads(
         *a[:5], a[5] if delta else None, *a[6:], scale=0.1, gated=gated, approx_math=approx,
-        interpret=None)
+        join_exit=join, interpret=None)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, dv, gated, estimates[-1])

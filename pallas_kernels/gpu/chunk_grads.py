@@ -67,8 +67,8 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 
 
 def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
-                gated: bool = True, approx_math: bool = False, profile_dir: str = "",
-                interpret=None):
+                gated: bool = True, approx_math: bool = False, join_exit: bool = False,
+                profile_dir: str = "", interpret=None):
   """(dq, dk, dv, dβ, dG) of the delta rule's chunk form, per value head.
 
   Args:
@@ -81,6 +81,11 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
     approx_math: let Mosaic GPU use approximate math (e^x as ex2.approx.ftz of x·log2 e:
       ~2⁻²² relative, and −1e4 log gates still give 0). Off here; the op turns it on
       (`GpuTuning.approx_math`): on the H200 it took GDN fwd+bwd from 1.202 to 1.164 ms.
+    join_exit: (gated) make the exit term (x ⊙ E) dS'ᵀ once, as a second accumulator issued
+      with dk's wgmma group, and add it to dk in registers, instead of a group of its own
+      before dk's group, which makes it again. One [C, V] × [V, K] product fewer a CTA, two
+      [C, K] float32 accumulators live at once. Same result up to float32 summation order;
+      untimed (2026-12-04): `experiments/bench_chunk_grads.py --join_exit=false,true` on a GPU.
     profile_dir: if set, Mosaic GPU's in-kernel profiler writes a trace of the kernel's named
       phases there on every call (`experiments.kernel_trace` reads it); for measurement.
   Returns:
@@ -90,7 +95,7 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
   """
   outs = _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, scale=float(scale),
                       gated=bool(gated), approx_math=bool(approx_math),
-                      profile_dir=profile_dir, interpret=interpret)
+                      join_exit=bool(join_exit), profile_dir=profile_dir, interpret=interpret)
   outs = mc.sync_if_interpreted(outs, interpret)
   if t0 is None:
     return (*outs, None, None)
@@ -103,10 +108,10 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
   return dq, dk, dv, dbeta, dg.reshape(b, hv, t)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated", "approx_math", "profile_dir",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "approx_math", "join_exit",
+                                             "profile_dir", "interpret"))
 def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, interpret,
-                 approx_math=False, profile_dir=""):
+                 approx_math=False, join_exit=False, profile_dir=""):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c = CHUNK
@@ -225,12 +230,18 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
         do_s[...] = (do_s[...].astype(_F32) * mc.rows(-be_row, (c, dv))).astype(MM_DTYPE)
         plgpu.commit_smem()
         arrived(11)
-        if gated:   # the exit factors' share, Σ_k k ⊙ (x ⊙ E) dS'ᵀ, on its own: through the
-          # identity it would be a difference of terms that strong decay makes far larger
-          (dk_exit,) = mc.matmuls((c, dk, [(e_s, dh_s)]))
+        # The exit factors' share, Σ_k k ⊙ (x ⊙ E) dS'ᵀ, is made on its own: through the
+        # identity it would be a difference of terms that strong decay makes far larger.
+        rest = [(ta_s.T, q_s), (tb_s, k_s), (tb_s.T, k_s), (do_s, h_s)]
+        if gated and join_exit:   # one product, two accumulators, summed in registers
+          dk_rest, dk_exit = mc.matmuls((c, dk, rest), (c, dk, [(e_s, dh_s)]))
           d_exit = k_sum(dk_exit)
-        (dk_,) = mc.matmuls(
-            (c, dk, [(ta_s.T, q_s), (tb_s, k_s), (tb_s.T, k_s), (e_s, dh_s), (do_s, h_s)]))
+          dk_ = dk_rest + dk_exit
+        else:
+          if gated:
+            (dk_exit,) = mc.matmuls((c, dk, [(e_s, dh_s)]))
+            d_exit = k_sum(dk_exit)
+          (dk_,) = mc.matmuls((c, dk, rest[:3] + [(e_s, dh_s)] + rest[3:]))
         kdk = k_sum(dk_)
         rk_s[...] = dk_.astype(MM_DTYPE)              # Y was last read by dL
         vout.at[0][...] = dbeta
