@@ -261,13 +261,16 @@ def test_training_with_unused_outputs_matches_scan(used):
     assert_close(g, want, GRAD_TOL, f"{used} only: d{name}")
 
 
-def test_approx_math_reaches_chunk_grads_and_keeps_the_gradients(monkeypatch):
-  # GpuTuning(approx_math=True) hands approx_math to the per-chunk backward (e^x as
-  # ex2.approx on a GPU; the interpreter computes it exactly), whose gradients stay the scan's.
+@pytest.mark.parametrize("approx_math,join_exit", [(True, False), (False, True)])
+def test_grads_options_reach_chunk_grads_and_keep_the_gradients(monkeypatch, approx_math,
+                                                                 join_exit):
+  # GpuTuning's approx_math (e^x as ex2.approx on a GPU; the interpreter computes it exactly)
+  # and join_exit (the exit product in dk's wgmma group) reach the per-chunk backward, whose
+  # gradients stay the scan's.
   from pallas_kernels.gpu import chunk_grads as cg  # pylint: disable=g-import-not-at-top
   seen, real = [], cg.chunk_grads
-  monkeypatch.setattr(cg, "chunk_grads", lambda *a, **k: seen.append(k["approx_math"])
-                      or real(*a, **k))
+  monkeypatch.setattr(cg, "chunk_grads", lambda *a, **k: seen.append(
+      (k["approx_math"], k["join_exit"])) or real(*a, **k))
   args, kw = make_inputs("gated_delta_rule", b=1, t=64, h=1, hv=1, dk=64, dv=64, seed=41)
 
   def grads(impl, tuning):
@@ -275,10 +278,11 @@ def test_approx_math_reaches_chunk_grads_and_keeps_the_gradients(monkeypatch):
                                    tuning=tuning)[0] ** 2)
     return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
 
-  got = grads("pallas_gpu", pallas_gpu.GpuTuning(forward="walk", approx_math=True))
-  assert seen == [True]
+  got = grads("pallas_gpu", pallas_gpu.GpuTuning(forward="walk", approx_math=approx_math,
+                                                 join_exit=join_exit))
+  assert seen == [(approx_math, join_exit)]
   for name, g, want in zip(["q", "k", "v", "g", "beta"], got, grads("scan", None)):
-    assert_close(g, want, GRAD_TOL, f"approx_math: d{name}")
+    assert_close(g, want, GRAD_TOL, f"approx_math={approx_math}, join_exit={join_exit}: d{name}")
 
 
 def test_linear_attention_takes_the_walks_without_t0(monkeypatch):

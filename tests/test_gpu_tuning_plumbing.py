@@ -27,6 +27,8 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
   assert ops.GpuTuning().channel_span == 80.0         # the bounded-span path by default
   assert ops.GpuTuning.parse("approx_math=false").approx_math is False
   assert ops.GpuTuning().approx_math is True           # ex2.approx in chunk_grads by default
+  assert ops.GpuTuning.parse("join_exit=true").join_exit is True
+  assert ops.GpuTuning().join_exit is False            # untimed: off by default
 
 
 @pytest.mark.parametrize("text, match", [
@@ -38,6 +40,7 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
     ("channel_span=81", r"\[0, 80\]"),          # past e^80's bound
     ("channel_span=-1", r"\[0, 80\]"),
     ("approx_math=yes", "true or false"),
+    ("join_exit=1", "true or false"),
 ])
 def test_parse_rejects_bad_text(text, match):
   with pytest.raises(ValueError, match=match):

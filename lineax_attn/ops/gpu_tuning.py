@@ -123,6 +123,11 @@ class GpuTuning:
       0.878); standalone the gated kernel's mean CTA span fell from 26.5 to 24.7 µs (its
       "gates, M" and "dL, dB" phases, `experiments.bench_chunk_grads`). Ungated mixers compute
       no e^x there.
+    join_exit: whether that gated kernel makes its exit product (x ⊙ E) dS'ᵀ once, as a second
+      accumulator issued with dk's wgmma group (`chunk_grads(join_exit=True)`), instead of in
+      a group of its own and again inside dk's. Off until timed on a GPU (written 2026-12-04:
+      one product fewer a CTA, one more live float32 accumulator; docs/KERNELS_GPU.md "The
+      per-chunk backward").
   """
 
   intra: str = "kernel"
@@ -138,6 +143,7 @@ class GpuTuning:
   forward: str = "auto"
   channel_span: float = 80.0   # = blocks.CHANNEL_SPAN (literal: no kernel import at start-up)
   approx_math: bool = True
+  join_exit: bool = False
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
@@ -151,7 +157,7 @@ class GpuTuning:
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")
-    for name in ("remat_intra", "approx_math"):
+    for name in ("remat_intra", "approx_math", "join_exit"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"GpuTuning.{name} must be a bool, got {getattr(self, name)!r}.")
     span = self.channel_span

@@ -360,12 +360,17 @@ def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_s
 # makes dE and the state cotangents from q, k, T0 and the gates; then one kernel per chunk
 # (`chunk_grads`) makes dq, dk, dv, dβ and dG from them in the inputs' layout. Where that
 # kernel does not take the sizes (V = 256), XLA's products and the split's intra-chunk backward
-# do its work. G: the chunk cumulative gates `[B, HV, Nc, C]` (None ungated). approx_math:
-# `GpuTuning.approx_math`, for chunk_grads.
+# do its work. G: the chunk cumulative gates `[B, HV, Nc, C]` (None ungated). grads_opts:
+# (`GpuTuning.approx_math`, `GpuTuning.join_exit`), for chunk_grads.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _walk_train_core(q, k, v, beta, G, s0, scale, c, interpret, approx_math):
-  del approx_math
+def _walk_train_core(q, k, v, beta, G, s0, scale, c, interpret, grads_opts):
+  del grads_opts
   return _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret)
+
+
+def _grads_opts(tuning: GpuTuning) -> tuple[bool, bool]:
+  """The `chunk_grads` options a tuning sets (hashable: a nondiff argument of the walk's VJP)."""
+  return tuning.approx_math, tuning.join_exit
 
 
 def _walk_rows(beta, G):
@@ -384,8 +389,8 @@ def _kernel_rows(beta_rows, g_rows, v):
   return (beta_rows if g_rows is None else g_rows), beta_rows
 
 
-def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, approx_math):
-  del approx_math
+def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, grads_opts):
+  del grads_opts
   # symbolic_zeros: the differentiable arguments come wrapped (CustomVJPPrimal)
   q, k, v, beta, G, s0 = (x.value if isinstance(x, _CustomVJPPrimal) else x
                           for x in (q, k, v, beta, G, s0))
@@ -394,7 +399,7 @@ def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, approx_math)
   return (o, e, s_final), (q, k, v, beta, G, t0, h, e.astype(jnp.bfloat16))
 
 
-def _walk_train_core_bwd(scale, c, interpret, approx_math, res, cts):
+def _walk_train_core_bwd(scale, c, interpret, grads_opts, res, cts):
   from pallas_kernels.gpu import chunk_grads  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
   q, k, v, beta, G, t0, h_t, e = res
@@ -422,7 +427,8 @@ def _walk_train_core_bwd(scale, c, interpret, approx_math, res, cts):
     return grads + (ds0,)
   dq, dk_, dv_, dbeta, dG = chunk_grads.chunk_grads(
       bf(q), bf(k), bf(v), e, bf(do), t0, gate_rows, beta_rows, h_t, dh_t, de_t,
-      scale=float(scale), gated=G is not None, interpret=interpret, approx_math=approx_math)
+      scale=float(scale), gated=G is not None, interpret=interpret, approx_math=grads_opts[0],
+      join_exit=grads_opts[1])
   if hv != h:   # GVA: each value head's share of its key head's gradient, summed in float32
     heads = lambda x: jnp.sum(x.reshape(b, t, h, hv // h, dk).astype(_F32), axis=3)
     dq, dk_ = heads(dq), heads(dk_)
@@ -487,7 +493,7 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
     # Linear attention on the walks without their erase (E = v).
     vw = v if m is None else v * m[..., None]
     o, e, s_final = _walk_train_core(pad(q), pad(k), pad(vw), None, None, s0, scale, c,
-                                     interpret, tuning.approx_math)
+                                     interpret, _grads_opts(tuning))
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
@@ -499,7 +505,7 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
                                               functools.partial(to_chunks, c=c))
       if walk:
         o, e, s_final = _walk_train_core(pad(q), pad(k), pad(v), pad(beta), G, s0, scale, c,
-                                         interpret, tuning.approx_math)
+                                         interpret, _grads_opts(tuning))
       else:
         o, e, s_final = _fused_core(pad(q), pad(k), pad(v), pad(beta), G, s0, segidx, scale, c,
                                     interpret, kernels)
