@@ -7,7 +7,9 @@
 speed drifts by 20-40 % over minutes (docs/BENCHMARKS.md, "eighth stage") that cannot settle a
 5 % question. Here every variant is compiled first, then timed in `--rounds` rounds; in each
 round every variant runs `--iters` calls (after `--warmup`), in an order rotated from round to
-round so none always runs first. Reported per variant: the median of its round medians and
+round so none always runs first (`--timing=waited`: each call timed alone and waited for;
+`queued`: a round's calls launched back to back and waited for once, the device's time a call
+without the host's dispatch in it). Reported per variant: the median of its round medians and
 their range; per pair (each variant against `--baseline`): the ratio of the two medians *of
 the same round*, whose median and range say whether a difference outlives the drift.
 
@@ -35,7 +37,7 @@ import functools
 import json
 import os
 import time
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave memory for torch
 
@@ -63,6 +65,11 @@ _ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds; every variant is timed once
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per variant and round.", **_F)
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls per variant and round.", **_F)
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Raw per-round medians as JSON.", **_F)
+TIMINGS = ("waited", "queued")
+_TIMING = flags.DEFINE_enum(
+    "timing", "waited", TIMINGS, "waited: each call timed alone and waited for (host dispatch "
+    "included; every stage until 2026-12-04); queued: a round's calls launched back to back, "
+    "waited for once (the device's time a call, as a training step sees it).", **_F)
 _OUT_MD = flags.DEFINE_string("out_md", "", "The Markdown tables.", **_F)
 
 
@@ -130,11 +137,17 @@ def parse_fused_knobs(text: str) -> dict:
   return knobs
 
 
+class Step(NamedTuple):
+  """A variant's call, launched without waiting for it, and how to wait for what it returns."""
+  call: Callable[[], Any]
+  wait: Callable[[Any], Any]
+
+
 def jax_step(fn, args):
-  """A compiled fn and a zero-argument call of it that waits for its result."""
+  """A compiled fn as a `Step` of zero arguments."""
   jax.clear_caches()
   compiled = jax.jit(fn).lower(*args).compile()
-  return lambda: jax.block_until_ready(compiled(*args))
+  return Step(lambda: compiled(*args), jax.block_until_ready)
 
 
 def ours_step(mixer, impl, inverse, mode, np_in, tuning=None, pieces=None):
@@ -157,19 +170,18 @@ def fla_step(mixer, mode, np_in):
         for n, x in gates.items()}
   op = peer_ops.fla_op(mixer)
   if mode == "fwd":
-    def step():
+    def call():
       with torch.no_grad():
-        op(tq, tk, tv, tg)
-      torch.cuda.synchronize()
+        return op(tq, tk, tv, tg)
   else:
     do = torch.randn_like(tv)
 
-    def step():
+    def call():
       for x in (tq, tk, tv, *tg.values()):
         x.grad = None
       op(tq, tk, tv, tg).backward(do)
-      torch.cuda.synchronize()
-  step()  # FLA autotunes on its first call
+  step = Step(call, lambda _: torch.cuda.synchronize())
+  step.wait(step.call())  # FLA autotunes on its first call
   return step
 
 
@@ -225,24 +237,41 @@ def make_step(variant, mixer, mode, np_in):
   raise ValueError(f"--variants: unknown implementation {impl!r}")
 
 
-def time_round(step, iters, warmup):
+def time_round(step, iters: int, warmup: int, timing: str = "waited") -> float:
+  """One round of a variant, ms a call. timing "waited": the median of `iters` calls, each
+  waited for (the host's dispatch and the wait are in every number); "queued": `iters` calls
+  launched back to back and waited for once, the total over iters (the device's time a call
+  when the host keeps ahead, as in training). step: a `Step`, or a plain callable that waits
+  by itself."""
+  if not isinstance(step, Step):
+    step = Step(step, lambda _: None)
   for _ in range(warmup):
-    step()
+    step.wait(step.call())
+  if timing == "queued":
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(iters):   # (in-order on one device: waiting for the last waits for all)
+      out = step.call()
+    step.wait(out)
+    return (time.perf_counter() - t0) * 1e3 / iters
   times = []
   for _ in range(iters):
     t0 = time.perf_counter()
-    step()
+    step.wait(step.call())
     times.append((time.perf_counter() - t0) * 1e3)
   return bench.Timing.from_times(times).median_ms
 
 
-def interleave(steps: dict, rounds: int, iters: int, warmup: int) -> dict[str, list[float]]:
-  """Per variant, its median (ms) in each round; the order rotates by one each round."""
+def interleave(steps: dict, rounds: int, iters: int, warmup: int,
+               timing: str = "waited") -> dict[str, list[float]]:
+  """Per variant, its time (ms a call) in each round; the order rotates by one each round."""
+  if timing not in TIMINGS:
+    raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
   names = list(steps)
   medians = {n: [] for n in names}
   for r in range(rounds):
     for n in names[r % len(names):] + names[:r % len(names)]:
-      medians[n].append(time_round(steps[n], iters, warmup))
+      medians[n].append(time_round(steps[n], iters, warmup, timing))
   return medians
 
 
@@ -263,8 +292,9 @@ def summarise(medians: dict[str, list[float]], baseline: str) -> list[dict]:
 
 def to_markdown(tables, meta) -> str:
   lines = [f"Interleaved A/B (`experiments/bench_ab.py`), {meta['date']}, {meta['device']}, "
-           f"shape B,T,H,D = {meta['shape']}, {meta['rounds']} rounds x {meta['iters']} calls; "
-           f"ratios against {meta['baseline']} within each round.", ""]
+           f"shape B,T,H,D = {meta['shape']}, {meta['rounds']} rounds x {meta['iters']} calls "
+           f"({meta.get('timing', 'waited')}); ratios against {meta['baseline']} within each "
+           f"round.", ""]
   for (mixer, mode), rows in tables.items():
     lines += [f"**{mixer} {mode}**", "",
               f"| variant | median of round medians (ms) | range | / {meta['baseline']}, "
@@ -287,7 +317,8 @@ def main(argv):
   meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
           "device": jax.devices()[0].device_kind, "jax": jax.__version__,
           "shape": [b, t, h, d], "rounds": _ROUNDS.value, "iters": _ITERS.value,
-          "warmup": _WARMUP.value, "baseline": _BASELINE.value, "variants": _VARIANTS.value}
+          "warmup": _WARMUP.value, "baseline": _BASELINE.value, "variants": _VARIANTS.value,
+          "timing": _TIMING.value}
   tables, raw = {}, []
   for mixer in _MIXERS.value:
     np_in = peer_ops.make_inputs(mixer, b, t, h, d)
@@ -295,7 +326,7 @@ def main(argv):
       t0 = time.time()
       steps = {v: make_step(v, mixer, mode, np_in) for v in _VARIANTS.value}
       print(f"[compiled] {mixer} {mode}: {time.time() - t0:.0f} s", flush=True)
-      medians = interleave(steps, _ROUNDS.value, _ITERS.value, _WARMUP.value)
+      medians = interleave(steps, _ROUNDS.value, _ITERS.value, _WARMUP.value, _TIMING.value)
       rows = summarise(medians, _BASELINE.value)
       tables[(mixer, mode)] = rows
       raw.append({"mixer": mixer, "mode": mode, "round_medians_ms": medians, "rows": rows})

@@ -258,6 +258,20 @@ def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():
                               {"date": "d", "device": "cpu", "shape": [1, 2, 3, 4],
                                "rounds": 3, "iters": 2, "baseline": "base"})
   assert "| fast | 1.800 | 0.900-2.700 | 0.900x (0.900-0.900) | 3/3 |" in text
+  # Queued timing: a round launches its calls back to back and waits once, for the last one;
+  # waited timing waits for each. Counted on stand-in steps; a real compiled step runs both.
+  log = []
+  step = bench_ab.Step(lambda: log.append("call") or len(log), lambda x: log.append(("wait", x)))
+  bench_ab.time_round(step, iters=3, warmup=1, timing="queued")
+  assert log == ["call", ("wait", 1), "call", "call", "call", ("wait", 5)]
+  log.clear()
+  bench_ab.time_round(step, iters=2, warmup=0, timing="waited")
+  assert log == ["call", ("wait", 1), "call", ("wait", 3)]
+  with pytest.raises(ValueError, match="timing"):
+    bench_ab.interleave({"a": step}, rounds=1, iters=1, warmup=0, timing="cuda_events")
+  real = bench_ab.jax_step(lambda x: jnp.sin(x) @ x, (jnp.ones((64, 64)),))
+  for timing in bench_ab.TIMINGS:
+    assert bench_ab.time_round(real, iters=3, warmup=1, timing=timing) > 0
   with pytest.raises(ValueError, match="unknown implementation"):
     bench_ab.make_step("nope", "delta_rule", "fwd", None)
   with pytest.raises(ValueError, match="only our implementations"):
