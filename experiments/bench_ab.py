@@ -37,7 +37,7 @@ import functools
 import json
 import os
 import time
-from typing import Any, Callable, NamedTuple
+from typing import NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave memory for torch
 
@@ -48,7 +48,9 @@ import numpy as np  # noqa: E402
 
 from experiments import cli  # noqa: E402
 from experiments import peer_ops  # noqa: E402
-from lineax_attn import bench, ops  # noqa: E402
+from lineax_attn import ops  # noqa: E402
+# The interleaved timing itself (rounds, rotation, waited / queued) is `lineax_attn.bench`'s.
+from lineax_attn.bench import TIMINGS, Step, interleave, time_round  # noqa: E402,F401
 
 # The program's own flag set (not absl's global one): its functions are tested in the same
 # process as other programs that define the same names (--modes, --iters, ...).
@@ -65,7 +67,6 @@ _ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds; every variant is timed once
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per variant and round.", **_F)
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls per variant and round.", **_F)
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Raw per-round medians as JSON.", **_F)
-TIMINGS = ("waited", "queued")
 _TIMING = flags.DEFINE_enum(
     "timing", "waited", TIMINGS, "waited: each call timed alone and waited for (host dispatch "
     "included; every stage until 2026-12-04); queued: a round's calls launched back to back, "
@@ -135,12 +136,6 @@ def parse_fused_knobs(text: str) -> dict:
                        f"{'|'.join(blocks.FUSED_SCORES_CHOICES)}, launch=BLOCK_V:warps:stages "
                        "or t0=warps:BK:inverse")
   return knobs
-
-
-class Step(NamedTuple):
-  """A variant's call, launched without waiting for it, and how to wait for what it returns."""
-  call: Callable[[], Any]
-  wait: Callable[[Any], Any]
 
 
 def jax_step(fn, args):
@@ -235,44 +230,6 @@ def make_step(variant, mixer, mode, np_in):
   if impl == "fla":
     return fla_step(mixer, mode, np_in)
   raise ValueError(f"--variants: unknown implementation {impl!r}")
-
-
-def time_round(step, iters: int, warmup: int, timing: str = "waited") -> float:
-  """One round of a variant, ms a call. timing "waited": the median of `iters` calls, each
-  waited for (the host's dispatch and the wait are in every number); "queued": `iters` calls
-  launched back to back and waited for once, the total over iters (the device's time a call
-  when the host keeps ahead, as in training). step: a `Step`, or a plain callable that waits
-  by itself."""
-  if not isinstance(step, Step):
-    step = Step(step, lambda _: None)
-  for _ in range(warmup):
-    step.wait(step.call())
-  if timing == "queued":
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(iters):   # (in-order on one device: waiting for the last waits for all)
-      out = step.call()
-    step.wait(out)
-    return (time.perf_counter() - t0) * 1e3 / iters
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    step.wait(step.call())
-    times.append((time.perf_counter() - t0) * 1e3)
-  return bench.Timing.from_times(times).median_ms
-
-
-def interleave(steps: dict, rounds: int, iters: int, warmup: int,
-               timing: str = "waited") -> dict[str, list[float]]:
-  """Per variant, its time (ms a call) in each round; the order rotates by one each round."""
-  if timing not in TIMINGS:
-    raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
-  names = list(steps)
-  medians = {n: [] for n in names}
-  for r in range(rounds):
-    for n in names[r % len(names):] + names[:r % len(names)]:
-      medians[n].append(time_round(steps[n], iters, warmup, timing))
-  return medians
 
 
 def summarise(medians: dict[str, list[float]], baseline: str) -> list[dict]:

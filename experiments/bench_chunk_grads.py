@@ -22,7 +22,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import time
 
 from absl import app
 from absl import flags
@@ -32,6 +31,7 @@ import numpy as np
 
 from experiments import cli
 from experiments import kernel_trace
+from lineax_attn import bench
 
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).")
 _ITERS = flags.DEFINE_integer("iters", 30, "Calls per round, queued and waited for once.")
@@ -92,11 +92,9 @@ def main(argv):
     jax.block_until_ready(fn(x))
     # Calls queued, then one wait: the GPU's time per call. (Waiting for each call measured
     # ~0.9 ms here, the host's dispatch, against the profile's ~0.5 ms of kernel.)
-    rounds = []
-    for _ in range(_ROUNDS.value):
-      start = time.perf_counter()
-      jax.block_until_ready([fn(x) for _ in range(_ITERS.value)])
-      rounds.append((time.perf_counter() - start) / _ITERS.value)
+    step = bench.Step(lambda fn=fn: fn(x), jax.block_until_ready)
+    rounds = [bench.time_round(step, _ITERS.value, 0, "queued") / 1e3
+              for _ in range(_ROUNDS.value)]
     print(f"{name}: median {np.median(rounds) * 1e6:.0f} µs a call, min {np.min(rounds) * 1e6:.0f}"
           f" µs, over {_ROUNDS.value} rounds of {_ITERS.value} queued calls", flush=True)
     if _PROFILE_DIR.value:

@@ -24,7 +24,6 @@ the errors, not to time).
 from __future__ import annotations
 
 import json
-import time
 
 from absl import app
 from absl import flags
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import cli
+from lineax_attn import bench
 
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,K (HV = H).")
 _LAUNCHES = flags.DEFINE_list(
@@ -93,23 +93,16 @@ def main(argv):
   floor_us = (k.size * 2 + beta.size * 4 + b * h * nc * c * c * 2) / (_HBM.value * 1e12) * 1e6
   print(f"T0 kernel at B{b} T{t} H{h} K{dk}, {jax.devices()[0].device_kind}; HBM floor "
         f"{floor_us:.1f} µs at {_HBM.value} TB/s", flush=True)
-  calls, errors = {}, {}   # calls return without waiting (queued)
+  steps, errors = {}, {}
   for launch in launches:
     fn = jax.jit(lambda k_, b_, launch=launch: ff.gate_free_inverse(k_, b_, hv=h, launch=launch))
     out = jax.block_until_ready(fn(k, beta))            # compiles
     errors[launch] = rel_rms(out.astype(jnp.float32), ref)
-    calls[launch] = lambda fn=fn: fn(k, beta)
-  medians = {launch: [] for launch in launches}
-  for r in range(_ROUNDS.value):
-    order = launches[r % len(launches):] + launches[:r % len(launches)]
-    for launch in order:
-      jax.block_until_ready(calls[launch]())
-      # Queued, then one wait: the GPU's time per call, not the host's dispatch (a call
-      # waited for alone measured 200-400 µs on the H200 for this ~100 µs kernel).
-      t_start = time.perf_counter()
-      outs = [calls[launch]() for _ in range(_ITERS.value)]
-      jax.block_until_ready(outs)
-      medians[launch].append((time.perf_counter() - t_start) / _ITERS.value * 1e6)
+    steps[launch] = bench.Step(lambda fn=fn: fn(k, beta), jax.block_until_ready)
+  # Queued, then one wait: the GPU's time per call, not the host's dispatch (a call waited for
+  # alone measured 200-400 µs on the H200 for this ~100 µs kernel).
+  medians = {launch: [ms * 1e3 for ms in times] for launch, times in bench.interleave(
+      steps, _ROUNDS.value, _ITERS.value, warmup=1, timing="queued").items()}
   base = float(np.median(medians[launches[0]]))
   rows = []
   print(f"{'launch (warps:BK:inverse)':<28} {'µs':>8} {'range':>17} {'/ default':>10} "

@@ -6,7 +6,8 @@
 Methodology (docs/MATH.md §7.3): compile once (the first call, untimed), run `warmup` more calls,
 then time `repeats` calls one by one with `jax.block_until_ready`; report the median (and the
 20/80 percentiles with `measure`; `measure_with_output` also keeps the first call's output,
-`compiled_memory_bytes` reads a compiled executable's memory).
+`compiled_memory_bytes` reads a compiled executable's memory). `interleave` times several
+variants in rounds whose order rotates, each call waited for or queued (`time_round`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,54 @@ def measure_with_output(fn: Callable[..., Any], *args, repeats: int = 10,
   _check_counts(repeats, warmup)
   out = jax.block_until_ready(fn(*args))
   return _time_calls(fn, args, repeats, warmup), out
+
+
+# Interleaved rounds (`experiments/bench_ab.py`, `bench_t0.py`): how a round times a call.
+TIMINGS = ("waited", "queued")
+
+
+class Step(NamedTuple):
+  """A variant's call, launched without waiting for it, and how to wait for what it returns."""
+  call: Callable[[], Any]
+  wait: Callable[[Any], Any]
+
+
+def time_round(step, iters: int, warmup: int, timing: str = "waited") -> float:
+  """One round of a variant, ms a call. timing "waited": the median of `iters` calls, each
+  waited for (the host's dispatch and the wait are in every number); "queued": `iters` calls
+  launched back to back and waited for once, the total over iters (the device's time a call
+  when the host keeps ahead, as in training). step: a `Step`, or a plain callable that waits
+  by itself."""
+  if not isinstance(step, Step):
+    step = Step(step, lambda _: None)
+  for _ in range(warmup):
+    step.wait(step.call())
+  if timing == "queued":
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(iters):   # (in-order on one device: waiting for the last waits for all)
+      out = step.call()
+    step.wait(out)
+    return (time.perf_counter() - t0) * 1e3 / iters
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    step.wait(step.call())
+    times.append((time.perf_counter() - t0) * 1e3)
+  return Timing.from_times(times).median_ms
+
+
+def interleave(steps: dict, rounds: int, iters: int, warmup: int,
+               timing: str = "waited") -> dict[str, list[float]]:
+  """Per variant, its time (ms a call) in each round; the order rotates by one each round."""
+  if timing not in TIMINGS:
+    raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
+  names = list(steps)
+  medians = {n: [] for n in names}
+  for r in range(rounds):
+    for n in names[r % len(names):] + names[:r % len(names)]:
+      medians[n].append(time_round(steps[n], iters, warmup, timing))
+  return medians
 
 
 def compiled_memory_bytes(compiled) -> int | None:
