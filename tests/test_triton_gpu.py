@@ -597,6 +597,43 @@ def test_fused_channel_grads_match_the_kernel_half_and_the_glue(case, dk, dv):
       assert_close(np.asarray(a), np.asarray(b), 1e-5, f"{name}, solve {bk} wide ({case})")
 
 
+@pytest.mark.parametrize("dk,dtype", [(128, jnp.float32), (48, jnp.bfloat16)])
+def test_chunk_gates_kernel_sums_each_chunk(dk, dtype):
+  # The channel kernels' G (`channel_intra.chunk_gates`): log gates summed within each chunk of
+  # 64 rows, restarting at every chunk, every batch row and head apart; against cumsum.
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  g = (jax.nn.log_sigmoid(jax.random.normal(jax.random.key(4), (2, 192, 3, dk))) * 5.0
+       ).astype(dtype)
+  got = channel_intra.chunk_gates(g, chunk=64)
+  wide = g.astype(jnp.float32)
+  want = jnp.cumsum(wide.reshape(2, 3, 64, 3, dk), axis=2).reshape(wide.shape)
+  assert got.dtype == jnp.float32 and got.shape == g.shape
+  assert_close(np.asarray(got), np.asarray(want), 1e-6, f"G at K={dk}")
+  np.testing.assert_array_equal(np.asarray(got)[:, ::64], np.asarray(wide)[:, ::64])
+  with pytest.raises(ValueError, match="multiple of chunk"):
+    channel_intra.chunk_gates(g[:, :100], chunk=64)
+
+
+def test_channel_kernels_read_bf16_inputs_as_their_float32_values():
+  # q, k, k̃, ṽ reach the channel kernels in bf16 as the op has them (widened to float32 on
+  # chip, not by a float32 copy in HBM): the same values given as float32 give the same
+  # outputs and gradients, up to the order of float32 sums.
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  q, k, kt, vt, _, G = _channel_inputs(8, dk=64, dv=64)
+  low = [x.astype(jnp.bfloat16) for x in (q, k, kt, vt)]
+  wide = [x.astype(jnp.float32) for x in low]
+  fwd = lambda xs: channel_intra.channel_intra_fwd(*xs, G, chunk=64, with_inverse=True)
+  got, want = fwd(low), fwd(wide)
+  for name, g_, w in zip(("ny", "qg", "p", "u", "kg", "gc", "m"), got, want):
+    assert g_.dtype == w.dtype, name
+    assert_close(np.asarray(g_, np.float32), np.asarray(w, np.float32), 1e-6, f"fwd {name}")
+  cts = [jax.random.normal(key, o.shape).astype(o.dtype)
+         for key, o in zip(jax.random.split(jax.random.key(9), 6), want[:6])]
+  grads = lambda xs: channel_intra.channel_intra_grads(*xs, G, None, want[6], *cts, chunk=64)
+  for name, g_, w in zip(("dq", "dk", "dkt", "dvt", "dg"), grads(low), grads(wide)):
+    assert_close(np.asarray(g_), np.asarray(w), 1e-6, f"grads {name}")
+
+
 @pytest.mark.parametrize("implementation", ["triton", "pallas_gpu"])
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
 def test_op_gradients_with_fused_channel_grads_match_scan(mixer, implementation):

@@ -183,16 +183,17 @@ def test_channel_intra_kernel_applies_where_it_should():
 def _exact_channel_preparation(segidx, c):
   """prepare_chunks' six outputs for per-channel gates in float32 (HIGHEST, exact solve): the
   oracle of the channel-gate kernels and of their backward's glue."""
-  from lineax_attn.ops import chunked, gpu_chunks, gpu_prepare  # pylint: disable=g-import-not-at-top
+  from lineax_attn.ops import chunked, gpu_chunks  # pylint: disable=g-import-not-at-top
 
   def run(q, k, kt, vt, g):
     ch = lambda x: gpu_chunks.to_chunks(x, c)
     same = cont = keep = None
     if segidx is not None:
       same, cont, keep = gpu_chunks.segment_masks(segidx, c)
+    G = jnp.cumsum(g.reshape(g.shape[0], -1, c, *g.shape[2:]), axis=2).reshape(g.shape)
     qg, p, y, u, kg, dc = chunked._intra_chunk(
-        ch(q), ch(k), ch(kt), ch(vt), ch(gpu_prepare._chunk_gates(g, c)), "channel", same,
-        cont, keep, matmul="highest", solve="trsm")
+        ch(q), ch(k), ch(kt), ch(vt), ch(G), "channel", same, cont, keep, matmul="highest",
+        solve="trsm")
     return -y, qg, p, u, kg, jnp.broadcast_to(dc, qg.shape[:3] + (qg.shape[-1],))
   return run
 
@@ -223,9 +224,13 @@ def test_channel_backward_glue_from_exact_pair_grads_equals_autodiff(packed):
   # The custom VJP around the GPU-only kernels, with their oracles standing in for them: the
   # kernel half then XLA's glue, or (fused_grads) one kernel for both, whose stand-in is the
   # half's oracle followed by the glue (its result order (dq, dk, dkt, dvt, dg) is the
-  # kernel's; the Triton interpreter checked the kernel against this composition).
-  stubs = ("_channel_kernel_call", "_channel_kernel_bwd_call", "_channel_kernel_grads_call")
+  # kernel's; the Triton interpreter checked the kernel against this composition). The kernels
+  # take the chunk-summed gates G of a Triton kernel (`_chunk_gates`, checked against cumsum in
+  # tests/test_triton_gpu.py); its stand-in passes g through, so the oracles get the raw gate.
+  stubs = ("_channel_kernel_call", "_channel_kernel_bwd_call", "_channel_kernel_grads_call",
+           "_chunk_gates")
   saved = {name: getattr(gpu_prepare, name) for name in stubs}
+  gpu_prepare._chunk_gates = lambda g, c: g
   gpu_prepare._channel_kernel_call = lambda q, k, kt, vt, g, segidx, c, span=0.0: exact(
       q, k, kt, vt, g) + (jnp.zeros(()),)
   calls = []

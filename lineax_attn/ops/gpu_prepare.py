@@ -83,9 +83,10 @@ def channel_kernel_applies(q, kt, vt, g, *, c, tuning: GpuTuning, kernels: str) 
 
 
 def _chunk_gates(g, c):
-  """In-chunk cumulative log gates, [B, T, HV, K] -> [B, T, HV, K] float32."""
-  b, t, hv, dk = g.shape
-  return jnp.cumsum(g.astype(_F32).reshape(b, t // c, c, hv, dk), axis=2).reshape(b, t, hv, dk)
+  """In-chunk cumulative log gates, [B, T, HV, K] -> [B, T, HV, K] float32 (a Triton kernel:
+  XLA's cumsum was the largest piece of glue around the channel kernels)."""
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  return channel_intra.chunk_gates(g, chunk=c)
 
 
 def _chunked_gates(g, c):
@@ -93,28 +94,29 @@ def _chunked_gates(g, c):
   return chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))[0]
 
 
-def _channel_kernel_call(q, k, kt, vt, g, segidx, c, span=0.0):
-  """The forward kernel: prepare_chunks' six outputs and M (bf16, the backward's residual).
-  span: the bounded-span path's bound (`GpuTuning.channel_span`; 0 off)."""
+def _channel_kernel_call(q, k, kt, vt, G, segidx, c, span=0.0):
+  """The forward kernel on the chunk-summed gates G (`_chunk_gates`): prepare_chunks' six
+  outputs and M (bf16, the backward's residual). span: the bounded-span path's bound
+  (`GpuTuning.channel_span`; 0 off)."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
-  return channel_intra.channel_intra_fwd(q, k, kt, vt, _chunk_gates(g, c), segments, chunk=c,
+  return channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=c,
                                          with_inverse=True, span=float(span))
 
 
-def _channel_kernel_bwd_call(q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c, span=0.0):
+def _channel_kernel_bwd_call(q, k, kt, vt, G, segidx, m, d_ny, d_p, d_u, c, span=0.0):
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
-  return channel_intra.channel_intra_bwd(q, k, kt, vt, _chunk_gates(g, c), segments, m, d_ny,
+  return channel_intra.channel_intra_bwd(q, k, kt, vt, G, segments, m, d_ny,
                                          d_p, d_u, chunk=c, span=float(span))
 
 
-def _channel_kernel_grads_call(q, k, kt, vt, g, segidx, m, cts, c, span=0.0):
+def _channel_kernel_grads_call(q, k, kt, vt, G, segidx, m, cts, c, span=0.0):
   """The fused backward kernel: (dq, dk, dkt, dvt, dg) float32 `[B, T, HV, D]`."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
   d_ny, d_qg, d_p, d_u, d_kg, d_gc = cts
-  return channel_intra.channel_intra_grads(q, k, kt, vt, _chunk_gates(g, c), segments, m, d_ny,
+  return channel_intra.channel_intra_grads(q, k, kt, vt, G, segments, m, d_ny,
                                            d_qg, d_p, d_u, d_kg, d_gc, chunk=c, span=float(span))
 
 
@@ -180,21 +182,22 @@ def channel_intra_kernel(q, k, kt, vt, g, segidx, c, fused_grads=False, span=0.0
   the elementwise rest in XLA (`channel_grads`) or, with `fused_grads`
   (`GpuTuning.channel_grads="kernel"`), in the backward kernel itself. span: the kernels'
   bounded-span path (`GpuTuning.channel_span`, 0 off)."""
-  return _channel_kernel_call(q, k, kt, vt, g, segidx, c, span)[:6]
+  return _channel_kernel_call(q, k, kt, vt, _chunk_gates(g, c), segidx, c, span)[:6]
 
 
 def _channel_intra_fwd(q, k, kt, vt, g, segidx, c, fused_grads, span):
-  *outs, m = _channel_kernel_call(q, k, kt, vt, g, segidx, c, span)
-  return tuple(outs), (q, k, kt, vt, g, segidx, m)
+  G = _chunk_gates(g, c)   # made once, kept for the backward
+  *outs, m = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span)
+  return tuple(outs), (q, k, kt, vt, g, G, segidx, m)
 
 
 def _channel_intra_bwd(c, fused_grads, span, res, cts):
-  q, k, kt, vt, g, segidx, m = res
+  q, k, kt, vt, g, G, segidx, m = res
   if fused_grads:
-    grads = _channel_kernel_grads_call(q, k, kt, vt, g, segidx, m, cts, c, span)
+    grads = _channel_kernel_grads_call(q, k, kt, vt, G, segidx, m, cts, c, span)
     return tuple(d.astype(x.dtype) for d, x in zip(grads, (q, k, kt, vt, g))) + (None,)
   d_ny, _, d_p, d_u, _, _ = cts
-  pair_grads = _channel_kernel_bwd_call(q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c, span)
+  pair_grads = _channel_kernel_bwd_call(q, k, kt, vt, G, segidx, m, d_ny, d_p, d_u, c, span)
   return channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, c=c) + (None,)
 
 

@@ -98,8 +98,9 @@ def _chunk_index(t, HV: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _rows(ptr, rows, hv, cols, HV: tl.constexpr, D: tl.constexpr):
-  """The [len(rows), len(cols)] tile of `[B, T, HV, D]` at time rows `rows`, head hv."""
-  return tl.load(ptr + (rows * HV + hv)[:, None] * D + cols[None, :])
+  """The [len(rows), len(cols)] tile of `[B, T, HV, D]` at time rows `rows`, head hv, as float32
+  (the inputs may come in bf16: `_operand`)."""
+  return tl.load(ptr + (rows * HV + hv)[:, None] * D + cols[None, :]).to(tl.float32)
 
 
 @triton.jit
@@ -484,6 +485,33 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     tl.store(dk_ptr + ck, d_k)
 
 
+@triton.jit
+def _chunk_gates_kernel(g_ptr, t, out_ptr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                        BK: tl.constexpr):
+  """G: one chunk's log gates summed over its rows, column slice by column slice."""
+  hv, _, rows, _, _ = _chunk_index(t, HV, C)
+  rb = tl.arange(0, BK)
+  for s in tl.static_range(K // BK):
+    at = (rows * HV + hv)[:, None] * K + (s * BK + rb)[None, :]
+    tl.store(out_ptr + at, tl.cumsum(tl.load(g_ptr + at).to(tl.float32), axis=0))
+
+
+@functools.partial(jax.jit, static_argnames=("chunk",))
+def chunk_gates(g, *, chunk: int):
+  """The kernels' G: per-channel log gates `[B, T, HV, K]` (any float dtype) summed within each
+  chunk of `chunk` rows, float32. One read and one write of g; XLA's cumsum (a reduce-window in
+  two levels) took ~200 µs for the ~60 µs this costs at B4 T4096 H16 K128 on the H200."""
+  b, t, hv, dk = g.shape
+  if t % chunk:
+    raise ValueError(f"chunk_gates: T={t} is not a multiple of chunk={chunk}")
+  if dk % 16:
+    raise ValueError(f"chunk_gates: K={dk} is not a multiple of 16")
+  bk = 32 if dk % 32 == 0 else 16
+  return _jax_triton().triton_call(
+      g, t, kernel=_chunk_gates_kernel, out_shape=_structs(((b, t, hv, dk), jnp.float32)),
+      grid=(t // chunk, b * hv), num_warps=4, num_stages=1, HV=hv, K=dk, C=chunk, BK=bk)[0]
+
+
 def supported(chunk: int, dk: int, dv: int) -> str | None:
   """None if these kernels take the sizes (C = 64; K, V multiples of the slice), else why."""
   return blocks.intra_supported("channel-gate", chunk, dk, dv)
@@ -526,13 +554,20 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
                        ((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, dk), f32),
                        ((b, hv, nc, c, c) if with_inverse else (1,), MM_DTYPE))
   ny, qg, p, u, kg, gc, m = _jax_triton().triton_call(
-      q.astype(f32), k.astype(f32), kt.astype(f32), vt.astype(f32), G.astype(f32), *seg, t,
+      *map(_operand, (q, k, kt, vt)), G.astype(f32), *seg, t,
       kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
       WITH_INVERSE=with_inverse, PREC=precision, BAND_STAGES=band_stages,
       SBK=blocks.solve_bk(dk, dv), SKIP=_phases(skip_phases), SPAN=_span(span))
   outs = (ny, qg, p, u, kg, gc)
   return outs + (m,) if with_inverse else outs
+
+
+def _operand(x):
+  """q, k, k̃, ṽ as the kernels read them: bf16 and float32 as they are (every load widens to
+  float32 on chip, exactly), anything else as float32. Widening bf16 inputs in XLA first cost a
+  float32 copy of each in HBM, written, then read by every launch."""
+  return x if x.dtype in (jnp.bfloat16, jnp.float32) else x.astype(jnp.float32)
 
 
 def _span(span) -> float:
@@ -573,7 +608,7 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
     out_shape = _structs(*[((b, hv, nc, c, dk), f32)] * 4, ((b, hv, nc, c, dv), f32),
                          ((b, hv, nc, c, c), f32), ((1,), f32))
   return _jax_triton().triton_call(
-      q.astype(f32), k.astype(f32), kt.astype(f32), vt.astype(f32), G.astype(f32), *seg,
+      *map(_operand, (q, k, kt, vt)), G.astype(f32), *seg,
       m.astype(MM_DTYPE), dny.astype(MM_DTYPE), dqg, dp.astype(MM_DTYPE), du.astype(f32), dkg,
       dgc, t, kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
