@@ -69,7 +69,7 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                SLICE_STAGES=blocks.INTRA_SLICE_STAGES, STATES=False, VS=min(dv, 64))
   channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, PACKED=packed, WITH_INVERSE=True,
                  PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK,
-                 BAND_STAGES=blocks.CHANNEL_BAND_STAGES)
+                 BAND_STAGES=blocks.CHANNEL_BAND_STAGES, SPAN=float(blocks.CHANNEL_SPAN))
   channel_fwd = dict(channel, SBK=blocks.solve_bk(dk, dv), SKIP=0)
   channel_bwd = dict(channel, SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=hopper), SKIP=0)
   f = frozenset
@@ -115,10 +115,14 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                 "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr"}), blocks.INTRA_WARPS, 1),
       Launch("channel_intra", "_fwd_kernel", channel_fwd,
              f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}), blocks.CHANNEL_WARPS, 1),
-      Launch("channel_intra", "_bwd_kernel", dict(channel_bwd, GRADS=False),
+      Launch("channel_intra", "_bwd_kernel", dict(channel_bwd, GRADS=False, PRODUCTS=False),
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
-      Launch("channel_intra", "_bwd_kernel+grads", dict(channel_bwd, GRADS=True),
+      Launch("channel_intra", "_bwd_kernel+grads", dict(channel_bwd, GRADS=True, PRODUCTS=False),
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
+      Launch("channel_intra", "_bwd_kernel+grads+states",   # channel_intra_grads_from_states
+             dict(channel_bwd, GRADS=True, PRODUCTS=True),
+             f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr",
+                "dps_ptr"}), blocks.CHANNEL_WARPS, 1),
   ] + (_fused_launches(dk, dv, packed, hopper) if dk <= 128 else [])
 
 

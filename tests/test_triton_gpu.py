@@ -634,6 +634,54 @@ def test_channel_kernels_read_bf16_inputs_as_their_float32_values():
     assert_close(np.asarray(g_), np.asarray(w), 1e-6, f"grads {name}")
 
 
+@pytest.mark.parametrize("case,dk,dv", [("random", 64, 64), ("strong", 128, 128),
+                                        ("packed", 64, 128)])
+def test_channel_grads_from_states_match_the_kernel_fed_xla_products(case, dk, dv):
+  # GpuTuning.channel_grads="states": the fused backward kernel makes the state pass's
+  # cotangent products (dNY, dQG, dP, dKG, dgc) from E, dE, dO and the chunk states itself;
+  # against the same kernel fed XLA's products (`gpu_vjps.state_pass_products`, rounded to the
+  # forward's dtypes as the state pass's VJP delivers them): float32 rounding only.
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  (q, k, kt, vt, _, G), _, segments, outs, m = _channel_forward(9, case, dk, dv)
+  ny, qg, p, u, kg, gc = outs
+  s0 = jax.random.normal(jax.random.key(10), (q.shape[0], q.shape[2], dk, dv))
+  o, e, s_final, h = tsp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True)
+  ks = jax.random.split(jax.random.key(11), 3)
+  do = jax.random.normal(ks[0], o.shape).astype(jnp.bfloat16)
+  de, dh, _ = tsp.state_passing_bwd(ny, qg, p, kg, gc, do, jax.random.normal(ks[1], e.shape),
+                                    jax.random.normal(ks[2], s_final.shape))
+  d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.state_pass_products(de, do, e, h, dh)
+  cts = (d_ny.astype(ny.dtype), d_qg.astype(qg.dtype), d_p.astype(p.dtype), de,
+         d_kg.astype(kg.dtype), d_gc)
+  want = channel_intra.channel_intra_grads(q, k, kt, vt, G, segments, m, *cts, chunk=64)
+  got = channel_intra.channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e,
+                                                      h, dh, chunk=64)
+  for name, g_, w in zip(("dq", "dk", "dkt", "dvt", "dg"), got, want):
+    assert g_.shape == w.shape and g_.dtype == w.dtype
+    assert np.all(np.isfinite(np.asarray(g_))), name
+    assert_close(np.asarray(g_), np.asarray(w), 1e-5, f"{name} ({case})")
+
+
+@pytest.mark.parametrize("implementation", ["triton", "pallas_gpu"])
+@pytest.mark.parametrize("mixer", ["kda", "gdn2"])
+def test_op_with_channel_grads_states_matches_scan(monkeypatch, mixer, implementation):
+  # Every gradient of a loss on the output and the final state through the state pass and
+  # channel kernels' one custom VJP (channel_grads="states"; bounded span, the default),
+  # against the scan; the products kernel is what ran.
+  if implementation == "pallas_gpu" and not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
+    pytest.skip("pallas_gpu needs a Hopper GPU")
+  calls, real = [], gpu_prepare._channel_kernel_states_call
+  monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  tuning = ops.GpuTuning(channel_grads="states", triton_intra="kernel", channel_intra="triton")
+  args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=12)
+  got = output_and_state_grads(mixer, args, kw["initial_state"], implementation, tuning=tuning)
+  assert calls, "the products kernel did not run"
+  want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
+  for i, (g_, w) in enumerate(zip(got, want)):
+    assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} channel_grads=states, grad {i}")
+
+
 @pytest.mark.parametrize("implementation", ["triton", "pallas_gpu"])
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
 def test_op_gradients_with_fused_channel_grads_match_scan(mixer, implementation):

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from lineax_attn.ops import chunked
 from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, segment_masks, to_chunks
 from lineax_attn.ops.gpu_tuning import DEFAULT_TUNING, GpuTuning
-from lineax_attn.ops.gpu_vjps import channel_pairs_kernel, interpret_params, vma
+from lineax_attn.ops.gpu_vjps import (channel_pairs_kernel, interpret_kw, interpret_params,
+                                      kernel_module, vma)
 from pallas_kernels.gpu import channel_pair as cp
 from pallas_kernels.gpu import state_passing as sp
 
@@ -202,3 +203,55 @@ def _channel_intra_bwd(c, fused_grads, span, res, cts):
 
 
 channel_intra_kernel.defvjp(_channel_intra_fwd, _channel_intra_bwd)
+
+
+# ------------------------------------------------------- channel kernels and state pass, one VJP
+
+
+def _channel_kernel_states_call(q, k, kt, vt, G, segidx, m, de, do, e, h, dh, c, span=0.0):
+  """The fused backward kernel making the state pass's products itself: (dq, dk, dkt, dvt, dg)
+  float32 `[B, T, HV, D]`."""
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  segments = None if segidx is None else kernel_segments(segidx, c)
+  return channel_intra.channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e,
+                                                       h, dh, chunk=c, span=float(span))
+
+
+def channel_state_core(q, k, kt, vt, g, s0, segidx, *, c, span, kernels, interpret):
+  """KDA / GDN-2's chunk form on the Triton channel kernels and the state pass (`kernels`:
+  "mosaic" or "triton") under one custom VJP (`GpuTuning(channel_grads="states")`): the
+  backward runs the state pass's reverse kernel, then one channel kernel that also makes the
+  state pass's cotangent products (dNY, dQG, dP, dKG, dgc) from the chunk states, E, dE and dO
+  on chip, where the split composition has XLA make them (four batched products, a reduction
+  and two float32 -> bf16 copies between the kernels). [B, T, HV, ...] inputs, T a multiple
+  of c; returns (o, e, s_final), o and e chunk-major. Not under shard_map (as the channel
+  kernels)."""
+  kernel_module(kernels, "state")  # validates `kernels`
+  return _channel_state_vjp(q, k, kt, vt, g, s0, segidx, c, float(span), kernels, interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _channel_state_vjp(q, k, kt, vt, g, s0, segidx, c, span, kernels, interpret):
+  return _channel_state_fwd(q, k, kt, vt, g, s0, segidx, c, span, kernels, interpret)[0]
+
+
+def _channel_state_fwd(q, k, kt, vt, g, s0, segidx, c, span, kernels, interpret):
+  G = _chunk_gates(g, c)
+  ny, qg, p, u, kg, gc, m = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span)
+  o, e, s_final, h = kernel_module(kernels, "state").state_passing_fwd(
+      ny, qg, p, u, kg, gc, s0, save_states=True, **interpret_kw(kernels, interpret))
+  return (o, e, s_final), (q, k, kt, vt, g, G, segidx, m, ny, qg, p, kg, gc, e, h)
+
+
+def _channel_state_bwd(c, span, kernels, interpret, res, cts):
+  q, k, kt, vt, g, G, segidx, m, ny, qg, p, kg, gc, e, h = res
+  do, de_ext, ds_final = cts
+  do = do.astype(_MM)
+  de, dh, ds0 = kernel_module(kernels, "state").state_passing_bwd(
+      ny, qg, p, kg, gc, do, de_ext.astype(_F32), ds_final.astype(_F32),
+      **interpret_kw(kernels, interpret))
+  grads = _channel_kernel_states_call(q, k, kt, vt, G, segidx, m, de, do, e, h, dh, c, span)
+  return tuple(d.astype(x.dtype) for d, x in zip(grads, (q, k, kt, vt, g))) + (ds0, None)
+
+
+_channel_state_vjp.defvjp(_channel_state_fwd, _channel_state_bwd)

@@ -12,7 +12,7 @@ import dataclasses
 INTRA_CHOICES = ("kernel", "xla")
 TRITON_INTRA_CHOICES = ("auto", "kernel", "xla")
 CHANNEL_INTRA_CHOICES = ("auto", "xla", "triton")
-CHANNEL_GRADS_CHOICES = ("xla", "kernel")
+CHANNEL_GRADS_CHOICES = ("xla", "kernel", "states")
 INTRA_GRADS_CHOICES = ("auto", "xla", "kernel")
 PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
@@ -71,7 +71,13 @@ class GpuTuning:
       gradients in the inputs' layout; KDA fwd+bwd 7.38 ms against 8.06 on the H200,
       docs/BENCHMARKS.md "The Triton path, fifth stage") or "xla"
       (`gpu_prepare.channel_grads`, several passes over float32 [B, HV, Nc, C, K] arrays and
-      the layout transposes after the kernel half).
+      the layout transposes after the kernel half) or "states" (as "kernel", and that kernel
+      also makes the state pass's cotangent products dNY, dQG, dP, dKG and dgc from the chunk
+      states, E, dE and dO on chip, with the state pass under the same custom VJP
+      (`gpu_prepare.channel_state_core`): four batched products, a reduction and two float32
+      copies of XLA's fewer between the kernels, ~0.4 ms of KDA's 4.1 at B4 T4096 H16 D128 by
+      the H200's profile of 2026-12-04. Written 2026-12-04, tested in the interpreters
+      against the split composition and the scan; not yet timed, so not the default).
     intra_grads: the same choice for the Triton DeltaNet / GDN intra kernels
       (`implementation="triton"`): "xla" (the backward kernel's chunk-major dq, dk, dv, then
       the QG / KG terms, dG and the transposes in XLA, `gpu_vjps._intra_kernel_bwd`), "kernel"

@@ -73,7 +73,7 @@ def kernel_module(kernels, part):
   raise ValueError(f"`kernels` must be 'mosaic' or 'triton', got {kernels!r}.")
 
 
-def _interpret_kw(kernels, interpret):
+def interpret_kw(kernels, interpret):
   """The Mosaic kernels take `interpret=`; the Triton ones run compiled only (jax-triton has no
   CPU lowering)."""
   return {} if kernels == "triton" else {"interpret": interpret}
@@ -96,14 +96,14 @@ def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic"):
 def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels):
   axes = frozenset(axes)
   outs = kernel_module(kernels, "state").state_passing_fwd(ny, qg, p, u, kg, gc, s0,
-                                                          **_interpret_kw(kernels, interpret))
+                                                          **interpret_kw(kernels, interpret))
   return tuple(vary(x, axes) for x in outs)
 
 
 def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels):
   axes = frozenset(axes)
   outs = kernel_module(kernels, "state").state_passing_fwd(
-      ny, qg, p, u, kg, gc, s0, save_states=True, **_interpret_kw(kernels, interpret))
+      ny, qg, p, u, kg, gc, s0, save_states=True, **interpret_kw(kernels, interpret))
   o, e, s_final, h = (vary(x, axes) for x in outs)
   return (o, e, s_final), (ny, qg, p, kg, gc, h, e)
 
@@ -130,7 +130,7 @@ def _state_pass_bwd(interpret, axes, kernels, res, cts):
   do, de_ext, ds_final = cts
   de, dh, ds0 = kernel_module(kernels, "state").state_passing_bwd(
       ny, qg, p, kg, gc, do.astype(_MM), de_ext.astype(_F32), ds_final.astype(_F32),
-      **_interpret_kw(kernels, interpret))
+      **interpret_kw(kernels, interpret))
   d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, do, e, h, dh)
   axes = frozenset(axes)
   cts = (d_ny.astype(ny.dtype), d_qg.astype(qg.dtype), d_p.astype(p.dtype), de,
@@ -159,7 +159,7 @@ def _kernel_inputs(q, k, v, beta, G, segidx, c):
 def _call_intra_fwd(q, k, v, beta, G, segidx, scale, c, interpret, with_inverse, kernels):
   return kernel_module(kernels, "intra").intra_chunk_fwd(
       *_kernel_inputs(q, k, v, beta, G, segidx, c), scale=scale, with_inverse=with_inverse,
-      **_interpret_kw(kernels, interpret))
+      **interpret_kw(kernels, interpret))
 
 
 def intra_kernel(q, k, v, beta, G, segidx, scale, c, interpret, kernels="mosaic",
@@ -218,7 +218,7 @@ def _intra_kernel_bwd(scale, c, interpret, kernels, fused, gated, res, cts):
             dG.reshape(G.shape).astype(G.dtype) if gated else None, None)
   dq, dk, dv, dbeta, dg_row, dg_col = kernel_module(kernels, "intra").intra_chunk_bwd(
       *inputs, m, d_ny.astype(_MM), d_p.astype(_MM), d_u.astype(_MM), scale=scale,
-      **gated_kw, **_interpret_kw(kernels, interpret))
+      **gated_kw, **interpret_kw(kernels, interpret))
   if gated:
     entry, exit_ = jnp.exp(G), jnp.exp(G[..., -1:] - G)     # [B, HV, Nc, C]
   else:

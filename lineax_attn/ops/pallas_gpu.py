@@ -77,7 +77,7 @@ from lineax_attn.ops import specs
 from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, segment_masks, to_chunks
 # Re-exported: `pallas_gpu.X` stays the public spelling of these (api, benchmarks, tests, docs).
 from lineax_attn.ops.gpu_prepare import (channel_intra_kernel, channel_kernel_applies,
-                                         prepare_chunks)
+                                         channel_state_core, prepare_chunks)
 from lineax_attn.ops.gpu_tuning import (DEFAULT_TUNING, INTRA_CHOICES, PAIR_CHOICES,
                                         SOLVE_CHOICES, GpuTuning, check_tuning,
                                         fused_intra_grads)
@@ -148,7 +148,13 @@ def state_kernels(tuning: GpuTuning, kernels: str) -> str:
 
 def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernels):
   """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
-  if channel_kernel_applies(q, k_erase, v_write, g, c=c, tuning=tuning, kernels=kernels):
+  channel = channel_kernel_applies(q, k_erase, v_write, g, c=c, tuning=tuning, kernels=kernels)
+  if channel and tuning.channel_grads == "states":
+    o, e, s_final = channel_state_core(q, k, k_erase, v_write, g, s0, segidx, c=c,
+                                       span=tuning.channel_span, interpret=interpret,
+                                       kernels=state_kernels(tuning, kernels))
+    return from_chunks(o), from_chunks(e), s_final
+  if channel:
     ny, qg, p, u, kg, gc = channel_intra_kernel(q, k, k_erase, v_write, g, segidx, c,
                                                 tuning.channel_grads == "kernel",
                                                 float(tuning.channel_span))

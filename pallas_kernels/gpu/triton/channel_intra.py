@@ -389,16 +389,37 @@ def _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_ptr, wl_p
 
 
 @triton.jit
+def _state_product(a_ptr, a_at, b_ptr, b_rows, V: tl.constexpr, SBK: tl.constexpr,
+                   N: tl.constexpr, C: tl.constexpr):
+  """A [C, V] · B[b_rows, :]ᵀ with bf16 operands and a float32 accumulator, V in steps of SBK:
+  a_at the [C] row offsets of A's tile, b_rows the [N] row offsets of B's (V columns each)."""
+  acc = tl.zeros((C, N), tl.float32)
+  rv = tl.arange(0, SBK)
+  for s in tl.static_range(V // SBK):
+    a = tl.load(a_ptr + a_at[:, None] + (s * SBK + rv)[None, :]).to(tl.bfloat16)
+    b = tl.load(b_ptr + b_rows[:, None] + (s * SBK + rv)[None, :]).to(tl.bfloat16)
+    acc = tl.dot(a, tl.trans(b), acc)
+  return acc
+
+
+@triton.jit
 def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, m_ptr,
-                dny_ptr, dqg_ptr, dp_ptr, du_ptr, dkg_ptr, dgc_ptr, t,
-                dq_ptr, dkt_ptr, dk_ptr, drk_ptr, dvt_ptr, wl_ptr, dg_ptr,
+                dny_ptr, dqg_ptr, dp_ptr, du_ptr, dkg_ptr, dgc_ptr, h_ptr, dh_ptr, do_ptr,
+                e_ptr, t,
+                dq_ptr, dkt_ptr, dk_ptr, drk_ptr, dvt_ptr, wl_ptr, dg_ptr, dps_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 GRADS: tl.constexpr, BAND_STAGES: tl.constexpr, SBK: tl.constexpr,
-                SKIP: tl.constexpr, SPAN: tl.constexpr):
+                SKIP: tl.constexpr, SPAN: tl.constexpr, PRODUCTS: tl.constexpr):
   """The pair and solve part of the backward; with GRADS also the elementwise rest and dG
   (`_elementwise_grads`), storing whole gradients in the inputs' `[B, T, HV, D]` layout;
-  without, the pair and solve parts chunk-major and the rest is the caller's (XLA)."""
+  without, the pair and solve parts chunk-major and the rest is the caller's (XLA).
+
+  PRODUCTS (with GRADS): the state pass's cotangents of NY, QG, P, KG and gc are not read
+  (dny, dqg, dp, dkg, dgc unread) but made here from the chunk states: dNY = dE Sᵀ, dQG = dO Sᵀ,
+  dP = dO Eᵀ, dKG = E dS'ᵀ, dgc = Σ_v S ⊙ dS' (h, dh `[B, HV, Nc, K, V]` bf16; dO bf16, E and
+  dE = du float32 `[B, HV, Nc, C, V]`), each rounded to bf16 as the XLA products deliver them;
+  dP goes to the scratch dps, which the diagonal bands read back."""
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
@@ -421,12 +442,24 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   mt = tl.trans(m)
   neg_dl = tl.zeros((C, C), tl.float32)
   rs = tl.arange(0, SBK)
+  cv_rows = chunk * C * V + rc * V                             # [C, V] chunk tiles' rows
+  kv_base = chunk * K * V                                      # [K, V] state tiles
+  if PRODUCTS:   # dP = dO Eᵀ, stored for the bands' read-back (the barrier below)
+    dp_src = dps_ptr
+    tl.store(dps_ptr + cc, _state_product(do_ptr, cv_rows, e_ptr, cv_rows, V, SBK, C,
+                                          C).to(tl.bfloat16))
+  else:
+    dp_src = dp_ptr
   n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
   for s in range(n_solve * K // SBK):
     cols = s * SBK + rs
     y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED)
     ck = chunk * C * K + ii * K + cols[None, :]
-    d_y = (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16)
+    if PRODUCTS:   # dY = −dNY, dNY = dE Sᵀ on these K columns
+      d_ny = _state_product(du_ptr, cv_rows, h_ptr, kv_base + cols * V, V, SBK, SBK, C)
+      d_y = (-d_ny.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+    else:
+      d_y = (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16)
     d_rk = tl.dot(mt, d_y)
     tl.store(drk_ptr + ck, d_rk)
     neg_dl = tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)), neg_dl)
@@ -444,8 +477,8 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   w_l = tl.where(keep_l, -neg_dl, 0.0)
   tl.store(wl_ptr + cc, w_l)            # the diagonal bands read their entries back
   w_l = w_l.to(tl.bfloat16)
-  w_p = tl.where(keep_p, tl.load(dp_ptr + cc).to(tl.float32), 0.0).to(tl.bfloat16)
-  tl.debug_barrier()                    # the scratches above (dL, dR_k), then their loads below
+  w_p = tl.where(keep_p, tl.load(dp_src + cc).to(tl.float32), 0.0).to(tl.bfloat16)
+  tl.debug_barrier()                    # the scratches above (dL, dR_k, dP), then their loads
   base = (rc // SUBC) * SUBC
   seg = 0.0                             # read only when PACKED
   if PACKED:
@@ -468,15 +501,29 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
         d_q, d_kt, d_k = _anchored_grads(q, k, kt, g, g_ptr, row0, hv, rc, cols, blk, w_p, w_l,
                                          d_q, d_kt, d_k, HV, K, SUBC, True)
     else:
-      d_q, d_kt, d_k = _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_ptr,
+      d_q, d_kt, d_k = _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src,
                                     wl_ptr, seg, row0, hv, rc, base, cc0, cols, w_p, w_l, d_q,
                                     d_kt, d_k, HV, K, C, SUBC, PACKED, BAND_STAGES, SKIP)
     ck = chunk * C * K + ii * K + cols[None, :]
     if GRADS:
       g_last = tl.load(g_ptr + ((row0 + C - 1) * HV + hv) * K + cols)
+      if PRODUCTS:   # dQG = dO Sᵀ, dKG = E dS'ᵀ, dgc = Σ_v S ⊙ dS' on these K columns
+        state_rows = kv_base + cols * V
+        d_qg = _state_product(do_ptr, cv_rows, h_ptr, state_rows, V, SBK, BK, C)
+        d_qg = d_qg.to(tl.bfloat16).to(tl.float32)
+        d_kg = _state_product(e_ptr, cv_rows, dh_ptr, state_rows, V, SBK, BK, C)
+        d_kg = d_kg.to(tl.bfloat16).to(tl.float32)
+        d_gc = tl.zeros((BK,), tl.float32)
+        for sv in tl.static_range(V // SBK):
+          at = state_rows[:, None] + (sv * SBK + rs)[None, :]
+          d_gc += tl.sum(tl.load(h_ptr + at).to(tl.float32)
+                         * tl.load(dh_ptr + at).to(tl.float32), axis=1)
+      else:
+        d_qg = tl.load(dqg_ptr + ck).to(tl.float32)
+        d_kg = tl.load(dkg_ptr + ck).to(tl.float32)
+        d_gc = tl.load(dgc_ptr + chunk * K + cols)
       d_q, d_k, d_kt, d_g = _elementwise_grads(
-          q, k, kt, g, d_q, d_kt, d_k, tl.load(drk_ptr + ck), tl.load(dqg_ptr + ck).to(tl.float32),
-          tl.load(dkg_ptr + ck).to(tl.float32), tl.load(dgc_ptr + chunk * K + cols), g_last,
+          q, k, kt, g, d_q, d_kt, d_k, tl.load(drk_ptr + ck), d_qg, d_kg, d_gc, g_last,
           cont, keep, cont_last, ii, C, PACKED)
       ck = row_major * K + cols[None, :]
       tl.store(dg_ptr + ck, d_g)
@@ -585,8 +632,10 @@ def _phases(skip: int) -> int:
 
 
 def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps,
-              band_stages, skip_phases=0, solve_bk=None, span=0.0):
-  """The backward kernel's launch; cotangents None (the kernel half) or (dqg, dkg, dgc)."""
+              band_stages, skip_phases=0, solve_bk=None, span=0.0, states=None):
+  """The backward kernel's launch; cotangents None (the kernel half) or (dqg, dkg, dgc);
+  states None, or (h, dh, do, e) for the products made in the kernel (then dny, dp and
+  cotangents are not read: `channel_intra_grads_from_states`)."""
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
     raise ValueError(f"channel_intra_bwd: {reason}")
@@ -595,26 +644,36 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
   nc, c = t // chunk, chunk
   f32 = jnp.float32
   packed = segments is not None
-  grads = cotangents is not None
+  grads = cotangents is not None or states is not None
+  products = states is not None
   seg = tuple(x.astype(f32) for x in segments) if packed else (G,) * 3   # unread unless packed
-  # Unread placeholders where the kernel half runs alone.
-  dqg, dkg = (cotangents[0].astype(MM_DTYPE), cotangents[1].astype(MM_DTYPE)) if grads else (
-      dny, dny)
-  dgc = cotangents[2].astype(f32) if grads else G
+  # Unread placeholders where the kernel half runs alone, or where the products are made here.
+  if cotangents is not None:
+    dqg, dkg, dgc = (cotangents[0].astype(MM_DTYPE), cotangents[1].astype(MM_DTYPE),
+                     cotangents[2].astype(f32))
+  else:
+    dqg, dkg, dgc = m, m, G
+  h, dh, do, e = ((states[0].astype(MM_DTYPE), states[1].astype(MM_DTYPE),
+                   states[2].astype(MM_DTYPE), states[3].astype(f32)) if products
+                  else (m, m, m, G))
+  dny = m if products else dny.astype(MM_DTYPE)
+  dp = m if products else dp.astype(MM_DTYPE)
+  dps = ((b, hv, nc, c, c) if products else (1,), MM_DTYPE)
   if grads:   # whole gradients in the inputs' layout, dR_k a chunk-major scratch
     out_shape = _structs(*[((b, t, hv, dk), f32)] * 3, ((b, hv, nc, c, dk), f32),
-                         ((b, t, hv, dv), f32), ((b, hv, nc, c, c), f32), ((b, t, hv, dk), f32))
+                         ((b, t, hv, dv), f32), ((b, hv, nc, c, c), f32), ((b, t, hv, dk), f32),
+                         dps)
   else:
     out_shape = _structs(*[((b, hv, nc, c, dk), f32)] * 4, ((b, hv, nc, c, dv), f32),
-                         ((b, hv, nc, c, c), f32), ((1,), f32))
+                         ((b, hv, nc, c, c), f32), ((1,), f32), dps)
   return _jax_triton().triton_call(
       *map(_operand, (q, k, kt, vt)), G.astype(f32), *seg,
-      m.astype(MM_DTYPE), dny.astype(MM_DTYPE), dqg, dp.astype(MM_DTYPE), du.astype(f32), dkg,
-      dgc, t, kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
+      m.astype(MM_DTYPE), dny, dqg, dp, du.astype(f32), dkg, dgc, h, dh, do, e, t,
+      kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
       GRADS=grads, BAND_STAGES=band_stages,
       SBK=solve_bk or blocks.channel_bwd_solve_bk(dk, dv, hopper=_on_hopper()),
-      SKIP=_phases(skip_phases), SPAN=_span(span))
+      SKIP=_phases(skip_phases), SPAN=_span(span), PRODUCTS=products)[:7]
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "span"))
@@ -657,4 +716,26 @@ def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc
                                          (dqg, dkg, dgc), chunk=chunk, num_warps=num_warps,
                                          band_stages=band_stages, skip_phases=skip_phases,
                                          solve_bk=solve_bk, span=span)
+  return dq, dk, dkt, dvt, dg
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "solve_bk",
+                                             "span"))
+def channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e, h, dh, *,
+                                    chunk: int, num_warps: int = blocks.CHANNEL_WARPS,
+                                    band_stages: int = blocks.CHANNEL_BAND_STAGES,
+                                    solve_bk: int | None = None,
+                                    span: float = blocks.CHANNEL_SPAN):
+  """`channel_intra_grads` with the state pass's cotangent products made in the kernel: where
+  that takes dNY, dQG, dP, dKG, dgc from XLA's batched products, this takes what they are made
+  of, the state pass's E (`[B, HV, Nc, C, V]` float32), the total dE (its reverse kernel's,
+  float32) and dO (bf16, chunk-major), the state entering each chunk h and the cotangent of the
+  state leaving it dh (`[B, HV, Nc, K, V]` bf16), and makes dNY = dE hᵀ, dQG = dO hᵀ,
+  dP = dO Eᵀ, dKG = E dhᵀ, dgc = Σ_v h ⊙ dh per chunk on chip (bf16 operands, float32
+  accumulation, rounded to bf16 as the XLA products are). Returns (dq, dk, dkt, dvt, dg) as
+  `channel_intra_grads`."""
+  dq, dkt, dk, _, dvt, _, dg = _bwd_call(q, k, kt, vt, G, segments, m, None, None, de, None,
+                                         chunk=chunk, num_warps=num_warps,
+                                         band_stages=band_stages, solve_bk=solve_bk, span=span,
+                                         states=(h, dh, do, e))
   return dq, dk, dkt, dvt, dg
