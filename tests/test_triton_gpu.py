@@ -654,32 +654,76 @@ def test_channel_grads_from_states_match_the_kernel_fed_xla_products(case, dk, d
   cts = (d_ny.astype(ny.dtype), d_qg.astype(qg.dtype), d_p.astype(p.dtype), de,
          d_kg.astype(kg.dtype), d_gc)
   want = channel_intra.channel_intra_grads(q, k, kt, vt, G, segments, m, *cts, chunk=64)
-  got = channel_intra.channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e,
-                                                      h, dh, chunk=64)
+  *got, d_erase, d_write = channel_intra.channel_intra_grads_from_states(
+      q, k, kt, vt, G, segments, m, de, do, e, h, dh, chunk=64)
+  assert d_erase is None and d_write is None
   for name, g_, w in zip(("dq", "dk", "dkt", "dvt", "dg"), got, want):
     assert g_.shape == w.shape and g_.dtype == w.dtype
     assert np.all(np.isfinite(np.asarray(g_))), name
     assert_close(np.asarray(g_), np.asarray(w), 1e-5, f"{name} ({case})")
 
 
-@pytest.mark.parametrize("implementation", ["triton", "pallas_gpu"])
+@pytest.mark.parametrize("gates", ["row", "channel"])
+def test_channel_kernels_apply_erase_and_write_gates_on_chip(gates):
+  # erase / write given to the kernels (k and v passed as kt, vt): the forward equals the
+  # kernels on k̃ = k ⊙ erase, ṽ = v ⊙ write made outside, and the backward (made from the
+  # states) equals the same kernel's k̃, ṽ gradients taken through the chain rule outside:
+  # dk + dk̃ ⊙ erase, dk̃ ⊙ k (summed over channels for a row gate), dṽ ⊙ write, dṽ ⊙ v.
+  # bf16 q, k, v, as the op passes them.
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  q, k, _, v, _, G = _channel_inputs(15, dk=64, dv=128)
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  ks = jax.random.split(jax.random.key(16), 6)
+  shape = lambda x: x.shape[:3] + ((1,) if gates == "row" else x.shape[3:])
+  erase = jax.nn.sigmoid(jax.random.normal(ks[0], shape(k)))
+  write = jax.nn.sigmoid(jax.random.normal(ks[1], shape(v)))
+  kt, vt = k * erase, v * write                                   # float32
+  outside = channel_intra.channel_intra_fwd(q, k, kt, vt, G, chunk=64, with_inverse=True)
+  inside = channel_intra.channel_intra_fwd(q, k, k, v, G, chunk=64, with_inverse=True,
+                                           erase=erase, write=write)
+  for name, a, b in zip(("ny", "qg", "p", "u", "kg", "gc", "m"), inside, outside):
+    assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), 1e-6, f"fwd {name}")
+  ny, qg, p, u, kg, gc, m = outside
+  s0 = jax.random.normal(ks[2], (1, 2, 64, 128))
+  o, e, s_final, h = tsp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True)
+  do = jax.random.normal(ks[3], o.shape).astype(jnp.bfloat16)
+  de, dh, _ = tsp.state_passing_bwd(ny, qg, p, kg, gc, do, jax.random.normal(ks[4], e.shape),
+                                    jax.random.normal(ks[5], s_final.shape))
+  states = (de, do, e, h, dh)
+  dq, dk, dkt, dvt, dg, *_ = channel_intra.channel_intra_grads_from_states(
+      q, k, kt, vt, G, None, m, *states, chunk=64)
+  sums = lambda x, like: jnp.sum(x, -1, keepdims=True) if like.shape[-1] == 1 else x
+  want = (dq, dk + dkt * erase, dvt * write, dg, sums(dkt * k, erase), sums(dvt * v, write))
+  got = channel_intra.channel_intra_grads_from_states(q, k, k, v, G, None, m, *states,
+                                                      chunk=64, erase=erase, write=write)
+  assert got[2] is None
+  got = got[:2] + got[3:]
+  for name, a, b in zip(("dq", "dk", "dv", "dg", "d_erase", "d_write"), got, want):
+    assert np.all(np.isfinite(np.asarray(a))), name
+    assert_close(np.asarray(a).reshape(b.shape), np.asarray(b), 1e-5, f"{name} ({gates})")
+
+
+@pytest.mark.parametrize("implementation,gates", [("triton", "kernel"), ("pallas_gpu", "kernel"),
+                                                 ("pallas_gpu", "xla")])
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
-def test_op_with_channel_grads_states_matches_scan(monkeypatch, mixer, implementation):
+def test_op_with_channel_grads_states_matches_scan(monkeypatch, mixer, implementation, gates):
   # Every gradient of a loss on the output and the final state through the state pass and
-  # channel kernels' one custom VJP (channel_grads="states"; bounded span, the default),
-  # against the scan; the products kernel is what ran.
+  # channel kernels' one custom VJP (channel_grads="states"; bounded span, the default), the
+  # erase / write gates applied on chip or by XLA (channel_gates), against the scan; the
+  # products kernel is what ran.
   if implementation == "pallas_gpu" and not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
     pytest.skip("pallas_gpu needs a Hopper GPU")
   calls, real = [], gpu_prepare._channel_kernel_states_call
   monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call",
                       lambda *a, **k: calls.append(1) or real(*a, **k))
-  tuning = ops.GpuTuning(channel_grads="states", triton_intra="kernel", channel_intra="triton")
+  tuning = ops.GpuTuning(channel_grads="states", channel_gates=gates, triton_intra="kernel",
+                         channel_intra="triton")
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=12)
   got = output_and_state_grads(mixer, args, kw["initial_state"], implementation, tuning=tuning)
   assert calls, "the products kernel did not run"
   want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
   for i, (g_, w) in enumerate(zip(got, want)):
-    assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} channel_grads=states, grad {i}")
+    assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} states, {gates} gates, grad {i}")
 
 
 @pytest.mark.parametrize("implementation", ["triton", "pallas_gpu"])

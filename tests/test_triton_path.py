@@ -260,18 +260,19 @@ def test_channel_backward_glue_from_exact_pair_grads_equals_autodiff(packed):
 
 
 def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch):
-  # gpu_prepare.channel_state_core (GpuTuning.channel_grads="states"): the channel kernels and
-  # the state pass under one custom VJP, whose backward runs the state pass's reverse kernel
-  # and hands E, dE, dO and the chunk states to one products-making kernel. Its Triton kernels
-  # are GPU / interpreter only (tests/test_triton_gpu.py); here they are replaced by their
-  # oracles (the exact preparation rounded to the kernel's dtypes; for the backward, XLA's
-  # products, the pairs' exact VJP and the glue), the Mosaic state pass runs in its
-  # interpreter, and values and every gradient must equal the split composition: the same
-  # preparation, differentiated by autodiff, into `gpu_vjps.state_pass` (its own VJP).
+  # gpu_prepare.channel_state_core (GpuTuning.channel_grads="states"): the channel kernels, with
+  # KDA's β applied on chip, and the state pass under one custom VJP, whose backward runs the
+  # state pass's reverse kernel and hands E, dE, dO and the chunk states to one
+  # products-making kernel. Its Triton kernels are GPU / interpreter only
+  # (tests/test_triton_gpu.py); here they are replaced by their oracles (the exact preparation
+  # rounded to the kernel's dtypes; for the backward, XLA's products, the pairs' exact VJP, the
+  # glue and the gates' chain rule), the Mosaic state pass runs in its interpreter, and values
+  # and every gradient must equal the split composition: k̃ = k ⊙ β, ṽ = v ⊙ β and the same
+  # preparation differentiated by autodiff, into `gpu_vjps.state_pass` (its own VJP).
   from lineax_attn.ops import gpu_prepare, gpu_vjps  # pylint: disable=g-import-not-at-top
   args, _ = make_inputs("kda", b=1, t=128, h=1, hv=1, dk=64, dv=64, seed=13)
   q, k, v, g, beta = args
-  kt, vt = k * beta[..., None], v * beta[..., None]
+  beta = beta[..., None]                      # [B, T, HV, 1]: one factor per row
   s0 = jax.random.normal(jax.random.key(14), (1, 1, 64, 64))
   c = 64
   exact = _exact_channel_preparation(None, c)
@@ -280,35 +281,41 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
   prep = lambda *a: tuple(x.astype(dt) for x, dt in zip(exact(*a), kernel_dtypes))
   interpret = gpu_vjps.interpret_params()
 
-  def states_call(q, k, kt, vt, g, segidx, m, de, do, e, h, dh, c, span=0.0):
+  def states_call(q, k, v, erase, write, g, segidx, m, de, do, e, h, dh, c, span=0.0,
+                  on_chip=True):
+    assert on_chip
+    kt, vt = k * erase, v * write
     d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.state_pass_products(de, do, e, h, dh)
     cts = (d_ny.astype(jnp.bfloat16), d_qg.astype(jnp.bfloat16), d_p.astype(jnp.bfloat16), de,
            d_kg.astype(jnp.bfloat16), d_gc)
     pairs = gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, cts[0],
                                                          cts[2], cts[3], c=c)
-    return gpu_prepare.channel_grads(q, k, kt, vt, g, segidx, pairs, cts, c=c)
+    dq, dk, dkt, dvt, dg = gpu_prepare.channel_grads(q, k, kt, vt, g, segidx, pairs, cts, c=c)
+    return (dq, dk + dkt * erase, dvt * write, dg, jnp.sum(dkt * k, -1),
+            jnp.sum(dvt * v, -1))                # row gates' gradients as the kernel's rows
 
   monkeypatch.setattr(gpu_prepare, "_chunk_gates", lambda g, c: g)   # the stand-ins take g
-  monkeypatch.setattr(gpu_prepare, "_channel_kernel_call",
-                      lambda q, k, kt, vt, g, segidx, c, span=0.0: prep(q, k, kt, vt, g) + (
-                          jnp.zeros(()),))
+  monkeypatch.setattr(
+      gpu_prepare, "_channel_kernel_call",
+      lambda q, k, kt, vt, g, segidx, c, span=0.0, erase=None, write=None: prep(
+          q, k, kt * erase, vt * write, g) + (jnp.zeros(()),))
   monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call", states_call)
   w = [jax.random.normal(jax.random.key(20 + i), s) for i, s in
        enumerate([(1, 1, 2, 64, 64), (1, 1, 2, 64, 64), (1, 1, 64, 64)])]
   loss = lambda outs: sum(jnp.sum(o * w_) for o, w_ in zip(outs, w))
 
-  def fused(*a):
-    return gpu_prepare.channel_state_core(*a, None, c=c, span=80.0, kernels="mosaic",
-                                          interpret=interpret)
+  def fused(q, k, v, beta, g, s0):
+    return gpu_prepare.channel_state_core(q, k, v, beta, beta, g, s0, None, c=c, span=80.0,
+                                          kernels="mosaic", interpret=interpret)
 
-  def split(q, k, kt, vt, g, s0):
-    return gpu_vjps.state_pass(*prep(q, k, kt, vt, g), s0, interpret, "mosaic")
+  def split(q, k, v, beta, g, s0):
+    return gpu_vjps.state_pass(*prep(q, k, k * beta, v * beta, g), s0, interpret, "mosaic")
 
-  primals = (q, k, kt, vt, g, s0)
+  primals = (q, k, v, beta, g, s0)
   got, want = fused(*primals), split(*primals)
   for name, a, b in zip(("o", "e", "s_final"), got, want):
     assert_close(a, b, 1e-6, name)
   grad = lambda f: jax.jit(jax.grad(lambda *a: loss(f(*a)), argnums=range(6)))(*primals)
-  for name, a, b in zip(("q", "k", "kt", "vt", "g", "s0"), grad(fused), grad(split)):
+  for name, a, b in zip(("q", "k", "v", "beta", "g", "s0"), grad(fused), grad(split)):
     assert a.dtype == b.dtype and a.shape == b.shape
     assert_close(a, b, 1e-5, f"d{name}")

@@ -95,14 +95,16 @@ def _chunked_gates(g, c):
   return chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))[0]
 
 
-def _channel_kernel_call(q, k, kt, vt, G, segidx, c, span=0.0):
+def _channel_kernel_call(q, k, kt, vt, G, segidx, c, span=0.0, erase=None, write=None):
   """The forward kernel on the chunk-summed gates G (`_chunk_gates`): prepare_chunks' six
   outputs and M (bf16, the backward's residual). span: the bounded-span path's bound
-  (`GpuTuning.channel_span`; 0 off)."""
+  (`GpuTuning.channel_span`; 0 off); erase, write: gates the kernel applies to kt, vt on chip
+  (then k and v)."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
   return channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=c,
-                                         with_inverse=True, span=float(span))
+                                         with_inverse=True, span=float(span), erase=erase,
+                                         write=write)
 
 
 def _channel_kernel_bwd_call(q, k, kt, vt, G, segidx, m, d_ny, d_p, d_u, c, span=0.0):
@@ -208,50 +210,82 @@ channel_intra_kernel.defvjp(_channel_intra_fwd, _channel_intra_bwd)
 # ------------------------------------------------------- channel kernels and state pass, one VJP
 
 
-def _channel_kernel_states_call(q, k, kt, vt, G, segidx, m, de, do, e, h, dh, c, span=0.0):
-  """The fused backward kernel making the state pass's products itself: (dq, dk, dkt, dvt, dg)
-  float32 `[B, T, HV, D]`."""
+def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c,
+                                span=0.0, on_chip=True):
+  """The fused backward kernel making the state pass's products itself, the gates applied on
+  chip (on_chip) or to k̃, ṽ made here (then their chain rule here too): (dq, dk, dv, dg,
+  d_erase, d_write) float32, d_write None without a write gate; the gates' gradients have one
+  entry per row (`[B, T, HV]`) for `[B, T, HV, 1]` gates."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
-  return channel_intra.channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e,
-                                                       h, dh, chunk=c, span=float(span))
+  call = functools.partial(channel_intra.channel_intra_grads_from_states, chunk=c,
+                           span=float(span))
+  if on_chip:
+    dq, dk, _, dv, dg, d_erase, d_write = call(q, k, k, v, G, segments, m, de, do, e, h, dh,
+                                               erase=erase, write=write)
+    return dq, dk, dv, dg, d_erase, d_write
+  kt, vt = k * erase, (v if write is None else v * write)
+  dq, dk, dkt, dvt, dg, _, _ = call(q, k, kt, vt, G, segments, m, de, do, e, h, dh)
+  rows = lambda x, gate: jnp.sum(x, -1) if gate.shape[-1] == 1 else x
+  d_erase = rows(dkt * k, erase)
+  d_write = None if write is None else rows(dvt * v, write)
+  return (dq, dk + dkt * erase, dvt if write is None else dvt * write, dg, d_erase, d_write)
 
 
-def channel_state_core(q, k, kt, vt, g, s0, segidx, *, c, span, kernels, interpret):
+def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels, interpret,
+                       gates_on_chip=True):
   """KDA / GDN-2's chunk form on the Triton channel kernels and the state pass (`kernels`:
-  "mosaic" or "triton") under one custom VJP (`GpuTuning(channel_grads="states")`): the
-  backward runs the state pass's reverse kernel, then one channel kernel that also makes the
-  state pass's cotangent products (dNY, dQG, dP, dKG, dgc) from the chunk states, E, dE and dO
-  on chip, where the split composition has XLA make them (four batched products, a reduction
-  and two float32 -> bf16 copies between the kernels). [B, T, HV, ...] inputs, T a multiple
-  of c; returns (o, e, s_final), o and e chunk-major. Not under shard_map (as the channel
-  kernels)."""
+  "mosaic" or "triton") under one custom VJP (`GpuTuning(channel_grads="states")`).
+
+  q (scaled), k, v `[B, T, HV, D]`, T a multiple of c; erase `[B, T, HV, 1]` (KDA's β) or
+  `[B, T, HV, K]` (GDN-2), write likewise over V or None; the kernels apply them on chip, so
+  k̃ = k ⊙ erase and ṽ = v ⊙ write, their float32 copies in HBM and their gradients' epilogue
+  in XLA do not exist. The backward runs the state pass's reverse kernel, then one channel
+  kernel that also makes the state pass's cotangent products (dNY, dQG, dP, dKG, dgc) from the
+  chunk states, E, dE and dO on chip, where the split composition has XLA make them (four
+  batched products, a reduction and two float32 -> bf16 copies). gates_on_chip=False
+  (`GpuTuning.channel_gates="xla"`, for A/B) makes k̃, ṽ and the gates' chain rule in XLA
+  instead, inside the same VJP. Returns (o, e, s_final), o and e chunk-major. Not under
+  shard_map (as the channel kernels)."""
   kernel_module(kernels, "state")  # validates `kernels`
-  return _channel_state_vjp(q, k, kt, vt, g, s0, segidx, c, float(span), kernels, interpret)
+  return _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, float(span), kernels,
+                            interpret, bool(gates_on_chip))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _channel_state_vjp(q, k, kt, vt, g, s0, segidx, c, span, kernels, interpret):
-  return _channel_state_fwd(q, k, kt, vt, g, s0, segidx, c, span, kernels, interpret)[0]
+# write None: a pytree without leaves, whose cotangent is None.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+def _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
+                       on_chip):
+  return _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels,
+                            interpret, on_chip)[0]
 
 
-def _channel_state_fwd(q, k, kt, vt, g, s0, segidx, c, span, kernels, interpret):
+def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
+                       on_chip):
   G = _chunk_gates(g, c)
-  ny, qg, p, u, kg, gc, m = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span)
+  if on_chip:
+    outs = _channel_kernel_call(q, k, k, v, G, segidx, c, span, erase, write)
+  else:
+    outs = _channel_kernel_call(q, k, k * erase, v if write is None else v * write, G, segidx,
+                                c, span)
+  ny, qg, p, u, kg, gc, m = outs
   o, e, s_final, h = kernel_module(kernels, "state").state_passing_fwd(
       ny, qg, p, u, kg, gc, s0, save_states=True, **interpret_kw(kernels, interpret))
-  return (o, e, s_final), (q, k, kt, vt, g, G, segidx, m, ny, qg, p, kg, gc, e, h)
+  return (o, e, s_final), (q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h)
 
 
-def _channel_state_bwd(c, span, kernels, interpret, res, cts):
-  q, k, kt, vt, g, G, segidx, m, ny, qg, p, kg, gc, e, h = res
+def _channel_state_bwd(c, span, kernels, interpret, on_chip, res, cts):
+  q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h = res
   do, de_ext, ds_final = cts
   do = do.astype(_MM)
   de, dh, ds0 = kernel_module(kernels, "state").state_passing_bwd(
       ny, qg, p, kg, gc, do, de_ext.astype(_F32), ds_final.astype(_F32),
       **interpret_kw(kernels, interpret))
-  grads = _channel_kernel_states_call(q, k, kt, vt, G, segidx, m, de, do, e, h, dh, c, span)
-  return tuple(d.astype(x.dtype) for d, x in zip(grads, (q, k, kt, vt, g))) + (ds0, None)
+  dq, dk, dv, dg, d_erase, d_write = _channel_kernel_states_call(
+      q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c, span, on_chip)
+  back = lambda d, x: None if x is None else d.reshape(x.shape).astype(x.dtype)
+  return (back(dq, q), back(dk, k), back(dv, v), back(d_erase, erase), back(d_write, write),
+          back(dg, g), ds0, None)
 
 
 _channel_state_vjp.defvjp(_channel_state_fwd, _channel_state_bwd)

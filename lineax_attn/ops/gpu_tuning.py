@@ -13,6 +13,7 @@ INTRA_CHOICES = ("kernel", "xla")
 TRITON_INTRA_CHOICES = ("auto", "kernel", "xla")
 CHANNEL_INTRA_CHOICES = ("auto", "xla", "triton")
 CHANNEL_GRADS_CHOICES = ("xla", "kernel", "states")
+CHANNEL_GATES_CHOICES = ("kernel", "xla")
 INTRA_GRADS_CHOICES = ("auto", "xla", "kernel")
 PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
@@ -76,8 +77,15 @@ class GpuTuning:
       states, E, dE and dO on chip, with the state pass under the same custom VJP
       (`gpu_prepare.channel_state_core`): four batched products, a reduction and two float32
       copies of XLA's fewer between the kernels, ~0.4 ms of KDA's 4.1 at B4 T4096 H16 D128 by
-      the H200's profile of 2026-12-04. Written 2026-12-04, tested in the interpreters
-      against the split composition and the scan; not yet timed, so not the default).
+      the H200's profile of 2026-12-04; `channel_gates` below says who applies KDA / GDN-2's
+      erase and write gates there. Written 2026-12-04, tested in the interpreters against the
+      split composition and the scan; not yet timed, so not the default).
+    channel_gates: with channel_grads="states", who makes k̃ = k ⊙ erase and ṽ = v ⊙ write:
+      "kernel" (the channel kernels on chip, from k, v and the gates; the backward kernel then
+      writes k's and v's whole gradients and the gates' own, so k̃, ṽ, dk̃, dṽ never exist in
+      HBM: ~0.3 ms of XLA passes less for KDA at B4 T4096 H16 D128 by the 2026-12-04 profile,
+      at 530 / 740 bytes of spills against 156 / 172 in ptxas, so to be timed) or "xla"
+      (float32 arrays made and chained in XLA, as on the other paths). Unread otherwise.
     intra_grads: the same choice for the Triton DeltaNet / GDN intra kernels
       (`implementation="triton"`): "xla" (the backward kernel's chunk-major dq, dk, dv, then
       the QG / KG terms, dG and the transposes in XLA, `gpu_vjps._intra_kernel_bwd`), "kernel"
@@ -145,6 +153,7 @@ class GpuTuning:
   triton_intra: str = "auto"
   channel_intra: str = "auto"
   channel_grads: str = "kernel"
+  channel_gates: str = "kernel"
   intra_grads: str = "auto"
   state_pass: str = "mosaic"
   forward: str = "auto"
@@ -158,6 +167,7 @@ class GpuTuning:
                           ("triton_intra", TRITON_INTRA_CHOICES),
                           ("channel_intra", CHANNEL_INTRA_CHOICES),
                           ("channel_grads", CHANNEL_GRADS_CHOICES),
+                          ("channel_gates", CHANNEL_GATES_CHOICES),
                           ("intra_grads", INTRA_GRADS_CHOICES),
                           ("state_pass", STATE_PASS_CHOICES),
                           ("forward", FORWARD_CHOICES)):

@@ -148,13 +148,7 @@ def state_kernels(tuning: GpuTuning, kernels: str) -> str:
 
 def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernels):
   """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
-  channel = channel_kernel_applies(q, k_erase, v_write, g, c=c, tuning=tuning, kernels=kernels)
-  if channel and tuning.channel_grads == "states":
-    o, e, s_final = channel_state_core(q, k, k_erase, v_write, g, s0, segidx, c=c,
-                                       span=tuning.channel_span, interpret=interpret,
-                                       kernels=state_kernels(tuning, kernels))
-    return from_chunks(o), from_chunks(e), s_final
-  if channel:
+  if channel_kernel_applies(q, k_erase, v_write, g, c=c, tuning=tuning, kernels=kernels):
     ny, qg, p, u, kg, gc = channel_intra_kernel(q, k, k_erase, v_write, g, segidx, c,
                                                 tuning.channel_grads == "kernel",
                                                 float(tuning.channel_span))
@@ -524,6 +518,19 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   n_rep = hv // h
   q = jnp.repeat(q, n_rep, axis=2) * scale
   k = jnp.repeat(k, n_rep, axis=2)
+  if (tuning.channel_grads == "states" and erase is not None
+      and channel_kernel_applies(q, k, v, g, c=c, tuning=tuning, kernels=kernels)):
+    # KDA / GDN-2 under one custom VJP, the erase / write gates applied on chip.
+    if m is not None:
+      write = m[..., None] if write is None else write * m[..., None]
+    o, e, s_final = channel_state_core(pad(q), pad(k), pad(v), pad(erase),
+                                       None if write is None else pad(write), pad(g), s0,
+                                       segidx, c=c, span=tuning.channel_span,
+                                       interpret=interpret,
+                                       kernels=state_kernels(tuning, kernels),
+                                       gates_on_chip=tuning.channel_gates == "kernel")
+    return (from_chunks(o)[:, :t], (s_final if output_final_state else None),
+            from_chunks(e)[:, :t])
   k_erase = None if erase is None else k * erase
   v_write = v if write is None else v * write
   if m is not None:

@@ -83,6 +83,11 @@ from pallas_kernels.gpu.triton.intra_chunk import _unit_lower_inverse
 from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _on_hopper, _structs
 
 SUB = 16          # rows of a sub-chunk (the anchoring of the off-diagonal pairs)
+# How k̃ and ṽ reach the kernels: given as arrays (GATE_NONE), or made on chip from k / v and a
+# gate with one factor per row (`[B, T, HV]`, KDA's β) or per channel (GDN-2's gates).
+GATE_NONE = tl.constexpr(0)
+GATE_ROW = tl.constexpr(1)
+GATE_CHANNEL = tl.constexpr(2)
 
 
 @triton.jit
@@ -104,21 +109,44 @@ def _rows(ptr, rows, hv, cols, HV: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _gate(gate_ptr, rows, hv, cols, HV: tl.constexpr, D: tl.constexpr, GATE: tl.constexpr):
+  """The factor a gated input is multiplied by on chip (`GATE_*`): one per row of `[B, T, HV]`
+  ([len(rows), 1]) or one per channel of `[B, T, HV, D]`, float32."""
+  if GATE == GATE_ROW:   # (a static branch: one return, as compiled Triton asks)
+    factor = tl.load(gate_ptr + rows * HV + hv).to(tl.float32)[:, None]
+  else:
+    factor = _rows(gate_ptr, rows, hv, cols, HV, D)
+  return factor
+
+
+@triton.jit
+def _gated_rows(x_ptr, gate_ptr, rows, hv, cols, HV: tl.constexpr, D: tl.constexpr,
+                GATE: tl.constexpr):
+  """`_rows` of k̃ or ṽ: x itself (GATE_NONE), or x ⊙ its gate made here (x then k or v)."""
+  x = _rows(x_ptr, rows, hv, cols, HV, D)
+  if GATE != GATE_NONE:
+    x = x * _gate(gate_ptr, rows, hv, cols, HV, D, GATE)
+  return x
+
+
+@triton.jit
 def _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV: tl.constexpr, K: tl.constexpr,
-                 PACKED: tl.constexpr):
+                 PACKED: tl.constexpr, erase_ptr, ERASE: tl.constexpr):
   """Y = M (K̃ ⊙ e^G) on one channel slice (e^G zeroed where the segment began in the chunk)."""
   entry = tl.exp(_rows(g_ptr, rows, hv, cols, HV, K))
   if PACKED:
     entry = entry * cont
-  return tl.dot(m, (_rows(kt_ptr, rows, hv, cols, HV, K) * entry).to(tl.bfloat16))
+  kt = _gated_rows(kt_ptr, erase_ptr, rows, hv, cols, HV, K, ERASE)
+  return tl.dot(m, (kt * entry).to(tl.bfloat16))
 
 
 @triton.jit
 def _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV: tl.constexpr,
-                    K: tl.constexpr):
+                    K: tl.constexpr, erase_ptr, ERASE: tl.constexpr):
   """One channel slice of q, k, k̃ and G, [C, BK] float32 each."""
   return (_rows(q_ptr, rows, hv, cols, HV, K), _rows(k_ptr, rows, hv, cols, HV, K),
-          _rows(kt_ptr, rows, hv, cols, HV, K), _rows(g_ptr, rows, hv, cols, HV, K))
+          _gated_rows(kt_ptr, erase_ptr, rows, hv, cols, HV, K, ERASE),
+          _rows(g_ptr, rows, hv, cols, HV, K))
 
 
 @triton.jit
@@ -250,12 +278,14 @@ def _boundary_factors(gsum, g_last, cont, keep, cont_last, PACKED: tl.constexpr)
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, t,
+def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, erase_ptr,
+                write_ptr, t,
                 ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, gc_ptr, m_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, BAND_STAGES: tl.constexpr,
-                SBK: tl.constexpr, SKIP: tl.constexpr, SPAN: tl.constexpr):
+                SBK: tl.constexpr, SKIP: tl.constexpr, SPAN: tl.constexpr,
+                ERASE: tl.constexpr, WRITE: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
@@ -277,7 +307,8 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   l_band = tl.zeros((C, SUBC), tl.float32)
   for s in range(K // BK):
     cols = s * BK + rb
-    q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K)
+    q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K,
+                                  erase_ptr, ERASE)
     p_acc, l_acc, p_band, l_band = _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols,
                                                 p_acc, l_acc, p_band, l_band, HV, K, C, SUBC,
                                                 BAND_STAGES, SKIP, SPAN)
@@ -299,11 +330,11 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
   for s in range(n_solve * K // SBK):
     cols = s * SBK + rs
-    y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED)
+    y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED, erase_ptr, ERASE)
     tl.store(ny_ptr + chunk * C * K + ii * K + cols[None, :], (-y).to(tl.bfloat16))
   for s in range(n_solve * V // SBK):
     cols = s * SBK + rs
-    u = tl.dot(m, _rows(vt_ptr, rows, hv, cols, HV, V).to(tl.bfloat16))
+    u = tl.dot(m, _gated_rows(vt_ptr, write_ptr, rows, hv, cols, HV, V, WRITE).to(tl.bfloat16))
     tl.store(u_ptr + chunk * C * V + ii * V + cols[None, :], u)
   if WITH_INVERSE:
     tl.store(m_ptr + cc, m)
@@ -348,7 +379,8 @@ def _anchored_grads(q, k, kt, g, g_ptr, row0, hv, rc, cols, blk, w_p, w_l, d_q, 
 
 
 @triton.jit
-def _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_ptr, wl_ptr, seg, row0,
+def _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_ptr, wl_ptr, erase_ptr,
+                 ERASE: tl.constexpr, seg, row0,
                  hv, rc, base, cc0, cols, w_p, w_l, d_q, d_kt, d_k, HV: tl.constexpr,
                  K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, PACKED: tl.constexpr,
                  BAND_STAGES: tl.constexpr, SKIP: tl.constexpr):
@@ -380,7 +412,7 @@ def _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_ptr, wl_p
     d_kt += w_lr[:, None] * kb
     d_k += tl.where(down[:, None], e, 0.0) * (
         w_pc[:, None] * _rows(q_ptr, b_rows, hv, cols, HV, K)
-        + w_lc[:, None] * _rows(kt_ptr, b_rows, hv, cols, HV, K))
+        + w_lc[:, None] * _gated_rows(kt_ptr, erase_ptr, b_rows, hv, cols, HV, K, ERASE))
   # Off-diagonal pairs, anchored as in the forward.
   for blk in tl.static_range(1, C // SUBC if (SKIP & 2) == 0 else 1):
     d_q, d_kt, d_k = _anchored_grads(q, k, kt, g, g_ptr, row0, hv, rc, cols, blk, w_p, w_l,
@@ -405,12 +437,14 @@ def _state_product(a_ptr, a_at, b_ptr, b_rows, V: tl.constexpr, SBK: tl.constexp
 @triton.jit
 def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, m_ptr,
                 dny_ptr, dqg_ptr, dp_ptr, du_ptr, dkg_ptr, dgc_ptr, h_ptr, dh_ptr, do_ptr,
-                e_ptr, t,
-                dq_ptr, dkt_ptr, dk_ptr, drk_ptr, dvt_ptr, wl_ptr, dg_ptr, dps_ptr,
+                e_ptr, erase_ptr, write_ptr, t,
+                dq_ptr, dkt_ptr, dk_ptr, drk_ptr, dvt_ptr, wl_ptr, dg_ptr, dps_ptr, dera_ptr,
+                dwri_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 GRADS: tl.constexpr, BAND_STAGES: tl.constexpr, SBK: tl.constexpr,
-                SKIP: tl.constexpr, SPAN: tl.constexpr, PRODUCTS: tl.constexpr):
+                SKIP: tl.constexpr, SPAN: tl.constexpr, PRODUCTS: tl.constexpr,
+                ERASE: tl.constexpr, WRITE: tl.constexpr):
   """The pair and solve part of the backward; with GRADS also the elementwise rest and dG
   (`_elementwise_grads`), storing whole gradients in the inputs' `[B, T, HV, D]` layout;
   without, the pair and solve parts chunk-major and the rest is the caller's (XLA).
@@ -419,8 +453,13 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   (dny, dqg, dp, dkg, dgc unread) but made here from the chunk states: dNY = dE Sᵀ, dQG = dO Sᵀ,
   dP = dO Eᵀ, dKG = E dS'ᵀ, dgc = Σ_v S ⊙ dS' (h, dh `[B, HV, Nc, K, V]` bf16; dO bf16, E and
   dE = du float32 `[B, HV, Nc, C, V]`), each rounded to bf16 as the XLA products deliver them;
-  dP goes to the scratch dps, which the diagonal bands read back."""
+  dP goes to the scratch dps, which the diagonal bands read back.
+
+  ERASE / WRITE (`GATE_*`, with GRADS): kt, vt are k and v, multiplied on chip by the gates
+  erase, write; then dk (dk_ptr) is k's whole gradient, dv (dvt_ptr) v's, and the gates'
+  gradients go to dera / dwri (`[B, T, HV]` row sums, or per channel); dkt is not written."""
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
+  tl.static_assert(GRADS or (ERASE == GATE_NONE and WRITE == GATE_NONE))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
   ii = rc[:, None]
@@ -453,7 +492,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
   for s in range(n_solve * K // SBK):
     cols = s * SBK + rs
-    y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED)
+    y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED, erase_ptr, ERASE)
     ck = chunk * C * K + ii * K + cols[None, :]
     if PRODUCTS:   # dY = −dNY, dNY = dE Sᵀ on these K columns
       d_ny = _state_product(du_ptr, cv_rows, h_ptr, kv_base + cols * V, V, SBK, SBK, C)
@@ -463,16 +502,27 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     d_rk = tl.dot(mt, d_y)
     tl.store(drk_ptr + ck, d_rk)
     neg_dl = tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)), neg_dl)
+  d_write_rows = tl.zeros((C,), tl.float32)                  # WRITE == GATE_ROW: Σ_v dṽ ⊙ v
   for s in range(n_solve * V // SBK):
     cols = s * SBK + rs
-    u = tl.dot(m, _rows(vt_ptr, rows, hv, cols, HV, V).to(tl.bfloat16))
+    v_in = _rows(vt_ptr, rows, hv, cols, HV, V)
+    w_gate = 1.0
+    if WRITE != GATE_NONE:
+      w_gate = _gate(write_ptr, rows, hv, cols, HV, V, WRITE)
+    u = tl.dot(m, (v_in * w_gate).to(tl.bfloat16))
     cv = chunk * C * V + ii * V + cols[None, :]
     d_rv = tl.dot(mt, tl.load(du_ptr + cv).to(tl.bfloat16))
     if GRADS:
-      tl.store(dvt_ptr + row_major * V + cols[None, :], d_rv)
+      tl.store(dvt_ptr + row_major * V + cols[None, :], d_rv * w_gate)   # ṽ = v ⊙ write
+      if WRITE == GATE_ROW:
+        d_write_rows += tl.sum(d_rv * v_in, axis=1)
+      elif WRITE == GATE_CHANNEL:
+        tl.store(dwri_ptr + row_major * V + cols[None, :], d_rv * v_in)
     else:
       tl.store(dvt_ptr + cv, d_rv)
     neg_dl = tl.dot(d_rv.to(tl.bfloat16), tl.trans(u.to(tl.bfloat16)), neg_dl)
+  if WRITE == GATE_ROW:
+    tl.store(dwri_ptr + rows * HV + hv, d_write_rows)
   keep_p, keep_l = _pair_masks(seg_ptr, rows, ii, jj, PACKED)
   w_l = tl.where(keep_l, -neg_dl, 0.0)
   tl.store(wl_ptr + cc, w_l)            # the diagonal bands read their entries back
@@ -483,9 +533,11 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   seg = 0.0                             # read only when PACKED
   if PACKED:
     seg = tl.load(seg_ptr + rows)
+  d_erase_rows = tl.zeros((C,), tl.float32)                  # ERASE == GATE_ROW: Σ_k dk̃ ⊙ k
   for s in range(K // BK):
     cols = s * BK + rb
-    q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K)
+    q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K,
+                                  erase_ptr, ERASE)
     # Diagonal blocks, exact float32, band r: this row x and b = 16⌊x/16⌋ + r of its sub-chunk.
     # As i (dQ, dK̃): W_xb K_b E_xb, b ≤ x; as j (dK): W_bx A_b E_bx, b ≥ x. A run-time loop,
     # pipelined as in the forward. First, in tiles of the operands' layout: added to the
@@ -502,7 +554,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                                          d_q, d_kt, d_k, HV, K, SUBC, True)
     else:
       d_q, d_kt, d_k = _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src,
-                                    wl_ptr, seg, row0, hv, rc, base, cc0, cols, w_p, w_l, d_q,
+                                    wl_ptr, erase_ptr, ERASE, seg, row0, hv, rc, base, cc0, cols, w_p, w_l, d_q,
                                     d_kt, d_k, HV, K, C, SUBC, PACKED, BAND_STAGES, SKIP)
     ck = chunk * C * K + ii * K + cols[None, :]
     if GRADS:
@@ -527,9 +579,18 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
           cont, keep, cont_last, ii, C, PACKED)
       ck = row_major * K + cols[None, :]
       tl.store(dg_ptr + ck, d_g)
+      if ERASE != GATE_NONE:   # k̃ = k ⊙ erase: k's whole gradient, and the gate's
+        d_k += d_kt * _gate(erase_ptr, rows, hv, cols, HV, K, ERASE)
+        if ERASE == GATE_ROW:
+          d_erase_rows += tl.sum(d_kt * k, axis=1)
+        else:
+          tl.store(dera_ptr + ck, d_kt * k)
     tl.store(dq_ptr + ck, d_q)
-    tl.store(dkt_ptr + ck, d_kt)
+    if ERASE == GATE_NONE:
+      tl.store(dkt_ptr + ck, d_kt)
     tl.store(dk_ptr + ck, d_k)
+  if ERASE == GATE_ROW:
+    tl.store(dera_ptr + rows * HV + hv, d_erase_rows)
 
 
 @triton.jit
@@ -570,7 +631,7 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
                       precision: str = blocks.INTRA_PRECISION,
                       num_warps: int = blocks.CHANNEL_WARPS,
                       band_stages: int = blocks.CHANNEL_BAND_STAGES, skip_phases: int = 0,
-                      span: float = blocks.CHANNEL_SPAN):
+                      span: float = blocks.CHANNEL_SPAN, erase=None, write=None):
   """The intra-chunk part for per-channel gates (module docstring).
 
   q, k, kt, vt: `[B, T, HV, K]` (vt `[B, T, HV, V]`), the scaled queries, keys, erase keys and
@@ -582,6 +643,9 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   and M `[B, HV, Nc, C, C]` bf16 after them if `with_inverse`. skip_phases: for timing only,
   phases left out (a sum of `blocks.PHASE_*`; the results are then wrong). span: the bounded-span
   path's bound in nats (`blocks.CHANNEL_SPAN`; 0 = exact diagonal blocks everywhere).
+  erase, write: None, or gates that multiply kt and vt on chip, one factor per row (`[B, T,
+  HV]`) or per channel (kt's / vt's shape): pass k and v as kt and vt, and k̃ = k ⊙ erase,
+  ṽ = v ⊙ write are never written to memory.
   """
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
@@ -596,18 +660,35 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   f32 = jnp.float32
   packed = segments is not None
   seg = tuple(x.astype(f32) for x in segments) if packed else (G,) * 3   # unread unless packed
+  erase_kind, erase = _gate_input(erase, kt, "erase")
+  write_kind, write = _gate_input(write, vt, "write")
   out_shape = _structs(((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, c, dk), MM_DTYPE),
                        ((b, hv, nc, c, c), MM_DTYPE), ((b, hv, nc, c, dv), f32),
                        ((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, dk), f32),
                        ((b, hv, nc, c, c) if with_inverse else (1,), MM_DTYPE))
   ny, qg, p, u, kg, gc, m = _jax_triton().triton_call(
-      *map(_operand, (q, k, kt, vt)), G.astype(f32), *seg, t,
+      *map(_operand, (q, k, kt, vt)), G.astype(f32), *seg, _operand(erase), _operand(write), t,
       kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
       WITH_INVERSE=with_inverse, PREC=precision, BAND_STAGES=band_stages,
-      SBK=blocks.solve_bk(dk, dv), SKIP=_phases(skip_phases), SPAN=_span(span))
+      SBK=blocks.solve_bk(dk, dv), SKIP=_phases(skip_phases), SPAN=_span(span),
+      ERASE=erase_kind, WRITE=write_kind)
   outs = (ny, qg, p, u, kg, gc)
   return outs + (m,) if with_inverse else outs
+
+
+def _gate_input(gate, x, name):
+  """(kind, array) of an on-chip gate for x `[B, T, HV, D]`: None -> GATE_NONE (a placeholder
+  the kernel does not read: x itself); `[B, T, HV]` or `[B, T, HV, 1]` -> GATE_ROW; `[B, T, HV,
+  D]` -> GATE_CHANNEL."""
+  if gate is None:
+    return int(GATE_NONE.value), x
+  if gate.shape == x.shape[:3] or gate.shape == x.shape[:3] + (1,):
+    return int(GATE_ROW.value), gate.reshape(x.shape[:3])
+  if gate.shape == x.shape:
+    return int(GATE_CHANNEL.value), gate
+  raise ValueError(f"{name} of shape {gate.shape} fits neither one factor per row "
+                   f"{x.shape[:3]} nor one per channel {x.shape}")
 
 
 def _operand(x):
@@ -632,7 +713,8 @@ def _phases(skip: int) -> int:
 
 
 def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps,
-              band_stages, skip_phases=0, solve_bk=None, span=0.0, states=None):
+              band_stages, skip_phases=0, solve_bk=None, span=0.0, states=None, erase=None,
+              write=None):
   """The backward kernel's launch; cotangents None (the kernel half) or (dqg, dkg, dgc);
   states None, or (h, dh, do, e) for the products made in the kernel (then dny, dp and
   cotangents are not read: `channel_intra_grads_from_states`)."""
@@ -659,21 +741,32 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
   dny = m if products else dny.astype(MM_DTYPE)
   dp = m if products else dp.astype(MM_DTYPE)
   dps = ((b, hv, nc, c, c) if products else (1,), MM_DTYPE)
+  erase_kind, erase = _gate_input(erase, kt, "erase")
+  write_kind, write = _gate_input(write, vt, "write")
+  if (erase_kind or write_kind) and not grads:
+    raise ValueError("channel_intra_bwd: on-chip gates need the fused gradients")
+  gate_grads = [((1,) if kind == GATE_NONE.value else gate.shape, f32)
+                for kind, gate in ((erase_kind, erase), (write_kind, write))]
   if grads:   # whole gradients in the inputs' layout, dR_k a chunk-major scratch
-    out_shape = _structs(*[((b, t, hv, dk), f32)] * 3, ((b, hv, nc, c, dk), f32),
-                         ((b, t, hv, dv), f32), ((b, hv, nc, c, c), f32), ((b, t, hv, dk), f32),
-                         dps)
+    dkt_shape = (1,) if erase_kind else (b, t, hv, dk)   # not written with an erase gate
+    out_shape = _structs(((b, t, hv, dk), f32), (dkt_shape, f32), ((b, t, hv, dk), f32),
+                         ((b, hv, nc, c, dk), f32), ((b, t, hv, dv), f32),
+                         ((b, hv, nc, c, c), f32), ((b, t, hv, dk), f32), dps, *gate_grads)
   else:
     out_shape = _structs(*[((b, hv, nc, c, dk), f32)] * 4, ((b, hv, nc, c, dv), f32),
-                         ((b, hv, nc, c, c), f32), ((1,), f32), dps)
-  return _jax_triton().triton_call(
+                         ((b, hv, nc, c, c), f32), ((1,), f32), dps, *gate_grads)
+  outs = _jax_triton().triton_call(
       *map(_operand, (q, k, kt, vt)), G.astype(f32), *seg,
-      m.astype(MM_DTYPE), dny, dqg, dp, du.astype(f32), dkg, dgc, h, dh, do, e, t,
+      m.astype(MM_DTYPE), dny, dqg, dp, du.astype(f32), dkg, dgc, h, dh, do, e,
+      _operand(erase), _operand(write), t,
       kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
       GRADS=grads, BAND_STAGES=band_stages,
       SBK=solve_bk or blocks.channel_bwd_solve_bk(dk, dv, hopper=_on_hopper()),
-      SKIP=_phases(skip_phases), SPAN=_span(span), PRODUCTS=products)[:7]
+      SKIP=_phases(skip_phases), SPAN=_span(span), PRODUCTS=products, ERASE=erase_kind,
+      WRITE=write_kind)
+  outs = list(outs[:7]) + [outs[8] if erase_kind else None, outs[9] if write_kind else None]
+  return outs
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "span"))
@@ -689,7 +782,7 @@ def channel_intra_bwd(q, k, kt, vt, G, segments, m, dny, dp, du, *, chunk: int,
   right-hand side K̃ ⊙ e^G, dvt that of Ṽ. The elementwise terms (QG, KG, gc, the entry and exit
   factors) and dG are the caller's: `lineax_attn.ops.gpu_prepare`. span: as the forward's.
   """
-  dq, dkt, dk, d_rk, dvt, _, _ = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, None,
+  dq, dkt, dk, d_rk, dvt, *_ = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, None,
                                            chunk=chunk, num_warps=num_warps,
                                            band_stages=band_stages, span=span)
   return dq, dkt, dk, d_rk, dvt
@@ -712,7 +805,7 @@ def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc
   columns a step of the solve loops (None: `blocks.channel_bwd_solve_bk`'s; for benchmarks);
   span: as the forward's.
   """
-  dq, dkt, dk, _, dvt, _, dg = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du,
+  dq, dkt, dk, _, dvt, _, dg, *_ = _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du,
                                          (dqg, dkg, dgc), chunk=chunk, num_warps=num_warps,
                                          band_stages=band_stages, skip_phases=skip_phases,
                                          solve_bk=solve_bk, span=span)
@@ -725,17 +818,21 @@ def channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e, h, 
                                     chunk: int, num_warps: int = blocks.CHANNEL_WARPS,
                                     band_stages: int = blocks.CHANNEL_BAND_STAGES,
                                     solve_bk: int | None = None,
-                                    span: float = blocks.CHANNEL_SPAN):
+                                    span: float = blocks.CHANNEL_SPAN, erase=None, write=None):
   """`channel_intra_grads` with the state pass's cotangent products made in the kernel: where
   that takes dNY, dQG, dP, dKG, dgc from XLA's batched products, this takes what they are made
   of, the state pass's E (`[B, HV, Nc, C, V]` float32), the total dE (its reverse kernel's,
   float32) and dO (bf16, chunk-major), the state entering each chunk h and the cotangent of the
   state leaving it dh (`[B, HV, Nc, K, V]` bf16), and makes dNY = dE hᵀ, dQG = dO hᵀ,
   dP = dO Eᵀ, dKG = E dhᵀ, dgc = Σ_v h ⊙ dh per chunk on chip (bf16 operands, float32
-  accumulation, rounded to bf16 as the XLA products are). Returns (dq, dk, dkt, dvt, dg) as
-  `channel_intra_grads`."""
-  dq, dkt, dk, _, dvt, _, dg = _bwd_call(q, k, kt, vt, G, segments, m, None, None, de, None,
-                                         chunk=chunk, num_warps=num_warps,
-                                         band_stages=band_stages, solve_bk=solve_bk, span=span,
-                                         states=(h, dh, do, e))
-  return dq, dk, dkt, dvt, dg
+  accumulation, rounded to bf16 as the XLA products are).
+
+  erase, write: as `channel_intra_fwd`'s (kt, vt are then k and v). Returns (dq, dk, dkt, dvt,
+  dg, d_erase, d_write), float32: as `channel_intra_grads` plus the gates' gradients (None
+  where a gate is not given); with an erase gate dk is k's whole gradient (through k̃ too) and
+  dkt None; with a write gate dvt is v's gradient."""
+  dq, dkt, dk, _, dvt, _, dg, d_erase, d_write = _bwd_call(
+      q, k, kt, vt, G, segments, m, None, None, de, None, chunk=chunk, num_warps=num_warps,
+      band_stages=band_stages, solve_bk=solve_bk, span=span, states=(h, dh, do, e),
+      erase=erase, write=write)
+  return dq, dk, None if erase is not None else dkt, dvt, dg, d_erase, d_write
