@@ -50,8 +50,8 @@ dG's in-chunk reverse cumsum as `tl.cumsum(reverse=True)` over the slice's rows)
 whole gradients in the inputs' `[B, T, HV, D]` layout, so the float32 pair parts never make a
 round trip through HBM and XLA's passes over them and the layout transposes go away.
 
-The bounded-span path (`span` > 0, `blocks.CHANNEL_SPAN` / `GpuTuning.channel_span`; off by
-default until timed): a channel slice whose every 16-row sub-chunk decays by at most `span`
+The bounded-span path (`span` > 0, `blocks.CHANNEL_SPAN` / `GpuTuning.channel_span`; 80, the
+default, since it was timed on the H200): a channel slice whose every 16-row sub-chunk decays by at most `span`
 nats (its first row's G less its last's, every channel of the slice) skips the bands and runs
 the anchored products through the diagonal blocks too, the anchor factor e^{G_n − G_j} of a row
 inside its own block then being ≥ 1 and at most e^{span} (≤ e^80, a normal number), so the
@@ -63,8 +63,17 @@ rows whose segment started inside the chunk do not see the entry state (QG, K̃ 
 cont), rows whose segment ends inside the chunk do not reach the exit state (KG by keep), and gc
 is scaled by the chunk's last cont.
 
-One program per (chunk, batch · value head) reads its rows of q, k, k̃, ṽ and G from
-`[B, T, HV, D]` (float32, as the XLA preparation has them) and writes chunk-major
+The state pass's products in the backward (PRODUCTS, `channel_intra_grads_from_states`): the
+fused backward takes the chunk states h, dh and E, dE, dO instead of the cotangents dNY, dQG,
+dP, dKG, dgc that XLA would make from them, and makes each where it is used (dP first, stored
+for the bands; dNY in the solve's K slices; dQG, dKG, dgc in the last loop's).
+
+Gates on chip (`erase=`, `write=`; `GATE_ROW`, `GATE_CHANNEL`): kt and vt are then k and v, and
+every load of k̃ or ṽ multiplies in the gate (`_gated_rows`); the backward writes k's whole
+gradient, v's, and the gates' own (row gates summed over the channels in registers).
+
+One program per (chunk, batch · value head) reads its rows of q, k, k̃, ṽ (bf16 or float32,
+widened on chip) and G (float32, `chunk_gates`) from `[B, T, HV, D]` and writes chunk-major
 `[B, HV, Nc, C, D]`. Offsets are int64. Imports triton (the `triton` extra); jax_triton only
 inside the wrappers.
 """
