@@ -726,6 +726,27 @@ def test_op_with_channel_grads_states_matches_scan(monkeypatch, mixer, implement
     assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} states, {gates} gates, grad {i}")
 
 
+@pytest.mark.parametrize("mixer,t", [("kda", 1), ("gdn2", 64), ("kda", 65)])
+def test_op_with_channel_grads_states_at_the_edges_of_t(monkeypatch, mixer, t):
+  # The states path under jit at T = 1, one chunk, one chunk plus a row (padding rows are
+  # identity steps: zero k, v, gates): output, residual and every gradient against the scan.
+  calls, real = [], gpu_prepare._channel_kernel_states_call
+  monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  tuning = ops.GpuTuning(channel_grads="states", triton_intra="kernel", channel_intra="triton")
+  args, kw = make_inputs(mixer, b=2, t=t, h=2, hv=2, dk=64, dv=64, seed=17 + t)
+  fwd = lambda impl, tun: jax.jit(lambda *a: run(mixer, a, implementation=impl, tuning=tun,
+                                                 return_residual=True))(*args)
+  got, want = fwd("triton", tuning), fwd("scan", None)
+  assert_close(got[0], want[0], FWD_TOL, f"{mixer} T={t} output")
+  assert_close(got[-1], want[-1], FWD_TOL, f"{mixer} T={t} residual")
+  grads = output_and_state_grads(mixer, args, kw["initial_state"], "triton", tuning=tuning)
+  for i, (g_, w) in enumerate(zip(grads, output_and_state_grads(
+      mixer, args, kw["initial_state"], "scan"))):
+    assert_close(g_, w, GRAD_TOL, f"{mixer} T={t} states, grad {i}")
+  assert calls, "the states path did not run"
+
+
 @pytest.mark.parametrize("implementation", ["triton", "pallas_gpu"])
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
 def test_op_gradients_with_fused_channel_grads_match_scan(mixer, implementation):
