@@ -747,6 +747,37 @@ def test_op_with_channel_grads_states_at_the_edges_of_t(monkeypatch, mixer, t):
   assert calls, "the states path did not run"
 
 
+@pytest.mark.parametrize("mixer", ["kda", "gdn2"])
+def test_op_with_channel_grads_states_on_packed_rows(monkeypatch, mixer):
+  # Two segments in a row of 150 (a boundary inside the second chunk), through the states
+  # path with the gates on chip: output, final state and every gradient against the scan.
+  calls, real = [], gpu_prepare._channel_kernel_states_call
+  monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call",
+                      lambda *a, **k: calls.append(a[6] is not None) or real(*a, **k))
+  tuning = ops.GpuTuning(channel_grads="states", triton_intra="kernel", channel_intra="triton")
+  args, kw = make_inputs(mixer, b=1, t=150, h=1, hv=2, dk=64, dv=64, seed=19)
+  s0 = kw["initial_state"]
+  seg = jnp.asarray(np.repeat([[1, 2]], [90, 60]))[None]
+  w_o = jax.random.normal(jax.random.key(5), args[2].shape)
+  w_s = jax.random.normal(jax.random.key(6), s0.shape)
+
+  def loss(impl, tun):
+    def f(*a):
+      o, s = run(mixer, a[:-1], initial_state=a[-1], output_final_state=True, segment_ids=seg,
+                 implementation=impl, tuning=tun)
+      return jnp.sum(o * w_o) + jnp.sum(s * w_s), (o, s)
+    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(len(args) + 1)), has_aux=True))(
+        *args, s0)
+
+  (_, (o, s)), got = loss("triton", tuning)
+  (_, (want_o, want_s)), want = loss("scan", None)
+  assert_close(o, want_o, FWD_TOL, f"{mixer} o")
+  assert_close(s, want_s, FWD_TOL, f"{mixer} final state")
+  for i, (g_, w) in enumerate(zip(got, want)):
+    assert_close(g_, w, GRAD_TOL, f"{mixer} packed states, grad {i}")
+  assert calls == [True], calls   # the states path ran, with the segments
+
+
 @pytest.mark.parametrize("implementation", ["triton", "pallas_gpu"])
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
 def test_op_gradients_with_fused_channel_grads_match_scan(mixer, implementation):
