@@ -31,6 +31,10 @@ resources:
   wired in `_walk_train_core`. On the H200 (2026-12-04) fwd+bwd GDN 1.16 ms, DeltaNet 1.24,
   linear attention 0.67 against the split's 2.36 / 2.15 / 1.95 (docs/BENCHMARKS.md "fifteenth
   stage"). Packed rows keep the split.
+* **KDA / GDN-2 under one VJP (`GpuTuning(channel_grads="states")`, opt-in, untimed):** the
+  Triton channel kernels and the state pass in `gpu_prepare.channel_state_core`; the backward
+  kernel makes the state pass's products from the chunk states itself, and with
+  `channel_gates="kernel"` the erase / write gates are applied on chip.
 * **Fused (DeltaNet / GDN, `GpuTuning(forward="fused")`, opt-in; on the H200 slower than the
   split in fwd+bwd, docs/BENCHMARKS.md "twelfth stage"):** the Triton
   kernels of `pallas_kernels.gpu.triton.fused_forward` instead of the intra-chunk kernel and
@@ -520,12 +524,12 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   k = jnp.repeat(k, n_rep, axis=2)
   if (tuning.channel_grads == "states" and erase is not None
       and channel_kernel_applies(q, k, v, g, c=c, tuning=tuning, kernels=kernels)):
-    # KDA / GDN-2 under one custom VJP, the erase / write gates applied on chip.
+    # KDA / GDN-2's channel kernels and state pass under one custom VJP; the erase / write
+    # gates go to the kernels (padding rows: a zero write, as on the split path below).
     if m is not None:
       write = m[..., None] if write is None else write * m[..., None]
-    o, e, s_final = channel_state_core(pad(q), pad(k), pad(v), pad(erase),
-                                       None if write is None else pad(write), pad(g), s0,
-                                       segidx, c=c, span=tuning.channel_span,
+    o, e, s_final = channel_state_core(pad(q), pad(k), pad(v), pad(erase), pad(write), pad(g),
+                                       s0, segidx, c=c, span=tuning.channel_span,
                                        interpret=interpret,
                                        kernels=state_kernels(tuning, kernels),
                                        gates_on_chip=tuning.channel_gates == "kernel")
