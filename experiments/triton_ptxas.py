@@ -70,7 +70,7 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
   channel = dict(HV=16, K=dk, V=dv, C=c, SUBC=16, PACKED=packed, WITH_INVERSE=True,
                  PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK,
                  BAND_STAGES=blocks.CHANNEL_BAND_STAGES, SPAN=float(blocks.CHANNEL_SPAN),
-                 ERASE=0, WRITE=0)
+                 ERASE=0, WRITE=0, QS=1.0)
   channel_fwd = dict(channel, SBK=blocks.solve_bk(dk, dv), SKIP=0)
   channel_bwd = dict(channel, SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=hopper), SKIP=0)
   f = frozenset
@@ -125,11 +125,12 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr",
                 "dps_ptr"}), blocks.CHANNEL_WARPS, 1),
       # ... with KDA's β made on chip (k, v and a row gate instead of k̃, ṽ), bf16 inputs
-      Launch("channel_intra", "_fwd_kernel@gates", dict(channel_fwd, ERASE=1, WRITE=1),
+      Launch("channel_intra", "_fwd_kernel@gates", dict(channel_fwd, ERASE=1, WRITE=1,
+                                                        QS=0.0883883461),
              f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
                 "m_ptr"}), blocks.CHANNEL_WARPS, 1),
       Launch("channel_intra", "_bwd_kernel+grads+states@gates",
-             dict(channel_bwd, GRADS=True, PRODUCTS=True, ERASE=1, WRITE=1),
+             dict(channel_bwd, GRADS=True, PRODUCTS=True, ERASE=1, WRITE=1, QS=0.0883883461),
              f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr",
                 "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr", "dps_ptr"}), blocks.CHANNEL_WARPS, 1),
   ] + (_fused_launches(dk, dv, packed, hopper) if dk <= 128 else [])

@@ -159,6 +159,42 @@ def test_registered_and_default_implementation():
   assert api.default_implementation() == expected
 
 
+def test_kernel_implementations_get_the_callers_dtypes_and_upcast_themselves(monkeypatch):
+  # api hands q, k, v to an implementation registered with keeps_input_dtypes in the caller's
+  # dtypes (pallas_gpu, triton: their channel kernels read bf16 as it is), to the others
+  # upcast to float32; pallas_gpu upcasts them itself, so bf16 inputs give what their float32
+  # values give, output and every gradient.
+  from lineax_attn.ops import chunked  # pylint: disable=g-import-not-at-top
+  seen = {}
+  for name, keeps in (("spy_keeps", True), ("spy_upcast", False)):
+    for registry in (api._IMPLEMENTATIONS, api._TUNING_TYPES, api._SUPPORTS, api._KEEPS_DTYPES,
+                     api._FALLBACK_LOGGED):
+      monkeypatch.setitem(registry, name, None)   # so the test's registrations are undone
+
+    def spy(mixer, q, k, v, *a, name=name, **kw):
+      seen[name] = (q.dtype, k.dtype, v.dtype)
+      return chunked.chunk_delta_family(mixer, q.astype(jnp.float32), k.astype(jnp.float32),
+                                        v.astype(jnp.float32), *a, **kw)
+    api.register_implementation(name, spy, keeps_input_dtypes=keeps)
+  args, kw = make_inputs("gated_delta_rule", b=1, t=64, h=1, hv=1, dk=64, dv=64, seed=23)
+  low = tuple(x.astype(jnp.bfloat16) for x in args[:3]) + args[3:]
+  for name in ("spy_keeps", "spy_upcast"):
+    run_jit("gated_delta_rule", low, **kw, implementation=name)
+  assert seen == {"spy_keeps": (jnp.bfloat16,) * 3, "spy_upcast": (jnp.float32,) * 3}
+  assert api._KEEPS_DTYPES["pallas_gpu"] and api._KEEPS_DTYPES["triton"]
+  wide = tuple(x.astype(jnp.float32) for x in low[:3]) + low[3:]
+
+  def grads(a):
+    f = lambda *x: jnp.sum(run("gated_delta_rule", x, implementation="pallas_gpu")[0]
+                           .astype(jnp.float32) ** 2)
+    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(len(a)))))(*a)
+  (lo, g_lo), (wi, g_wi) = grads(low), grads(wide)
+  assert_close(lo, wi, 1e-2, "loss")   # o rounded to bf16 on the low side only
+  for i, (a, b) in enumerate(zip(g_lo, g_wi)):
+    assert a.dtype == low[i].dtype
+    assert_close(a.astype(jnp.float32), b.astype(a.dtype).astype(jnp.float32), 2e-2, f"grad {i}")
+
+
 def test_gradients_under_shard_map_with_varying_axes_check():
   # Context parallelism (lineax_attn.parallel) calls the op inside jax.shard_map with
   # check_vma=True: the custom VJP must type its kernel outputs and cotangents with the inputs'

@@ -668,8 +668,9 @@ def test_channel_kernels_apply_erase_and_write_gates_on_chip(gates):
   # erase / write given to the kernels (k and v passed as kt, vt): the forward equals the
   # kernels on k̃ = k ⊙ erase, ṽ = v ⊙ write made outside, and the backward (made from the
   # states) equals the same kernel's k̃, ṽ gradients taken through the chain rule outside:
-  # dk + dk̃ ⊙ erase, dk̃ ⊙ k (summed over channels for a row gate), dṽ ⊙ write, dṽ ⊙ v.
-  # bf16 q, k, v, as the op passes them.
+  # dk + dk̃ ⊙ erase, dk̃ ⊙ k (summed over channels for a row gate), dṽ ⊙ write, dṽ ⊙ v;
+  # and q's scale on chip likewise (s q made outside; dq = s d(s q)). bf16 q, k, v, as the op
+  # passes them.
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   q, k, _, v, _, G = _channel_inputs(15, dk=64, dv=128)
   q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
@@ -678,9 +679,11 @@ def test_channel_kernels_apply_erase_and_write_gates_on_chip(gates):
   erase = jax.nn.sigmoid(jax.random.normal(ks[0], shape(k)))
   write = jax.nn.sigmoid(jax.random.normal(ks[1], shape(v)))
   kt, vt = k * erase, v * write                                   # float32
-  outside = channel_intra.channel_intra_fwd(q, k, kt, vt, G, chunk=64, with_inverse=True)
+  s = 0.125
+  qs = q.astype(jnp.float32) * s
+  outside = channel_intra.channel_intra_fwd(qs, k, kt, vt, G, chunk=64, with_inverse=True)
   inside = channel_intra.channel_intra_fwd(q, k, k, v, G, chunk=64, with_inverse=True,
-                                           erase=erase, write=write)
+                                           erase=erase, write=write, q_scale=s)
   for name, a, b in zip(("ny", "qg", "p", "u", "kg", "gc", "m"), inside, outside):
     assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), 1e-6, f"fwd {name}")
   ny, qg, p, u, kg, gc, m = outside
@@ -691,11 +694,12 @@ def test_channel_kernels_apply_erase_and_write_gates_on_chip(gates):
                                     jax.random.normal(ks[5], s_final.shape))
   states = (de, do, e, h, dh)
   dq, dk, dkt, dvt, dg, *_ = channel_intra.channel_intra_grads_from_states(
-      q, k, kt, vt, G, None, m, *states, chunk=64)
+      qs, k, kt, vt, G, None, m, *states, chunk=64)
   sums = lambda x, like: jnp.sum(x, -1, keepdims=True) if like.shape[-1] == 1 else x
-  want = (dq, dk + dkt * erase, dvt * write, dg, sums(dkt * k, erase), sums(dvt * v, write))
+  want = (dq * s, dk + dkt * erase, dvt * write, dg, sums(dkt * k, erase), sums(dvt * v, write))
   got = channel_intra.channel_intra_grads_from_states(q, k, k, v, G, None, m, *states,
-                                                      chunk=64, erase=erase, write=write)
+                                                      chunk=64, erase=erase, write=write,
+                                                      q_scale=s)
   assert got[2] is None
   got = got[:2] + got[3:]
   for name, a, b in zip(("dq", "dk", "dv", "dg", "d_erase", "d_write"), got, want):

@@ -266,9 +266,9 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
   # products-making kernel. Its Triton kernels are GPU / interpreter only
   # (tests/test_triton_gpu.py); here they are replaced by their oracles (the exact preparation
   # rounded to the kernel's dtypes; for the backward, XLA's products, the pairs' exact VJP, the
-  # glue and the gates' chain rule), the Mosaic state pass runs in its interpreter, and values
-  # and every gradient must equal the split composition: k̃ = k ⊙ β, ṽ = v ⊙ β and the same
-  # preparation differentiated by autodiff, into `gpu_vjps.state_pass` (its own VJP).
+  # glue, the gates' chain rule and q's scale), the Mosaic state pass runs in its interpreter,
+  # and values and every gradient must equal the split composition: s q, k̃ = k ⊙ β, ṽ = v ⊙ β
+  # and the same preparation differentiated by autodiff, into `gpu_vjps.state_pass`.
   from lineax_attn.ops import gpu_prepare, gpu_vjps  # pylint: disable=g-import-not-at-top
   args, _ = make_inputs("kda", b=1, t=128, h=1, hv=1, dk=64, dv=64, seed=13)
   q, k, v, g, beta = args
@@ -282,8 +282,9 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
   interpret = gpu_vjps.interpret_params()
 
   def states_call(q, k, v, erase, write, g, segidx, m, de, do, e, h, dh, c, span=0.0,
-                  on_chip=True):
+                  on_chip=True, q_scale=1.0):
     assert on_chip
+    q = q * q_scale
     kt, vt = k * erase, v * write
     d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.state_pass_products(de, do, e, h, dh)
     cts = (d_ny.astype(jnp.bfloat16), d_qg.astype(jnp.bfloat16), d_p.astype(jnp.bfloat16), de,
@@ -291,14 +292,14 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
     pairs = gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, cts[0],
                                                          cts[2], cts[3], c=c)
     dq, dk, dkt, dvt, dg = gpu_prepare.channel_grads(q, k, kt, vt, g, segidx, pairs, cts, c=c)
-    return (dq, dk + dkt * erase, dvt * write, dg, jnp.sum(dkt * k, -1),
+    return (dq * q_scale, dk + dkt * erase, dvt * write, dg, jnp.sum(dkt * k, -1),
             jnp.sum(dvt * v, -1))                # row gates' gradients as the kernel's rows
 
   monkeypatch.setattr(gpu_prepare, "_chunk_gates", lambda g, c: g)   # the stand-ins take g
   monkeypatch.setattr(
       gpu_prepare, "_channel_kernel_call",
-      lambda q, k, kt, vt, g, segidx, c, span=0.0, erase=None, write=None: prep(
-          q, k, kt * erase, vt * write, g) + (jnp.zeros(()),))
+      lambda q, k, kt, vt, g, segidx, c, span=0.0, erase=None, write=None, q_scale=1.0: prep(
+          q * q_scale, k, kt * erase, vt * write, g) + (jnp.zeros(()),))
   monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call", states_call)
   w = [jax.random.normal(jax.random.key(20 + i), s) for i, s in
        enumerate([(1, 1, 2, 64, 64), (1, 1, 2, 64, 64), (1, 1, 64, 64)])]
@@ -306,10 +307,11 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
 
   def fused(q, k, v, beta, g, s0):
     return gpu_prepare.channel_state_core(q, k, v, beta, beta, g, s0, None, c=c, span=80.0,
-                                          kernels="mosaic", interpret=interpret)
+                                          kernels="mosaic", interpret=interpret, scale=0.5)
 
-  def split(q, k, v, beta, g, s0):
-    return gpu_vjps.state_pass(*prep(q, k, k * beta, v * beta, g), s0, interpret, "mosaic")
+  def split(q, k, v, beta, g, s0):   # q's scale applied outside, as the other paths do
+    return gpu_vjps.state_pass(*prep(q * 0.5, k, k * beta, v * beta, g), s0, interpret,
+                               "mosaic")
 
   primals = (q, k, v, beta, g, s0)
   got, want = fused(*primals), split(*primals)

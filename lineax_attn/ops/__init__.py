@@ -32,11 +32,11 @@ _api.register_implementation("chunk", _chunked.chunk_delta_family)
 _api.register_deferred_implementation("pallas_tpu", "lineax_attn.ops.pallas_tpu", "pallas_tpu_impl")
 _api.register_deferred_implementation("pallas_gpu", "lineax_attn.ops.pallas_gpu",
                                       "pallas_gpu_delta_family", tuning_type="GpuTuning",
-                                      supports="supports")
+                                      supports="supports", keeps_input_dtypes=True)
 # Triton kernels through jax-triton (the optional `triton` extra; NVIDIA GPUs from sm_80).
 _api.register_deferred_implementation("triton", "lineax_attn.ops.triton_gpu",
                                       "triton_delta_family", tuning_type="GpuTuning",
-                                      supports="supports")
+                                      supports="supports", keeps_input_dtypes=True)
 
 available_implementations = _api.available_implementations
 checked = _api.checked

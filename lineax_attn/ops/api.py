@@ -20,8 +20,9 @@ rejects, dispatch runs "chunk" instead and logs the reason once (`select_impleme
 `register_deferred_implementation` names the module instead, imported the first time the
 implementation runs or its `supports` / tuning type is needed (the kernel modules pull in
 Mosaic GPU / TPU and Pallas, seconds of import that a process not using them should not pay).
-Each receives already-validated arrays and the mixer name, and returns `(o, final_state, r)` in
-float32:
+Each receives already-validated arrays and the mixer name (q, k, v upcast to float32, or in the
+caller's dtypes for an implementation registered with `keeps_input_dtypes=True`, which then
+upcasts itself where it computes in float32), and returns `(o, final_state, r)` in float32:
 
     impl(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_size,
          output_final_state, tuning) -> (o, final_state | None, r)
@@ -61,6 +62,8 @@ _IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {}
 _TUNING_TYPES: dict[str, type | None] = {}
 # supports(call) -> None | reason, per implementation (None: it runs every call).
 _SUPPORTS: dict[str, Callable[["Call"], str | None] | None] = {}
+# Implementations that take q, k, v in the caller's dtypes (`register_implementation`).
+_KEEPS_DTYPES: dict[str, bool] = {}
 # The fallback reasons already logged, per implementation (one log line per reason).
 _FALLBACK_LOGGED: dict[str, set[str]] = {}
 FALLBACK = "chunk"
@@ -68,16 +71,20 @@ FALLBACK = "chunk"
 
 def register_implementation(name: str, fn: Callable[..., Any], *,
                             tuning_type: type | None = None,
-                            supports: Callable[["Call"], str | None] | None = None) -> None:
+                            supports: Callable[["Call"], str | None] | None = None,
+                            keeps_input_dtypes: bool = False) -> None:
   """Registers `fn` as `implementation=name`.
 
   tuning_type: the class of the static `tuning=` values it accepts (None: it takes none).
   supports: `supports(call) -> None | reason` for a `Call`; where it gives a reason, `run_mixer`
     runs the "chunk" implementation instead and logs the reason once (None: `fn` runs all).
+  keeps_input_dtypes: `fn` gets q, k, v in the caller's dtypes (a kernel that reads bf16 need
+    not have a float32 copy made in memory first) and upcasts them itself.
   """
   _IMPLEMENTATIONS[name] = fn
   _TUNING_TYPES[name] = tuning_type
   _SUPPORTS[name] = supports
+  _KEEPS_DTYPES[name] = bool(keeps_input_dtypes)
   _FALLBACK_LOGGED.setdefault(name, set())
 
 
@@ -88,9 +95,10 @@ class _Deferred:
   `_IMPLEMENTATIONS[name]` directly still works."""
 
   def __init__(self, name: str, module: str, fn: str, tuning_type: str | None,
-               supports: str | None):
+               supports: str | None, keeps_input_dtypes: bool = False):
     self.name, self.module, self.fn = name, module, fn
     self.tuning_type, self.supports = tuning_type, supports
+    self.keeps_input_dtypes = keeps_input_dtypes
 
   def __call__(self, *args, **kwargs):
     return _load(self.name)(*args, **kwargs)
@@ -101,7 +109,8 @@ class _Deferred:
 
 def register_deferred_implementation(name: str, module: str, fn: str, *,
                                      tuning_type: str | None = None,
-                                     supports: str | None = None) -> None:
+                                     supports: str | None = None,
+                                     keeps_input_dtypes: bool = False) -> None:
   """Registers `implementation=name` as the attribute `fn` of `module`, imported on first use.
 
   tuning_type, supports: attribute names in `module` with the meaning they have in
@@ -109,9 +118,11 @@ def register_deferred_implementation(name: str, module: str, fn: str, *,
   when `select_implementation` asks its `supports`, or when `check_tuning` sees a tuning for it,
   whichever comes first; it is then registered with `register_implementation`.
   """
-  _IMPLEMENTATIONS[name] = _Deferred(name, module, fn, tuning_type, supports)
+  _IMPLEMENTATIONS[name] = _Deferred(name, module, fn, tuning_type, supports,
+                                     keeps_input_dtypes)
   _TUNING_TYPES[name] = None
   _SUPPORTS[name] = None
+  _KEEPS_DTYPES[name] = bool(keeps_input_dtypes)
   _FALLBACK_LOGGED.setdefault(name, set())
 
 
@@ -123,7 +134,8 @@ def _load(name: str) -> Callable[..., Any]:
     register_implementation(
         name, getattr(module, fn.fn),
         tuning_type=None if fn.tuning_type is None else getattr(module, fn.tuning_type),
-        supports=None if fn.supports is None else getattr(module, fn.supports))
+        supports=None if fn.supports is None else getattr(module, fn.supports),
+        keeps_input_dtypes=fn.keeps_input_dtypes)
   return _IMPLEMENTATIONS[name]
 
 
@@ -540,7 +552,8 @@ def run_mixer(mixer: str, q, k, v, gates: Mapping[str, Any], *, scale=None, init
     name, tuning = selected, None
   impl = _load(name)
   f32 = lambda x: x.astype(jnp.float32)
-  o, final_state, r = impl(mixer, f32(q), f32(k), f32(v), checked, scale=scale,
+  qkv = (q, k, v) if _KEEPS_DTYPES.get(name) else (f32(q), f32(k), f32(v))
+  o, final_state, r = impl(mixer, *qkv, checked, scale=scale,
                            initial_state=initial_state, layout=layout, chunk_size=chunk_size,
                            output_final_state=bool(output_final_state), tuning=tuning)
   o = o.astype(v.dtype)

@@ -95,16 +95,17 @@ def _chunked_gates(g, c):
   return chunked.chunk_cumulative_gates(g.astype(_F32), functools.partial(to_chunks, c=c))[0]
 
 
-def _channel_kernel_call(q, k, kt, vt, G, segidx, c, span=0.0, erase=None, write=None):
+def _channel_kernel_call(q, k, kt, vt, G, segidx, c, span=0.0, erase=None, write=None,
+                         q_scale=1.0):
   """The forward kernel on the chunk-summed gates G (`_chunk_gates`): prepare_chunks' six
   outputs and M (bf16, the backward's residual). span: the bounded-span path's bound
   (`GpuTuning.channel_span`; 0 off); erase, write: gates the kernel applies to kt, vt on chip
-  (then k and v)."""
+  (then k and v); q_scale: q's scale, applied on chip (1: q comes scaled)."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
   return channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=c,
                                          with_inverse=True, span=float(span), erase=erase,
-                                         write=write)
+                                         write=write, q_scale=float(q_scale))
 
 
 def _channel_kernel_bwd_call(q, k, kt, vt, G, segidx, m, d_ny, d_p, d_u, c, span=0.0):
@@ -211,7 +212,7 @@ channel_intra_kernel.defvjp(_channel_intra_fwd, _channel_intra_bwd)
 
 
 def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c,
-                                span=0.0, on_chip=True):
+                                span=0.0, on_chip=True, q_scale=1.0):
   """The fused backward kernel making the state pass's products itself, the gates applied on
   chip (on_chip) or to k̃, ṽ made here (then their chain rule here too): (dq, dk, dv, dg,
   d_erase, d_write) float32, d_write None without a write gate; the gates' gradients have one
@@ -219,25 +220,27 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
   call = functools.partial(channel_intra.channel_intra_grads_from_states, chunk=c,
-                           span=float(span))
+                           span=float(span), q_scale=float(q_scale))
   if on_chip:
     dq, dk, _, dv, dg, d_erase, d_write = call(q, k, k, v, G, segments, m, de, do, e, h, dh,
                                                erase=erase, write=write)
     return dq, dk, dv, dg, d_erase, d_write
-  kt, vt = k * erase, (v if write is None else v * write)
+  k32, v32 = k.astype(_F32), v.astype(_F32)
+  kt, vt = k32 * erase, (v32 if write is None else v32 * write)
   dq, dk, dkt, dvt, dg, _, _ = call(q, k, kt, vt, G, segments, m, de, do, e, h, dh)
   rows = lambda x, gate: jnp.sum(x, -1) if gate.shape[-1] == 1 else x
-  d_erase = rows(dkt * k, erase)
-  d_write = None if write is None else rows(dvt * v, write)
+  d_erase = rows(dkt * k32, erase)
+  d_write = None if write is None else rows(dvt * v32, write)
   return (dq, dk + dkt * erase, dvt if write is None else dvt * write, dg, d_erase, d_write)
 
 
 def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels, interpret,
-                       gates_on_chip=True):
+                       gates_on_chip=True, scale=1.0):
   """KDA / GDN-2's chunk form on the Triton channel kernels and the state pass (`kernels`:
   "mosaic" or "triton") under one custom VJP (`GpuTuning(channel_grads="states")`).
 
-  q (scaled), k, v `[B, T, HV, D]`, T a multiple of c; erase `[B, T, HV, 1]` (KDA's β) or
+  q, k, v `[B, T, HV, D]` in any float dtype (bf16 is read as it is), T a multiple of c, and
+  q's scale (applied on chip); erase `[B, T, HV, 1]` (KDA's β) or
   `[B, T, HV, K]` (GDN-2), write likewise over V or None; the kernels apply them on chip, so
   k̃ = k ⊙ erase and ṽ = v ⊙ write, their float32 copies in HBM and their gradients' epilogue
   in XLA do not exist. The backward runs the state pass's reverse kernel, then one channel
@@ -249,32 +252,33 @@ def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels
   shard_map (as the channel kernels)."""
   kernel_module(kernels, "state")  # validates `kernels`
   return _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, float(span), kernels,
-                            interpret, bool(gates_on_chip))
+                            interpret, bool(gates_on_chip), float(scale))
 
 
 # write None: a pytree without leaves, whose cotangent is None.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
 def _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
-                       on_chip):
+                       on_chip, scale):
   return _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels,
-                            interpret, on_chip)[0]
+                            interpret, on_chip, scale)[0]
 
 
 def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
-                       on_chip):
+                       on_chip, scale):
   G = _chunk_gates(g, c)
   if on_chip:
-    outs = _channel_kernel_call(q, k, k, v, G, segidx, c, span, erase, write)
+    outs = _channel_kernel_call(q, k, k, v, G, segidx, c, span, erase, write, scale)
   else:
-    outs = _channel_kernel_call(q, k, k * erase, v if write is None else v * write, G, segidx,
-                                c, span)
+    kt = k.astype(_F32) * erase
+    vt = v.astype(_F32) if write is None else v.astype(_F32) * write
+    outs = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span, q_scale=scale)
   ny, qg, p, u, kg, gc, m = outs
   o, e, s_final, h = kernel_module(kernels, "state").state_passing_fwd(
       ny, qg, p, u, kg, gc, s0, save_states=True, **interpret_kw(kernels, interpret))
   return (o, e, s_final), (q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h)
 
 
-def _channel_state_bwd(c, span, kernels, interpret, on_chip, res, cts):
+def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, res, cts):
   q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h = res
   do, de_ext, ds_final = cts
   do = do.astype(_MM)
@@ -282,7 +286,7 @@ def _channel_state_bwd(c, span, kernels, interpret, on_chip, res, cts):
       ny, qg, p, kg, gc, do, de_ext.astype(_F32), ds_final.astype(_F32),
       **interpret_kw(kernels, interpret))
   dq, dk, dv, dg, d_erase, d_write = _channel_kernel_states_call(
-      q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c, span, on_chip)
+      q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c, span, on_chip, scale)
   back = lambda d, x: None if x is None else d.reshape(x.shape).astype(x.dtype)
   return (back(dq, q), back(dk, k), back(dv, v), back(d_erase, erase), back(d_write, write),
           back(dg, g), ds0, None)

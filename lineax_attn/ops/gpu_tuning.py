@@ -86,6 +86,7 @@ class GpuTuning:
       HBM: ~0.3 ms of XLA passes less for KDA at B4 T4096 H16 D128 by the 2026-12-04 profile,
       at 530 / 740 bytes of spills against 156 / 172 in ptxas, so to be timed) or "xla"
       (float32 arrays made and chained in XLA, as on the other paths). Unread otherwise.
+      Either way that path reads q, k, v in the caller's dtype and scales q on chip.
     intra_grads: the same choice for the Triton DeltaNet / GDN intra kernels
       (`implementation="triton"`): "xla" (the backward kernel's chunk-major dq, dk, dv, then
       the QG / KG terms, dG and the transposes in XLA, `gpu_vjps._intra_kernel_bwd`), "kernel"

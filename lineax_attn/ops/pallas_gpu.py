@@ -474,9 +474,13 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   """The composition shared by the GPU kernel paths: the intra-chunk part (the kernels of
   `kernels` for DeltaNet / GDN with `tuning.intra="kernel"`, else XLA), then the state-pass
   kernels of `kernels` ("mosaic": `pallas_gpu`'s Mosaic GPU kernels; "triton": `triton_gpu`'s).
-  Arguments as `api.run_mixer`'s; sizes checked by the caller."""
+  Arguments as `api.run_mixer`'s, q, k, v in the caller's dtypes (the implementations register
+  with `keeps_input_dtypes`): every path upcasts them to float32 here, as `api` would, but the
+  channel kernels' one-VJP path, which reads them as they are; sizes checked by the caller."""
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
+  q_in, k_in, v_in = q, k, v
+  q, k, v = (x.astype(_F32) for x in (q, k, v))
   g, erase, write = chunked.canonical_gates(mixer, v, gates)
   c = chunk_size
   t_pad = -(-t // c) * c
@@ -489,6 +493,8 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
     # masked below, on the path's own write factor).
     m = layout.valid[:, :, None].astype(_F32)                 # [B, T, 1]
     q, k = q * m[..., None], k * m[..., None]
+    # (0 / 1 factors: exact in any dtype, so the kept inputs keep theirs.)
+    q_in, k_in = (x * m[..., None].astype(x.dtype) for x in (q_in, k_in))
     g = None if g is None else g * (m if g.ndim == 3 else m[..., None])
   # (Under shard_map the kernel's outputs would lack the varying-axes types: XLA path there.)
   interpret = interpret_params() if kernels == "mosaic" else None
@@ -520,21 +526,25 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
                                          state=state_kernels(tuning, kernels))
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
-  q = jnp.repeat(q, n_rep, axis=2) * scale
-  k = jnp.repeat(k, n_rep, axis=2)
   if (tuning.channel_grads == "states" and erase is not None
       and channel_kernel_applies(q, k, v, g, c=c, tuning=tuning, kernels=kernels)):
     # KDA / GDN-2's channel kernels and state pass under one custom VJP; the erase / write
     # gates go to the kernels (padding rows: a zero write, as on the split path below).
     if m is not None:
       write = m[..., None] if write is None else write * m[..., None]
-    o, e, s_final = channel_state_core(pad(q), pad(k), pad(v), pad(erase), pad(write), pad(g),
-                                       s0, segidx, c=c, span=tuning.channel_span,
+    # q, k, v as the caller gave them (bf16 stays bf16 in memory; the kernels widen it on chip
+    # and scale q there).
+    rep = lambda x: jnp.repeat(x, n_rep, axis=2)
+    o, e, s_final = channel_state_core(pad(rep(q_in)), pad(rep(k_in)), pad(v_in), pad(erase),
+                                       pad(write), pad(g), s0, segidx, c=c, scale=float(scale),
+                                       span=tuning.channel_span,
                                        interpret=interpret,
                                        kernels=state_kernels(tuning, kernels),
                                        gates_on_chip=tuning.channel_gates == "kernel")
     return (from_chunks(o)[:, :t], (s_final if output_final_state else None),
             from_chunks(e)[:, :t])
+  q = jnp.repeat(q, n_rep, axis=2) * scale
+  k = jnp.repeat(k, n_rep, axis=2)
   k_erase = None if erase is None else k * erase
   v_write = v if write is None else v * write
   if m is not None:

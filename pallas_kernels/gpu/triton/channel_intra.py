@@ -118,6 +118,15 @@ def _rows(ptr, rows, hv, cols, HV: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _scaled_q(q_ptr, rows, hv, cols, HV: tl.constexpr, K: tl.constexpr, QS: tl.constexpr):
+  """`_rows` of q times its scale QS (1: q comes scaled; else the caller's q, scaled here)."""
+  q = _rows(q_ptr, rows, hv, cols, HV, K)
+  if QS != 1.0:
+    q = q * QS
+  return q
+
+
+@triton.jit
 def _gate(gate_ptr, rows, hv, cols, HV: tl.constexpr, D: tl.constexpr, GATE: tl.constexpr):
   """The factor a gated input is multiplied by on chip (`GATE_*`): one per row of `[B, T, HV]`
   ([len(rows), 1]) or one per channel of `[B, T, HV, D]`, float32."""
@@ -151,9 +160,9 @@ def _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV: tl.constexpr, K: tl
 
 @triton.jit
 def _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV: tl.constexpr,
-                    K: tl.constexpr, erase_ptr, ERASE: tl.constexpr):
-  """One channel slice of q, k, k̃ and G, [C, BK] float32 each."""
-  return (_rows(q_ptr, rows, hv, cols, HV, K), _rows(k_ptr, rows, hv, cols, HV, K),
+                    K: tl.constexpr, erase_ptr, ERASE: tl.constexpr, QS: tl.constexpr):
+  """One channel slice of q (times QS), k, k̃ and G, [C, BK] float32 each."""
+  return (_scaled_q(q_ptr, rows, hv, cols, HV, K, QS), _rows(k_ptr, rows, hv, cols, HV, K),
           _gated_rows(kt_ptr, erase_ptr, rows, hv, cols, HV, K, ERASE),
           _rows(g_ptr, rows, hv, cols, HV, K))
 
@@ -294,7 +303,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, BAND_STAGES: tl.constexpr,
                 SBK: tl.constexpr, SKIP: tl.constexpr, SPAN: tl.constexpr,
-                ERASE: tl.constexpr, WRITE: tl.constexpr):
+                ERASE: tl.constexpr, WRITE: tl.constexpr, QS: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
@@ -317,7 +326,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   for s in range(K // BK):
     cols = s * BK + rb
     q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K,
-                                  erase_ptr, ERASE)
+                                  erase_ptr, ERASE, QS)
     p_acc, l_acc, p_band, l_band = _pairs_slice(q, k, kt, g, k_ptr, g_ptr, row0, hv, rc, cols,
                                                 p_acc, l_acc, p_band, l_band, HV, K, C, SUBC,
                                                 BAND_STAGES, SKIP, SPAN)
@@ -389,7 +398,7 @@ def _anchored_grads(q, k, kt, g, g_ptr, row0, hv, rc, cols, blk, w_p, w_l, d_q, 
 
 @triton.jit
 def _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_ptr, wl_ptr, erase_ptr,
-                 ERASE: tl.constexpr, seg, row0,
+                 ERASE: tl.constexpr, QS: tl.constexpr, seg, row0,
                  hv, rc, base, cc0, cols, w_p, w_l, d_q, d_kt, d_k, HV: tl.constexpr,
                  K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, PACKED: tl.constexpr,
                  BAND_STAGES: tl.constexpr, SKIP: tl.constexpr):
@@ -420,7 +429,7 @@ def _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_ptr, wl_p
     d_q += w_pr[:, None] * kb
     d_kt += w_lr[:, None] * kb
     d_k += tl.where(down[:, None], e, 0.0) * (
-        w_pc[:, None] * _rows(q_ptr, b_rows, hv, cols, HV, K)
+        w_pc[:, None] * _scaled_q(q_ptr, b_rows, hv, cols, HV, K, QS)
         + w_lc[:, None] * _gated_rows(kt_ptr, erase_ptr, b_rows, hv, cols, HV, K, ERASE))
   # Off-diagonal pairs, anchored as in the forward.
   for blk in tl.static_range(1, C // SUBC if (SKIP & 2) == 0 else 1):
@@ -453,7 +462,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 GRADS: tl.constexpr, BAND_STAGES: tl.constexpr, SBK: tl.constexpr,
                 SKIP: tl.constexpr, SPAN: tl.constexpr, PRODUCTS: tl.constexpr,
-                ERASE: tl.constexpr, WRITE: tl.constexpr):
+                ERASE: tl.constexpr, WRITE: tl.constexpr, QS: tl.constexpr):
   """The pair and solve part of the backward; with GRADS also the elementwise rest and dG
   (`_elementwise_grads`), storing whole gradients in the inputs' `[B, T, HV, D]` layout;
   without, the pair and solve parts chunk-major and the rest is the caller's (XLA).
@@ -546,7 +555,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   for s in range(K // BK):
     cols = s * BK + rb
     q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K,
-                                  erase_ptr, ERASE)
+                                  erase_ptr, ERASE, QS)
     # Diagonal blocks, exact float32, band r: this row x and b = 16⌊x/16⌋ + r of its sub-chunk.
     # As i (dQ, dK̃): W_xb K_b E_xb, b ≤ x; as j (dK): W_bx A_b E_bx, b ≥ x. A run-time loop,
     # pipelined as in the forward. First, in tiles of the operands' layout: added to the
@@ -563,7 +572,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                                          d_q, d_kt, d_k, HV, K, SUBC, True)
     else:
       d_q, d_kt, d_k = _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src,
-                                    wl_ptr, erase_ptr, ERASE, seg, row0, hv, rc, base, cc0, cols, w_p, w_l, d_q,
+                                    wl_ptr, erase_ptr, ERASE, QS, seg, row0, hv, rc, base, cc0, cols, w_p, w_l, d_q,
                                     d_kt, d_k, HV, K, C, SUBC, PACKED, BAND_STAGES, SKIP)
     ck = chunk * C * K + ii * K + cols[None, :]
     if GRADS:
@@ -594,7 +603,7 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
           d_erase_rows += tl.sum(d_kt * k, axis=1)
         else:
           tl.store(dera_ptr + ck, d_kt * k)
-    tl.store(dq_ptr + ck, d_q)
+    tl.store(dq_ptr + ck, d_q * QS if QS != 1.0 else d_q)   # q's own gradient
     if ERASE == GATE_NONE:
       tl.store(dkt_ptr + ck, d_kt)
     tl.store(dk_ptr + ck, d_k)
@@ -635,12 +644,13 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "with_inverse", "precision", "num_warps",
-                                             "band_stages", "skip_phases", "span"))
+                                             "band_stages", "skip_phases", "span", "q_scale"))
 def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_inverse=False,
                       precision: str = blocks.INTRA_PRECISION,
                       num_warps: int = blocks.CHANNEL_WARPS,
                       band_stages: int = blocks.CHANNEL_BAND_STAGES, skip_phases: int = 0,
-                      span: float = blocks.CHANNEL_SPAN, erase=None, write=None):
+                      span: float = blocks.CHANNEL_SPAN, erase=None, write=None,
+                      q_scale: float = 1.0):
   """The intra-chunk part for per-channel gates (module docstring).
 
   q, k, kt, vt: `[B, T, HV, K]` (vt `[B, T, HV, V]`), the scaled queries, keys, erase keys and
@@ -654,7 +664,8 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   path's bound in nats (`blocks.CHANNEL_SPAN`; 0 = exact diagonal blocks everywhere).
   erase, write: None, or gates that multiply kt and vt on chip, one factor per row (`[B, T,
   HV]`) or per channel (kt's / vt's shape): pass k and v as kt and vt, and k̃ = k ⊙ erase,
-  ṽ = v ⊙ write are never written to memory.
+  ṽ = v ⊙ write are never written to memory. q_scale: q is multiplied by it on chip (1: q
+  comes scaled).
   """
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
@@ -681,7 +692,7 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
       WITH_INVERSE=with_inverse, PREC=precision, BAND_STAGES=band_stages,
       SBK=blocks.solve_bk(dk, dv), SKIP=_phases(skip_phases), SPAN=_span(span),
-      ERASE=erase_kind, WRITE=write_kind)
+      ERASE=erase_kind, WRITE=write_kind, QS=float(q_scale))
   outs = (ny, qg, p, u, kg, gc)
   return outs + (m,) if with_inverse else outs
 
@@ -723,7 +734,7 @@ def _phases(skip: int) -> int:
 
 def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps,
               band_stages, skip_phases=0, solve_bk=None, span=0.0, states=None, erase=None,
-              write=None):
+              write=None, q_scale=1.0):
   """The backward kernel's launch; cotangents None (the kernel half) or (dqg, dkg, dgc);
   states None, or (h, dh, do, e) for the products made in the kernel (then dny, dp and
   cotangents are not read: `channel_intra_grads_from_states`)."""
@@ -773,7 +784,7 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
       GRADS=grads, BAND_STAGES=band_stages,
       SBK=solve_bk or blocks.channel_bwd_solve_bk(dk, dv, hopper=_on_hopper()),
       SKIP=_phases(skip_phases), SPAN=_span(span), PRODUCTS=products, ERASE=erase_kind,
-      WRITE=write_kind)
+      WRITE=write_kind, QS=float(q_scale))
   outs = list(outs[:7]) + [outs[8] if erase_kind else None, outs[9] if write_kind else None]
   return outs
 
@@ -822,12 +833,13 @@ def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "solve_bk",
-                                             "span"))
+                                             "span", "q_scale"))
 def channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e, h, dh, *,
                                     chunk: int, num_warps: int = blocks.CHANNEL_WARPS,
                                     band_stages: int = blocks.CHANNEL_BAND_STAGES,
                                     solve_bk: int | None = None,
-                                    span: float = blocks.CHANNEL_SPAN, erase=None, write=None):
+                                    span: float = blocks.CHANNEL_SPAN, erase=None, write=None,
+                                    q_scale: float = 1.0):
   """`channel_intra_grads` with the state pass's cotangent products made in the kernel: where
   that takes dNY, dQG, dP, dKG, dgc from XLA's batched products, this takes what they are made
   of, the state pass's E (`[B, HV, Nc, C, V]` float32), the total dE (its reverse kernel's,
@@ -836,12 +848,13 @@ def channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e, h, 
   dP = dO Eᵀ, dKG = E dhᵀ, dgc = Σ_v h ⊙ dh per chunk on chip (bf16 operands, float32
   accumulation, rounded to bf16 as the XLA products are).
 
-  erase, write: as `channel_intra_fwd`'s (kt, vt are then k and v). Returns (dq, dk, dkt, dvt,
+  erase, write, q_scale: as `channel_intra_fwd`'s (kt, vt are then k and v; dq is then the
+  gradient of the unscaled q). Returns (dq, dk, dkt, dvt,
   dg, d_erase, d_write), float32: as `channel_intra_grads` plus the gates' gradients (None
   where a gate is not given); with an erase gate dk is k's whole gradient (through k̃ too) and
   dkt None; with a write gate dvt is v's gradient."""
   dq, dkt, dk, _, dvt, _, dg, d_erase, d_write = _bwd_call(
       q, k, kt, vt, G, segments, m, None, None, de, None, chunk=chunk, num_warps=num_warps,
       band_stages=band_stages, solve_bk=solve_bk, span=span, states=(h, dh, do, e),
-      erase=erase, write=write)
+      erase=erase, write=write, q_scale=q_scale)
   return dq, dk, None if erase is not None else dkt, dvt, dg, d_erase, d_write
