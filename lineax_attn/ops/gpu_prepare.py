@@ -211,6 +211,12 @@ channel_intra_kernel.defvjp(_channel_intra_fwd, _channel_intra_bwd)
 # ------------------------------------------------------- channel kernels and state pass, one VJP
 
 
+def _erased_and_written(k, v, erase, write):
+  """k̃ = k ⊙ erase and ṽ = v ⊙ write (v where write is None) in float32, as XLA makes them."""
+  k32, v32 = k.astype(_F32), v.astype(_F32)
+  return k32 * erase, (v32 if write is None else v32 * write)
+
+
 def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c,
                                 span=0.0, on_chip=True, q_scale=1.0):
   """The fused backward kernel making the state pass's products itself, the gates applied on
@@ -225,12 +231,11 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
     dq, dk, _, dv, dg, d_erase, d_write = call(q, k, k, v, G, segments, m, de, do, e, h, dh,
                                                erase=erase, write=write)
     return dq, dk, dv, dg, d_erase, d_write
-  k32, v32 = k.astype(_F32), v.astype(_F32)
-  kt, vt = k32 * erase, (v32 if write is None else v32 * write)
+  kt, vt = _erased_and_written(k, v, erase, write)   # remade, not kept from the forward
   dq, dk, dkt, dvt, dg, _, _ = call(q, k, kt, vt, G, segments, m, de, do, e, h, dh)
   rows = lambda x, gate: jnp.sum(x, -1) if gate.shape[-1] == 1 else x
-  d_erase = rows(dkt * k32, erase)
-  d_write = None if write is None else rows(dvt * v32, write)
+  d_erase = rows(dkt * k.astype(_F32), erase)
+  d_write = None if write is None else rows(dvt * v.astype(_F32), write)
   return (dq, dk + dkt * erase, dvt if write is None else dvt * write, dg, d_erase, d_write)
 
 
@@ -269,8 +274,7 @@ def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, i
   if on_chip:
     outs = _channel_kernel_call(q, k, k, v, G, segidx, c, span, erase, write, scale)
   else:
-    kt = k.astype(_F32) * erase
-    vt = v.astype(_F32) if write is None else v.astype(_F32) * write
+    kt, vt = _erased_and_written(k, v, erase, write)
     outs = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span, q_scale=scale)
   ny, qg, p, u, kg, gc, m = outs
   o, e, s_final, h = kernel_module(kernels, "state").state_passing_fwd(

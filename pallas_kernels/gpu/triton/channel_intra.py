@@ -572,8 +572,9 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                                          d_q, d_kt, d_k, HV, K, SUBC, True)
     else:
       d_q, d_kt, d_k = _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src,
-                                    wl_ptr, erase_ptr, ERASE, QS, seg, row0, hv, rc, base, cc0, cols, w_p, w_l, d_q,
-                                    d_kt, d_k, HV, K, C, SUBC, PACKED, BAND_STAGES, SKIP)
+                                    wl_ptr, erase_ptr, ERASE, QS, seg, row0, hv, rc, base,
+                                    cc0, cols, w_p, w_l, d_q, d_kt, d_k, HV, K, C, SUBC,
+                                    PACKED, BAND_STAGES, SKIP)
     ck = chunk * C * K + ii * K + cols[None, :]
     if GRADS:
       g_last = tl.load(g_ptr + ((row0 + C - 1) * HV + hv) * K + cols)
