@@ -61,7 +61,8 @@ _VARIANTS = flags.DEFINE_list("variants", "triton,triton:tiles,fla",
                               "impl or impl:inverse (see the module docstring).", **_F)
 _BASELINE = flags.DEFINE_string("baseline", "fla", "The variant every ratio is against.", **_F)
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D.", **_F)
-_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "fwd and/or fwdbwd.", **_F)
+_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "Of fwd, fwdbwd, fwdbwd_dep (the cotangent "
+                           "depending on the output, as in training: `peer_ops.MODES`).", **_F)
 _ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds; every variant is timed once per round.",
                                **_F)
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per variant and round.", **_F)
@@ -158,7 +159,7 @@ def jla_step(mixer, mode, np_in):
 def fla_step(mixer, mode, np_in):
   import torch  # pylint: disable=g-import-not-at-top
   q, k, v, gates = np_in
-  need_grad = mode == "fwdbwd"
+  need_grad = mode != "fwd"
   tq, tk, tv = (torch.tensor(x, device="cuda", dtype=torch.bfloat16, requires_grad=need_grad)
                 for x in (q, k, v))
   tg = {n: torch.tensor(x, device="cuda", dtype=torch.float32, requires_grad=need_grad)
@@ -174,7 +175,8 @@ def fla_step(mixer, mode, np_in):
     def call():
       for x in (tq, tk, tv, *tg.values()):
         x.grad = None
-      op(tq, tk, tv, tg).backward(do)
+      o = op(tq, tk, tv, tg)
+      o.backward(do + peer_ops.DEP_WEIGHT * o.detach() if mode == "fwdbwd_dep" else do)
   step = Step(call, lambda _: torch.cuda.synchronize())
   step.wait(step.call())  # FLA autotunes on its first call
   return step
@@ -270,6 +272,8 @@ def main(argv):
   del argv
   if _ROUNDS.value < 1 or _ITERS.value < 1 or _WARMUP.value < 0:
     raise ValueError("--rounds and --iters must be >= 1 and --warmup >= 0")
+  if set(_MODES.value) - set(peer_ops.MODES):
+    raise ValueError(f"--modes: {_MODES.value} are not all of {peer_ops.MODES}")
   b, t, h, d = (int(x) for x in _SHAPE.value.split(","))
   meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
           "device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -23,17 +23,33 @@ def make_inputs(mixer, b, t, h, d, seed=0):
   return q, k, v, dict(zip(specs.resolve(mixer).gate_names, gates))
 
 
-def grad_fn(fwd, n_args):
-  """jit-able fwd+bwd: gradients of <o, do> with respect to every input."""
+# Modes of the op benchmarks. "fwdbwd_dep": fwd+bwd with an output cotangent that depends on
+# the output, dO = do + DEP_WEIGHT · o (the loss <o, do> + DEP_WEIGHT |o|² / 2), as in training,
+# where dO comes back through the layers above. With a fixed do the backward's kernels do not
+# wait for the forward's outputs, so XLA may run them beside the forward's (one program, a
+# CUDA graph of independent nodes): a saving no training step gets.
+MODES = ("fwd", "fwdbwd", "fwdbwd_dep")
+DEP_WEIGHT = 1e-3
+
+
+def grad_fn(fwd, n_args, dependent: bool = False):
+  """jit-able fwd+bwd: gradients of <o, do> (dependent: + DEP_WEIGHT |o|² / 2) with respect to
+  every input."""
+  def loss(do, *a):
+    o = fwd(*a).astype(jnp.float32)
+    return jnp.sum(o * do) + (0.5 * DEP_WEIGHT * jnp.sum(o * o) if dependent else 0.0)
+
   def f(do, *args):
-    return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32) * do),
-                    argnums=tuple(range(n_args)))(*args)
+    return jax.grad(lambda *a: loss(do, *a), argnums=tuple(range(n_args)))(*args)
   return f
 
 
 def jax_call(fwd, np_in, mode):
-  """(function, arguments) to time for `mode`: "fwd" is fwd(q, k, v, *gates) on bf16 q, k, v
-  and float32 gates; "fwdbwd" is `grad_fn(fwd)` on a fixed bf16 cotangent and the same."""
+  """(function, arguments) to time for `mode` (`MODES`): "fwd" is fwd(q, k, v, *gates) on bf16
+  q, k, v and float32 gates; "fwdbwd" is `grad_fn(fwd)` on a fixed bf16 cotangent and the same;
+  "fwdbwd_dep" the same with the cotangent depending on the output."""
+  if mode not in MODES:
+    raise ValueError(f"mode {mode!r} is not one of {MODES}")
   q, k, v, gates = np_in
   args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)]
   args += [jnp.asarray(x, jnp.float32) for x in gates.values()]
@@ -41,7 +57,7 @@ def jax_call(fwd, np_in, mode):
     return fwd, args
   do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
                    jnp.bfloat16)
-  return grad_fn(fwd, len(args)), [do] + args
+  return grad_fn(fwd, len(args), dependent=mode == "fwdbwd_dep"), [do] + args
 
 
 def ours_op(mixer, impl, tuning=None, pieces=None):

@@ -78,7 +78,7 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
       Launch("state_pass", "_fwd_kernel",
              dict(state, BV=fwd_bv, SAVE_STATES=True, STAGES=fwd_stages),
              f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "h_ptr"}), fwd_warps, fwd_stages),
-      Launch("state_pass", "_bwd_kernel", dict(state, BV=bwd_bv, STAGES=bwd_stages),
+      Launch("state_pass", "_bwd_kernel", dict(state, BV=bwd_bv, STAGES=bwd_stages, HAS_DX=True),
              f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "do_ptr", "dh_ptr"}), bwd_warps,
              bwd_stages),
       Launch("intra_chunk", "_fwd_kernel",
@@ -140,12 +140,17 @@ def _fused_launches(dk, dv, packed, hopper):
   """`fused_forward`'s three kernels (K <= 128), GDN's gated form."""
   from pallas_kernels.gpu.triton import blocks  # noqa: PLC0415
   f = frozenset
-  t0 = dict(H=16, HV=16, K=dk, C=blocks.CHUNK, BK=blocks.INTRA_BK, PACKED=packed,
-            PREC=blocks.INTRA_PRECISION)
-  launches = [Launch("fused_forward", f"_t0_kernel{'+stored_scores' * stored}",
-                     dict(t0, STORE_SCORES=stored),
+  warps, bk, inverse, chunks = blocks.t0_launch(dk)
+  t0 = dict(H=16, HV=16, K=dk, C=blocks.CHUNK, PACKED=packed, PREC=blocks.INTRA_PRECISION,
+            BATCHED=inverse == "batched")
+  # The library's launch, the same walking 4 chunks a program, and the stored-scores form
+  # (BK = INTRA_BK: q kᵀ beside k kᵀ).
+  launches = [Launch("fused_forward", f"_t0_kernel{tag}",
+                     dict(t0, BK=bk_, STORE_SCORES=stored, CHUNKS=n),
                      f({"q_ptr", "k_ptr", "t0_ptr"} | ({"p0_ptr"} if stored else set())),
-                     blocks.INTRA_WARPS, 1) for stored in (False, True)]
+                     warps, 1)
+              for tag, bk_, stored, n in (("", bk, False, chunks), ("@chunks=4", bk, False, 4),
+                                          ("+stored_scores", blocks.INTRA_BK, True, chunks))]
   walks = [blocks.fused_walk_launch(dk, dv, hopper=hopper)]
   walks += [tuple(int(x) for x in w.split(":")) for w in _FUSED_LAUNCHES.value]
   for (bv, warps, stages), scores in itertools.product(walks, blocks.FUSED_SCORES_CHOICES):

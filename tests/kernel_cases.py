@@ -117,21 +117,23 @@ def op_forward_pairs(mixer, implementation, b=1):
   return list(zip(("o", "final_state", "r"), got, want))
 
 
-def state_pass_backward_pairs(bwd, x, seed=2):
+def state_pass_backward_pairs(bwd, x, seed=2, residual=True):
   """(name, got, want, tol) for a reverse state-pass kernel `bwd(ny, qg, p, kg, gc, do, de_ext,
   ds_final) -> (de, dh, ds0)` on inputs x (`state_pass_inputs`): dE and d initial_state against
   autodiff of the unrounded float32 recurrence (bf16 operands: 2e-2), and the state cotangent
-  leaving the last chunk, which is the final-state cotangent itself (bf16: 1e-2)."""
+  leaving the last chunk, which is the final-state cotangent itself (bf16: 1e-2). residual
+  False: E is not an output the loss reads, so the kernel gets de_ext None and the recurrence
+  a zero cotangent for it."""
   from pallas_kernels.gpu import state_passing as sp  # pylint: disable=g-import-not-at-top
   ks = jax.random.split(jax.random.key(seed), 3)
   do = jax.random.normal(ks[0], x["u"].shape).astype(BF)
   de_ext = jax.random.normal(ks[1], x["u"].shape)
   ds_final = jax.random.normal(ks[2], x["s0"].shape)
   de, dh, ds0 = jax.jit(lambda x, *cts: bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], *cts))(
-      x, do, de_ext, ds_final)
+      x, do, de_ext if residual else None, ds_final)
   f = lambda u, s0: sp.state_passing_reference(
       x["ny"], x["qg"], x["p"], u, x["kg"], x["gc"], s0)[:3]
   du, d_s0 = jax.jit(lambda u, s0, cts: jax.vjp(f, u, s0)[1](cts))(
-      x["u"], x["s0"], (do.astype(jnp.float32), de_ext, ds_final))
+      x["u"], x["s0"], (do.astype(jnp.float32), de_ext if residual else 0 * de_ext, ds_final))
   return [("dE (= dU)", de, du, 2e-2), ("d initial_state", ds0, d_s0, 2e-2),
           ("dh of the last chunk", dh[:, :, -1].astype(jnp.float32), ds_final, 1e-2)]

@@ -314,3 +314,17 @@ def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():
     bench_ab.parse_variant("jla+ffi")
   with pytest.raises(ValueError, match="state_pass"):
     bench_ab.parse_variant("pallas_gpu@state_pass=cuda")
+
+
+def test_dependent_cotangent_adds_the_outputs_own_gradient():
+  # fwdbwd_dep's loss is <o, do> + w |o|² / 2: for a linear map o = a x its gradient is
+  # aᵀ (do + w o) (hand-derived), where fwdbwd's is aᵀ do.
+  from experiments import peer_ops
+  a = jnp.array([[2.0, 0.0], [1.0, 3.0]])
+  x, do = jnp.array([1.0, -1.0]), jnp.array([0.5, 2.0])
+  (fixed,) = peer_ops.grad_fn(lambda x_: a @ x_, 1)(do, x)
+  (dep,) = peer_ops.grad_fn(lambda x_: a @ x_, 1, dependent=True)(do, x)
+  np.testing.assert_allclose(fixed, a.T @ do, rtol=1e-6)
+  np.testing.assert_allclose(dep, a.T @ (do + peer_ops.DEP_WEIGHT * (a @ x)), rtol=1e-6)
+  with pytest.raises(ValueError, match="mode"):
+    peer_ops.jax_call(lambda *a_: a_[0], (x, x, x, {}), "bwd")

@@ -58,10 +58,13 @@ def test_state_pass_forward_matches_scan(dk, dv):
   assert_close(h.astype(jnp.float32), rh, 1e-2, "h (bf16 chunk-entry states)")
 
 
-def test_state_pass_backward_matches_autodiff():
+@pytest.mark.parametrize("residual", [True, False])
+def test_state_pass_backward_matches_autodiff(residual):
+  # residual False: E's cotangent not given (None), as the op passes it when E is unused.
   bwd = functools.partial(sp.state_passing_bwd, interpret=INTERPRET)
-  for name, got, want, tol in kernel_cases.state_pass_backward_pairs(bwd, _chunk_inputs(1)):
-    assert_close(got, want, tol, name)
+  for name, got, want, tol in kernel_cases.state_pass_backward_pairs(bwd, _chunk_inputs(1),
+                                                                     residual=residual):
+    assert_close(got, want, tol, f"{name} (residual={residual})")
 
 
 @pytest.mark.parametrize("mixer", MIXERS)
@@ -82,6 +85,24 @@ def test_op_gradients_match_scan(mixer, intra):
   names = ["q", "k", "v"] + (["g", "beta"]) + ["initial_state"]
   for name, g, w in zip(names, got, want):
     assert_close(g, w, GRAD_TOL, f"{mixer} d{name}")
+
+
+@pytest.mark.parametrize("used", ["o", "residual"])
+def test_kda_gradients_with_and_without_the_residual_match_scan(used):
+  # KDA's state pass gets E's cotangent only where a loss reads E (the routing residual);
+  # otherwise a symbolic zero, which its reverse kernel replaces by reading nothing. Both ways
+  # every gradient is the scan's.
+  args, kw = make_inputs("kda", b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=8)
+  w = jax.random.normal(jax.random.key(3), args[2].shape)
+
+  def grads(impl):
+    def f(*a):
+      out = run_jit("kda", a, **kw, return_residual=True, implementation=impl)
+      return jnp.sum(out[0] * w) + (jnp.sum(out[-1] * w[..., ::-1]) if used == "residual" else 0)
+    return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
+
+  for name, g, want in zip(["q", "k", "v", "g", "beta"], grads("pallas_gpu"), grads("scan")):
+    assert_close(g, want, GRAD_TOL, f"{used}: d{name}")
 
 
 def test_each_tuning_traces_separately_under_one_jit(monkeypatch):

@@ -77,6 +77,10 @@ def test_state_pass_backward_matches_autodiff(dk, dv):
   x = _chunk_inputs(1, nc=4, dk=dk, dv=dv)
   for name, got, want, tol in kernel_cases.state_pass_backward_pairs(tsp.state_passing_bwd, x):
     assert_close(got, want, tol, name)
+  # E's cotangent not given (the op's case when E is unused): the kernel reads nothing for it.
+  for name, got, want, tol in kernel_cases.state_pass_backward_pairs(tsp.state_passing_bwd, x,
+                                                                     residual=False):
+    assert_close(got, want, tol, f"{name} (no residual)")
   # The same cotangents as the Mosaic GPU kernel where it runs (Hopper).
   if pallas_gpu.is_hopper():
     ks = jax.random.split(jax.random.key(2), 3)

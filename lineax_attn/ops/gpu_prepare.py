@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from lineax_attn.ops import chunked
 from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, segment_masks, to_chunks
 from lineax_attn.ops.gpu_tuning import DEFAULT_TUNING, GpuTuning
-from lineax_attn.ops.gpu_vjps import (channel_pairs_kernel, interpret_kw, interpret_params,
-                                      kernel_module, vma)
+from lineax_attn.ops.gpu_vjps import (channel_pairs_kernel, given_cotangents, interpret_kw,
+                                      interpret_params, kernel_module, primal_values, vma)
 from pallas_kernels.gpu import channel_pair as cp
 from pallas_kernels.gpu import state_passing as sp
 
@@ -270,6 +270,7 @@ def _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, span, kernels, i
 
 def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
                        on_chip, scale):
+  q, k, v, erase, write, g, s0, segidx = primal_values(q, k, v, erase, write, g, s0, segidx)
   G = _chunk_gates(g, c)
   if on_chip:
     outs = _channel_kernel_call(q, k, k, v, G, segidx, c, span, erase, write, scale)
@@ -284,11 +285,12 @@ def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, i
 
 def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, res, cts):
   q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h = res
-  do, de_ext, ds_final = cts
-  do = do.astype(_MM)
+  do, de_ext, ds_final = given_cotangents(cts)   # None: an output the caller did not use
+  do = jnp.zeros(e.shape, _MM) if do is None else do.astype(_MM)
+  ds_final = jnp.zeros(h.shape[:2] + h.shape[3:], _F32) if ds_final is None else ds_final
   de, dh, ds0 = kernel_module(kernels, "state").state_passing_bwd(
-      ny, qg, p, kg, gc, do, de_ext.astype(_F32), ds_final.astype(_F32),
-      **interpret_kw(kernels, interpret))
+      ny, qg, p, kg, gc, do, None if de_ext is None else de_ext.astype(_F32),
+      ds_final.astype(_F32), **interpret_kw(kernels, interpret))
   dq, dk, dv, dg, d_erase, d_write = _channel_kernel_states_call(
       q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c, span, on_chip, scale)
   back = lambda d, x: None if x is None else d.reshape(x.shape).astype(x.dtype)
@@ -296,4 +298,4 @@ def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, res, cts):
           back(dg, g), ds0, None)
 
 
-_channel_state_vjp.defvjp(_channel_state_fwd, _channel_state_bwd)
+_channel_state_vjp.defvjp(_channel_state_fwd, _channel_state_bwd, symbolic_zeros=True)

@@ -71,8 +71,6 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax.custom_derivatives import CustomVJPPrimal as _CustomVJPPrimal
-from jax.custom_derivatives import SymbolicZero as _SymbolicZero
 import jax.numpy as jnp
 
 from lineax_attn.ops import api
@@ -85,8 +83,8 @@ from lineax_attn.ops.gpu_prepare import (channel_intra_kernel, channel_kernel_ap
 from lineax_attn.ops.gpu_tuning import (DEFAULT_TUNING, INTRA_CHOICES, PAIR_CHOICES,
                                         SOLVE_CHOICES, GpuTuning, check_tuning,
                                         fused_intra_grads)
-from lineax_attn.ops.gpu_vjps import (interpret_params, intra_kernel, kernel_module, state_pass,
-                                      vma)
+from lineax_attn.ops.gpu_vjps import (given_cotangents, interpret_params, intra_kernel,
+                                      kernel_module, primal_values, state_pass, vma)
 from lineax_attn.ops.gpu_vjps import intra_kernel_backward, state_pass_products
 from pallas_kernels.gpu import state_passing as sp
 
@@ -395,9 +393,7 @@ def _kernel_rows(beta_rows, g_rows, v):
 
 def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, grads_opts):
   del grads_opts
-  # symbolic_zeros: the differentiable arguments come wrapped (CustomVJPPrimal)
-  q, k, v, beta, G, s0 = (x.value if isinstance(x, _CustomVJPPrimal) else x
-                          for x in (q, k, v, beta, G, s0))
+  q, k, v, beta, G, s0 = primal_values(q, k, v, beta, G, s0)   # (symbolic_zeros)
   o, e, s_final, t0, h = _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret,
                                        save_states=True)
   return (o, e, s_final), (q, k, v, beta, G, t0, h, e.astype(jnp.bfloat16))
@@ -409,7 +405,7 @@ def _walk_train_core_bwd(scale, c, interpret, grads_opts, res, cts):
   q, k, v, beta, G, t0, h_t, e = res
   # Outputs the caller does not use come as symbolic zeros: an unused residual e (the usual
   # case) costs the reverse walk no copies and XLA no [B, T, HV, V] broadcast of zeros.
-  do, de_ext, ds_final = (None if isinstance(x, _SymbolicZero) else x for x in cts)
+  do, de_ext, ds_final = given_cotangents(cts)
   if do is None:
     do = jnp.zeros(v.shape, jnp.bfloat16)
   if ds_final is None:

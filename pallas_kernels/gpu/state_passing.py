@@ -222,7 +222,8 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret=None
   Args:
     ny, qg, p, kg, gc: as in `state_passing_fwd`.
     do: `[B, HV, Nc, C, V]` bf16 output cotangent.
-    de_ext: `[B, HV, Nc, C, V]` float32 cotangent of E as an output (routing), or zeros.
+    de_ext: `[B, HV, Nc, C, V]` float32 cotangent of E as an output (routing), or None where
+      E is not used (the kernel then reads nothing in its place: no zeros made and streamed).
     ds_final: `[B, HV, K, V]` float32 cotangent of the final state, or zeros.
   Returns:
     (de, dh, ds0): de `[B, HV, Nc, C, V]` float32 total cotangent of E; dh `[B, HV, Nc, K, V]`
@@ -242,19 +243,24 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
               jax.ShapeDtypeStruct((b, hv, nc, dk, dv), MM_DTYPE),
               jax.ShapeDtypeStruct((b, hv, dk, dv), f32))
 
-  def kernel(ny_ref, qg_ref, p_ref, kg_ref, gc_ref, do_ref, dx_ref, dsf_ref,
-             de_ref, dh_ref, ds0_ref):
+  has_dx = de_ext is not None
+
+  def kernel(*refs):
+    ny_ref, qg_ref, p_ref, kg_ref, gc_ref, do_ref, *refs = refs
+    dx_ref = refs.pop(0) if has_dx else None
+    dsf_ref, de_ref, dh_ref, ds0_ref = refs
     bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
     vs = pl.ds(vi * bv, bv)
     dstate = _load_tile(dsf_ref.at[bi, hi, :, vs], (dk, bv), f32)
 
     def chunk_srcs(ci):
       return (ny_ref.at[bi, hi, ci], qg_ref.at[bi, hi, ci], p_ref.at[bi, hi, ci],
-              kg_ref.at[bi, hi, ci], gc_ref.at[bi, hi, ci], do_ref.at[bi, hi, ci, :, vs],
-              dx_ref.at[bi, hi, ci, :, vs])
+              kg_ref.at[bi, hi, ci], gc_ref.at[bi, hi, ci], do_ref.at[bi, hi, ci, :, vs]) + (
+                  (dx_ref.at[bi, hi, ci, :, vs],) if has_dx else ())
 
-    def loop(ny_s, qg_s, p_s, kg_s, gc_s, do_s, dx_s, ds_mm, de_mm, de_out, bars):
-      dsts = (ny_s, qg_s, p_s, kg_s, gc_s, do_s, dx_s)
+    def loop(ny_s, qg_s, p_s, kg_s, gc_s, do_s, *scratch):
+      dx_s, ds_mm, de_mm, de_out, bars = scratch if has_dx else (None, *scratch)
+      dsts = (ny_s, qg_s, p_s, kg_s, gc_s, do_s) + ((dx_s,) if has_dx else ())
       _issue(chunk_srcs(nc - 1), dsts, bars, 0)
       ds_mm[...] = dstate.astype(MM_DTYPE)
       plgpu.commit_smem()
@@ -270,13 +276,13 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
         for bar in bars:
           plgpu.barrier_wait(bar.at[slot])
         plgpu.copy_smem_to_gmem(ds_mm, dh_ref.at[bi, hi, ci, :, vs])  # dS leaving chunk ci
-        dx = dx_s.at[slot][...]
         gcv = plgpu.load(gc_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
 
         de, qdo = mc.matmuls(
             (c, bv, [(p_s.at[slot].transpose((1, 0)), do_s.at[slot]), (kg_s.at[slot], ds_mm)]),
             (dk, bv, [(qg_s.at[slot].transpose((1, 0)), do_s.at[slot])]))
-        de = de + dx
+        if has_dx:
+          de = de + dx_s.at[slot][...]
         ds = ds * mc.rows(gcv, ds.shape) + qdo
 
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # previous de copy done reading
@@ -297,17 +303,18 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
       plgpu.wait_smem_to_gmem(0)
       return ds
 
-    barriers = tuple(plgpu.Barrier(num_barriers=2) for _ in range(7))
+    barriers = tuple(plgpu.Barrier(num_barriers=2) for _ in range(6 + has_dx))
     dstate = pl.run_scoped(
         loop,
         mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, c), MM_DTYPE),
         mc.smem((2, c, dk), MM_DTYPE), plgpu.SMEM((2, dk), f32), mc.smem((2, c, bv), MM_DTYPE),
-        mc.smem((2, c, bv), f32), mc.smem((dk, bv), MM_DTYPE), mc.smem((c, bv), MM_DTYPE),
-        mc.smem((c, bv), f32), barriers)
+        *([mc.smem((2, c, bv), f32)] if has_dx else []), mc.smem((dk, bv), MM_DTYPE),
+        mc.smem((c, bv), MM_DTYPE), mc.smem((c, bv), f32), barriers)
     _store_tile(dstate, ds0_ref.at[bi, hi, :, vs])
 
+  args = (ny, qg, p, kg, gc, do) + ((de_ext,) if has_dx else ()) + (ds_final,)
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
-                      **_mesh_kwargs(b, hv, nc, dv))(ny, qg, p, kg, gc, do, de_ext, ds_final)
+                      **_mesh_kwargs(b, hv, nc, dv))(*args)
 
 
 def state_passing_reference(ny, qg, p, u, kg, gc, s0, *, round_operands=False):

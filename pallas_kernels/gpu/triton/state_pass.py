@@ -82,7 +82,7 @@ def _fwd_kernel(ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, gc_ptr, s0_ptr, nc,
 def _bwd_kernel(ny_ptr, qg_ptr, p_ptr, kg_ptr, gc_ptr, do_ptr, dx_ptr, dsf_ptr, nc,
                 de_ptr, dh_ptr, ds0_ptr,
                 C: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                STAGES: tl.constexpr):
+                HAS_DX: tl.constexpr, STAGES: tl.constexpr):
   iv = tl.program_id(0)
   bh = tl.program_id(1).to(tl.int64)
   rc = tl.arange(0, C)
@@ -100,11 +100,13 @@ def _bwd_kernel(ny_ptr, qg_ptr, p_ptr, kg_ptr, gc_ptr, do_ptr, dx_ptr, dsf_ptr, 
     kg = tl.load(kg_ptr + chunk * C * K + ck)
     p = tl.load(p_ptr + chunk * C * C + cc)
     do = tl.load(do_ptr + chunk * C * V + cv)
-    dx = tl.load(dx_ptr + chunk * C * V + cv)
     gc = tl.load(gc_ptr + chunk * K + rk)
     ds_mm = ds.to(tl.bfloat16)
     tl.store(dh_ptr + chunk * K * V + kv, ds_mm)
-    de = tl.dot(tl.trans(p), do, dx)
+    if HAS_DX:
+      de = tl.dot(tl.trans(p), do, tl.load(dx_ptr + chunk * C * V + cv))
+    else:   # E is not an output anyone reads: its cotangent is not streamed in
+      de = tl.dot(tl.trans(p), do)
     de = tl.dot(kg, ds_mm, de)
     de_mm = de.to(tl.bfloat16)
     ds = ds * gc[:, None]
@@ -196,7 +198,7 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, launch=None):
 
   Returns (de, dh, ds0): de `[B, HV, Nc, C, V]` f32 (total cotangent of E), dh
   `[B, HV, Nc, K, V]` bf16 (cotangent of the state leaving each chunk), ds0 `[B, HV, K, V]` f32.
-  launch: as `state_passing_fwd`'s.
+  de_ext may be None (E unused: nothing read in its place). launch: as `state_passing_fwd`'s.
   """
   dv = do.shape[-1]
   b, hv, nc, c, dk, bv, launch = _dims(qg, dv, launch, reverse=True)
@@ -205,6 +207,7 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, launch=None):
                        ((b, hv, dk, dv), f32))
   return tuple(_jax_triton().triton_call(
       ny.astype(MM_DTYPE), qg.astype(MM_DTYPE), p.astype(MM_DTYPE), kg.astype(MM_DTYPE),
-      gc.astype(f32), do.astype(MM_DTYPE), de_ext.astype(f32), ds_final.astype(f32), nc,
-      kernel=_bwd_kernel, out_shape=out_shape, grid=(dv // bv, b * hv),
-      C=c, K=dk, V=dv, BV=bv, STAGES=launch["num_stages"], **launch))
+      gc.astype(f32), do.astype(MM_DTYPE), ds_final if de_ext is None else de_ext.astype(f32),
+      ds_final.astype(f32), nc, kernel=_bwd_kernel, out_shape=out_shape,
+      grid=(dv // bv, b * hv), C=c, K=dk, V=dv, BV=bv, HAS_DX=de_ext is not None,
+      STAGES=launch["num_stages"], **launch))
