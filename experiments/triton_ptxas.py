@@ -140,17 +140,14 @@ def _fused_launches(dk, dv, packed, hopper):
   """`fused_forward`'s three kernels (K <= 128), GDN's gated form."""
   from pallas_kernels.gpu.triton import blocks  # noqa: PLC0415
   f = frozenset
-  warps, bk, inverse, chunks = blocks.t0_launch(dk)
+  warps, bk, inverse = blocks.t0_launch(dk)
   t0 = dict(H=16, HV=16, K=dk, C=blocks.CHUNK, PACKED=packed, PREC=blocks.INTRA_PRECISION,
             BATCHED=inverse == "batched")
-  # The library's launch, the same walking 4 chunks a program, and the stored-scores form
-  # (BK = INTRA_BK: q kᵀ beside k kᵀ).
-  launches = [Launch("fused_forward", f"_t0_kernel{tag}",
-                     dict(t0, BK=bk_, STORE_SCORES=stored, CHUNKS=n),
+  # The library's launch, and the stored-scores form (BK = INTRA_BK: q kᵀ beside k kᵀ).
+  launches = [Launch("fused_forward", f"_t0_kernel{tag}", dict(t0, BK=bk_, STORE_SCORES=stored),
                      f({"q_ptr", "k_ptr", "t0_ptr"} | ({"p0_ptr"} if stored else set())),
                      warps, 1)
-              for tag, bk_, stored, n in (("", bk, False, chunks), ("@chunks=4", bk, False, 4),
-                                          ("+stored_scores", blocks.INTRA_BK, True, chunks))]
+              for tag, bk_, stored in (("", bk, False), ("+stored_scores", blocks.INTRA_BK, True))]
   walks = [blocks.fused_walk_launch(dk, dv, hopper=hopper)]
   walks += [tuple(int(x) for x in w.split(":")) for w in _FUSED_LAUNCHES.value]
   for (bv, warps, stages), scores in itertools.product(walks, blocks.FUSED_SCORES_CHOICES):
