@@ -78,13 +78,16 @@ class GpuTuning:
       (`gpu_prepare.channel_state_core`): four batched products, a reduction and two float32
       copies of XLA's fewer between the kernels, ~0.4 ms of KDA's 4.1 at B4 T4096 H16 D128 by
       the H200's profile of 2026-12-04; `channel_gates` below says who applies KDA / GDN-2's
-      erase and write gates there. Written 2026-12-04, tested in the interpreters against the
-      split composition and the scan; not yet timed, so not the default).
+      erase and write gates there. Tested in the interpreters against the split composition
+      and the scan, compiled tests passed; timed on the H200 (2026-12-04, docs/BENCHMARKS.md
+      "eighteenth stage") it is slower: KDA fwd+bwd 5.14 ms against the default's 4.05, its
+      backward kernel 3.48 ms against 1.90, so it stays opt-in).
     channel_gates: with channel_grads="states", who makes k̃ = k ⊙ erase and ṽ = v ⊙ write:
       "kernel" (the channel kernels on chip, from k, v and the gates; the backward kernel then
       writes k's and v's whole gradients and the gates' own, so k̃, ṽ, dk̃, dṽ never exist in
       HBM: ~0.3 ms of XLA passes less for KDA at B4 T4096 H16 D128 by the 2026-12-04 profile,
-      at 530 / 740 bytes of spills against 156 / 172 in ptxas, so to be timed) or "xla"
+      at 530 / 740 bytes of spills against 156 / 172 in ptxas; timed 2026-12-04: KDA 5.16 ms
+      against 5.14 with "xla") or "xla"
       (float32 arrays made and chained in XLA, as on the other paths). Unread otherwise.
       Either way that path reads q, k, v in the caller's dtype and scales q on chip.
     intra_grads: the same choice for the Triton DeltaNet / GDN intra kernels
