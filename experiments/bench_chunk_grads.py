@@ -7,6 +7,8 @@ op (docs/BENCHMARKS.md "fourteenth stage"); this program isolates that differenc
 
     JAX_PLATFORMS=cuda,cpu python3 -u -m experiments.bench_chunk_grads --profile_dir=/tmp/cg_prof \\
         --approx_math=false,true --join_exit=false,true
+    # the two-warpgroup kernel (chunk_grads(warpgroups=2)) beside the one-warpgroup kernel
+    python3 -u -m experiments.bench_chunk_grads --approx_math=true --join_exit=true --warpgroups=1,2
 
 prints, per variant, the median over rounds of the time per call of `--iters` calls queued and
 waited for once (after a warm-up; waiting for each call alone timed the host's dispatch) and,
@@ -40,6 +42,8 @@ _APPROX = flags.DEFINE_list("approx_math", "false", "Variants of the kernel's ap
                             "(e.g. false,true: an A/B of ex2.approx for e^x).")
 _JOIN = flags.DEFINE_list("join_exit", "false", "Variants of the gated kernel's join_exit "
                           "(false,true: an A/B of the exit product in dk's wgmma group).")
+_WGS = flags.DEFINE_list("warpgroups", "1", "Variants of the kernel's warpgroups (1,2: an A/B "
+                         "of the two-warpgroup kernel, which implies join_exit).")
 _PROFILE_DIR = flags.DEFINE_string("profile_dir", "", "If set, one profiled call per variant "
                                    "writes its trace here and its phases are printed.")
 
@@ -80,14 +84,20 @@ def main(argv):
   for flag in (_APPROX, _JOIN):
     if not set(flag.value) <= {"false", "true"}:
       raise app.UsageError(f"--{flag.name} takes false and/or true, got {flag.value}")
-  # join_exit only changes the gated kernel: the ungated one runs once per approx_math.
-  variants = [(gated, approx == "true", join == "true") for approx in _APPROX.value
-              for gated in (True, False) for join in (_JOIN.value if gated else ["false"])]
-  for gated, approx, join in variants:
+  if not set(_WGS.value) <= {"1", "2"}:
+    raise app.UsageError(f"--warpgroups takes 1 and/or 2, got {_WGS.value}")
+  # join_exit only changes the gated one-warpgroup kernel: the ungated one runs once per
+  # approx_math, the two-warpgroup kernel once per approx_math and gating.
+  variants = [(gated, approx == "true", join == "true", 1) for approx in _APPROX.value
+              for gated in (True, False) for join in (_JOIN.value if gated else ["false"])
+              if "1" in _WGS.value]
+  variants += [(gated, approx == "true", True, 2) for approx in _APPROX.value
+               for gated in (True, False) if "2" in _WGS.value]
+  for gated, approx, join, wgs in variants:
     name = (("gated (GDN)" if gated else "ungated (DeltaNet)") + (", approx_math" if approx else "")
-            + (", join_exit" if join else ""))
-    fn = jax.jit(lambda a, gated=gated, approx=approx, join=join: cg.chunk_grads(
-        **a, scale=d ** -0.5, gated=gated, approx_math=approx, join_exit=join,
+            + (", join_exit" if join else "") + (", 2 warpgroups" if wgs == 2 else ""))
+    fn = jax.jit(lambda a, gated=gated, approx=approx, join=join, wgs=wgs: cg.chunk_grads(
+        **a, scale=d ** -0.5, gated=gated, approx_math=approx, join_exit=join, warpgroups=wgs,
         interpret=interpret))
     jax.block_until_ready(fn(x))
     # Calls queued, then one wait: the GPU's time per call. (Waiting for each call measured
@@ -99,11 +109,12 @@ def main(argv):
           f" µs, over {_ROUNDS.value} rounds of {_ITERS.value} queued calls", flush=True)
     if _PROFILE_DIR.value:
       out = os.path.join(_PROFILE_DIR.value, ("gated" if gated else "ungated")
-                         + ("_approx" if approx else "") + ("_join" if join else ""))
+                         + ("_approx" if approx else "") + ("_join" if join else "")
+                         + ("_wg2" if wgs == 2 else ""))
       os.makedirs(out, exist_ok=True)
-      prof = jax.jit(lambda a, gated=gated, approx=approx, join=join, out=out: cg.chunk_grads(
-          **a, scale=d ** -0.5, gated=gated, approx_math=approx, join_exit=join,
-          profile_dir=out))
+      prof = jax.jit(lambda a, gated=gated, approx=approx, join=join, wgs=wgs, out=out:
+                     cg.chunk_grads(**a, scale=d ** -0.5, gated=gated, approx_math=approx,
+                                    join_exit=join, warpgroups=wgs, profile_dir=out))
       jax.block_until_ready(prof(x))
       traces = sorted(glob.glob(os.path.join(out, "*.json")), key=os.path.getmtime)
       if not traces:

@@ -38,6 +38,17 @@ def test_times_every_variant_in_the_interpreter():
   assert bad.returncode != 0 and "--join_exit takes false and/or true" in bad.stderr
 
 
+def test_times_the_two_warpgroup_kernel():
+  proc = _run("--shape=1,64,1,64", "--iters=1", "--rounds=1", "--warpgroups=2")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  for kind in ("gated (GDN)", "ungated (DeltaNet)"):
+    assert re.search(rf"^{re.escape(kind)}, join_exit, 2 warpgroups: median \d+ µs a call",
+                     proc.stdout, re.M), proc.stdout
+  assert not re.search(r"^gated \(GDN\): median", proc.stdout, re.M)   # 1 was not asked for
+  bad = _run("--shape=1,64,1,64", "--warpgroups=3")
+  assert bad.returncode != 0 and "--warpgroups takes 1 and/or 2" in bad.stderr
+
+
 def test_profiling_off_gpu_is_a_usage_error():
   proc = _run("--shape=1,64,1,64", "--profile_dir=/tmp/nowhere")
   assert proc.returncode != 0

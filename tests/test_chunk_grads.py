@@ -72,15 +72,19 @@ if ON_GPU:
 _JOINED = sorted(c for c in CASES if CASES[c][-1])
 
 
-@pytest.mark.parametrize("case,join_exit", [(c, False) for c in sorted(CASES)]
-                         + [(c, True) for c in _JOINED])
-def test_kernel_matches_the_chunk_vjp(case, join_exit):
+# warpgroups=2 (the dq side and the dv / dR / dL side at once, K = V): the cases it takes.
+_SPLIT = sorted(c for c in CASES if CASES[c][4] == CASES[c][5])
+
+
+@pytest.mark.parametrize("case,join_exit,warpgroups", [(c, False, 1) for c in sorted(CASES)]
+                         + [(c, True, 1) for c in _JOINED] + [(c, True, 2) for c in _SPLIT])
+def test_kernel_matches_the_chunk_vjp(case, join_exit, warpgroups):
   b, t, h, hv, dk, dv, gate_scale, floor_gates, gated = CASES[case]
   x = _inputs(b, t, h, hv, dk, dv, seed=len(case), gate_scale=gate_scale,
               floor_gates=floor_gates)
   scale = dk ** -0.5
   got = jax.jit(lambda a: cg.chunk_grads(**a, scale=scale, gated=gated, join_exit=join_exit,
-                                         interpret=INTERPRET))(x)
+                                         warpgroups=warpgroups, interpret=INTERPRET))(x)
   ref_args = {name: val for name, val in x.items() if name != "t0"}
   want = jax.jit(lambda a: cg.chunk_grads_reference(**a, scale=scale, gated=gated))(ref_args)
   assert got[0].shape == (b, t, hv, dk) and got[2].shape == (b, t, hv, dv)
@@ -115,6 +119,11 @@ def test_linear_attention_kernel_matches_the_chunk_vjp(b, t, h, hv, dk, dv):
 
 
 def test_refuses_sizes_it_does_not_take():
+  x = _inputs(1, 64, 1, 1, 128, 64, seed=0)
+  with pytest.raises(ValueError, match="warpgroups=2 takes"):
+    cg.chunk_grads(**x, scale=0.1, warpgroups=2, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="warpgroups=3"):
+    cg.chunk_grads(**x, scale=0.1, warpgroups=3, interpret=INTERPRET)
   assert "V=256" in cg.supported(64, 128, 256)
   assert "chunk_size=32" in cg.supported(32, 64, 64)
   assert cg.supported(64, 128, 128) is None
@@ -137,14 +146,17 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk, dv):
           sds((b, hv, nc, dv, dk), bf), sds((b, hv, nc, dv, 64), bf))
   # Every variant at the largest tiles (K = V = 128, where shared memory is tightest); the
   # gated kernel alone at the others.
-  variants = [(True, False, True, False)]
+  # (gated, approx_math, delta, join_exit, warpgroups)
+  variants = [(True, False, True, False, 1)]
+  if dk == dv:   # the two-warpgroup kernel, gated and not
+    variants += [(True, True, True, True, 2), (False, False, True, True, 2)]
   if dk == dv == 128:
-    variants += [(False, False, True, False), (True, True, True, False),
-                 (False, False, False, False), (True, True, True, True)]
-  for gated, approx, delta, join in variants:
-    fn = lambda *a, gated=gated, approx=approx, delta=delta, join=join: cg._chunk_grads(
+    variants += [(False, False, True, False, 1), (True, True, True, False, 1),
+                 (False, False, False, False, 1), (True, True, True, True, 1)]
+  for gated, approx, delta, join, wgs in variants:
+    fn = lambda *a, gated=gated, approx=approx, delta=delta, join=join, wgs=wgs: cg._chunk_grads(
         *a[:5], a[5] if delta else None, *a[6:], scale=0.1, gated=gated, approx_math=approx,
-        join_exit=join, interpret=None)
+        join_exit=join, warpgroups=wgs, interpret=None)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, dv, gated, estimates[-1])
+    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, dv, gated, wgs, estimates[-1])

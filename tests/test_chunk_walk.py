@@ -261,28 +261,33 @@ def test_training_with_unused_outputs_matches_scan(used):
     assert_close(g, want, GRAD_TOL, f"{used} only: d{name}")
 
 
-@pytest.mark.parametrize("approx_math,join_exit", [(True, False), (False, True)])
-def test_grads_options_reach_chunk_grads_and_keep_the_gradients(monkeypatch, approx_math,
-                                                                 join_exit):
-  # GpuTuning's approx_math (e^x as ex2.approx on a GPU; the interpreter computes it exactly)
-  # and join_exit (the exit product in dk's wgmma group) reach the per-chunk backward, whose
-  # gradients stay the scan's.
+@pytest.mark.parametrize("mixer,approx_math,join_exit,warpgroups", [
+    ("gated_delta_rule", True, False, 1), ("gated_delta_rule", False, True, 1),
+    ("gated_delta_rule", True, True, 2), ("delta_rule", True, True, 2)])
+def test_grads_options_reach_chunk_grads_and_keep_the_gradients(monkeypatch, mixer, approx_math,
+                                                                 join_exit, warpgroups):
+  # GpuTuning's approx_math (e^x as ex2.approx on a GPU; the interpreter computes it exactly),
+  # join_exit (the exit product in dk's wgmma group) and grads_warpgroups (the two-warpgroup
+  # kernel) reach the per-chunk backward, whose gradients stay the scan's.
   from pallas_kernels.gpu import chunk_grads as cg  # pylint: disable=g-import-not-at-top
   seen, real = [], cg.chunk_grads
   monkeypatch.setattr(cg, "chunk_grads", lambda *a, **k: seen.append(
-      (k["approx_math"], k["join_exit"])) or real(*a, **k))
-  args, kw = make_inputs("gated_delta_rule", b=1, t=64, h=1, hv=1, dk=64, dv=64, seed=41)
+      (k["approx_math"], k["join_exit"], k["warpgroups"])) or real(*a, **k))
+  args, kw = make_inputs(mixer, b=1, t=64 if warpgroups == 1 else 96, h=1,
+                         hv=warpgroups, dk=64, dv=64, seed=41)
 
   def grads(impl, tuning):
-    f = lambda *a: jnp.sum(run_jit("gated_delta_rule", a, **kw, implementation=impl,
-                                   tuning=tuning)[0] ** 2)
+    f = lambda *a: jnp.sum(run_jit(mixer, a, **kw, implementation=impl, tuning=tuning)[0] ** 2)
     return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
 
   got = grads("pallas_gpu", pallas_gpu.GpuTuning(forward="walk", approx_math=approx_math,
-                                                 join_exit=join_exit))
-  assert seen == [(approx_math, join_exit)]
-  for name, g, want in zip(["q", "k", "v", "g", "beta"], got, grads("scan", None)):
-    assert_close(g, want, GRAD_TOL, f"approx_math={approx_math}, join_exit={join_exit}: d{name}")
+                                                 join_exit=join_exit,
+                                                 grads_warpgroups=warpgroups))
+  assert seen == [(approx_math, join_exit, warpgroups)]
+  names = ["q", "k", "v"] + (["g", "beta"] if mixer == "gated_delta_rule" else ["beta"])
+  for name, g, want in zip(names, got, grads("scan", None)):
+    assert_close(g, want, GRAD_TOL, f"{mixer} approx_math={approx_math}, join_exit={join_exit}, "
+                                    f"warpgroups={warpgroups}: d{name}")
 
 
 def test_linear_attention_takes_the_walks_without_t0(monkeypatch):

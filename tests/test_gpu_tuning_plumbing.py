@@ -29,6 +29,8 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
   assert ops.GpuTuning().approx_math is True           # ex2.approx in chunk_grads by default
   assert ops.GpuTuning.parse("join_exit=false").join_exit is False
   assert ops.GpuTuning().join_exit is True             # timed faster on the H200: the default
+  assert ops.GpuTuning.parse("grads_warpgroups=2").grads_warpgroups == 2
+  assert ops.GpuTuning().grads_warpgroups == 1         # untimed: not the default
 
 
 @pytest.mark.parametrize("text, match", [
@@ -41,6 +43,8 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
     ("channel_span=-1", r"\[0, 80\]"),
     ("approx_math=yes", "true or false"),
     ("join_exit=1", "true or false"),
+    ("grads_warpgroups=two", "an integer"),
+    ("grads_warpgroups=3", "1 or 2"),
 ])
 def test_parse_rejects_bad_text(text, match):
   with pytest.raises(ValueError, match=match):

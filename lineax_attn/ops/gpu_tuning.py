@@ -147,6 +147,12 @@ class GpuTuning:
       T4096 H16 D128, device time) the gated kernel took 500 µs a call against 519 (its last
       phase 7.2 µs a CTA against 8.3) and GDN fwd+bwd 0.919 ms against 0.933
       (docs/BENCHMARKS.md "seventeenth stage"); its compiled tests pass.
+    grads_warpgroups: 1 or 2 warpgroups for that per-chunk backward (`chunk_grads(warpgroups=)`).
+      With 2 (DeltaNet / GDN at K = V; other calls keep 1) one warpgroup makes dA, dq and its
+      share of dk while the other makes M, dv, dR, Y, U, dL and dB, and dk is joined at the end
+      (jla's kernel overlaps its products the same way, on three). Written 2026-12-04, tested
+      against the chunk VJP in the interpreter and lowered for CUDA within shared memory;
+      untimed, so not the default.
   """
 
   intra: str = "kernel"
@@ -164,6 +170,7 @@ class GpuTuning:
   channel_span: float = 80.0   # = blocks.CHANNEL_SPAN (literal: no kernel import at start-up)
   approx_math: bool = True
   join_exit: bool = True
+  grads_warpgroups: int = 1
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
@@ -181,6 +188,9 @@ class GpuTuning:
     for name in ("remat_intra", "approx_math", "join_exit"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"GpuTuning.{name} must be a bool, got {getattr(self, name)!r}.")
+    wgs = self.grads_warpgroups
+    if isinstance(wgs, bool) or wgs not in (1, 2):
+      raise ValueError(f"GpuTuning.grads_warpgroups must be 1 or 2, got {wgs!r}.")
     span = self.channel_span
     if isinstance(span, bool) or not isinstance(span, (int, float)) or not 0 <= span <= 80:
       raise ValueError(f"GpuTuning.channel_span must be a number of nats in [0, 80] (0: off), "
@@ -203,6 +213,10 @@ class GpuTuning:
         if value.lower() not in ("true", "false"):
           raise ValueError(f"GpuTuning.{name} must be true or false, got {value!r}.")
         values[name] = value.lower() == "true"
+      elif fields[name].type in (int, "int"):
+        if not value.isdigit():
+          raise ValueError(f"GpuTuning.{name} must be an integer, got {value!r}.")
+        values[name] = int(value)
       elif fields[name].type in (float, "float"):
         try:
           values[name] = float(value)

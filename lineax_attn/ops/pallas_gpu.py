@@ -363,16 +363,17 @@ def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_s
 # (`chunk_grads`) makes dq, dk, dv, dβ and dG from them in the inputs' layout. Where that
 # kernel does not take the sizes (V = 256), XLA's products and the split's intra-chunk backward
 # do its work. G: the chunk cumulative gates `[B, HV, Nc, C]` (None ungated). grads_opts:
-# (`GpuTuning.approx_math`, `GpuTuning.join_exit`), for chunk_grads.
+# (`GpuTuning.approx_math`, `GpuTuning.join_exit`, `GpuTuning.grads_warpgroups`), for
+# chunk_grads.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _walk_train_core(q, k, v, beta, G, s0, scale, c, interpret, grads_opts):
   del grads_opts
   return _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret)
 
 
-def _grads_opts(tuning: GpuTuning) -> tuple[bool, bool]:
+def _grads_opts(tuning: GpuTuning) -> tuple[bool, bool, int]:
   """The `chunk_grads` options a tuning sets (hashable: a nondiff argument of the walk's VJP)."""
-  return tuning.approx_math, tuning.join_exit
+  return tuning.approx_math, tuning.join_exit, tuning.grads_warpgroups
 
 
 def _walk_rows(beta, G):
@@ -428,7 +429,9 @@ def _walk_train_core_bwd(scale, c, interpret, grads_opts, res, cts):
   dq, dk_, dv_, dbeta, dG = chunk_grads.chunk_grads(
       bf(q), bf(k), bf(v), e, bf(do), t0, gate_rows, beta_rows, h_t, dh_t, de_t,
       scale=float(scale), gated=G is not None, interpret=interpret, approx_math=grads_opts[0],
-      join_exit=grads_opts[1])
+      join_exit=grads_opts[1],
+      # two warpgroups take the delta rule at K = V (chunk_grads' own rule); else one
+      warpgroups=grads_opts[2] if t0 is not None and dk == dv else 1)
   if hv != h:   # GVA: each value head's share of its key head's gradient, summed in float32
     heads = lambda x: jnp.sum(x.reshape(b, t, h, hv // h, dk).astype(_F32), axis=3)
     dq, dk_ = heads(dq), heads(dk_)

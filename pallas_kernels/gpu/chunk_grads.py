@@ -31,6 +31,13 @@ tiles of the same shape are reused once their first content is dead (see the ker
 Linear attention (t0 None: no erase, E = v) keeps only dA, dq, dk = dAᵀ q + E dS'ᵀ and dv = dE
 (a kernel of its own below, `_linear_kernel`, on a third of the shared memory).
 
+`warpgroups=2` (`_split_kernel`, K = V): the same products on two warpgroups of one CTA. The
+first makes dA, dq and its share of dk (dAᵀ q and the exit term) while the second makes M, dv,
+dR, Y, U, dL and dB; the second hands dB, −β e ⊙ dR_v and its vector terms over in shared
+memory and signals one mbarrier, and the first finishes dk. One warpgroup's products wait on
+their own results (wgmma groups, reductions, exponentials); two let one issue while the other
+waits, as jla's per-chunk backward does with three.
+
 Scope: C = 64, K and V in {64, 128}, no packed rows (as the walks). Runs in JAX's Mosaic GPU
 interpreter; `chunk_grads_reference` (the VJP of the chunk map, float32, exact inverse) is its
 oracle.
@@ -68,7 +75,7 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 
 def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
                 gated: bool = True, approx_math: bool = False, join_exit: bool = False,
-                profile_dir: str = "", interpret=None):
+                warpgroups: int = 1, profile_dir: str = "", interpret=None):
   """(dq, dk, dv, dβ, dG) of the delta rule's chunk form, per value head.
 
   Args:
@@ -86,6 +93,9 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
       before dk's group, which makes it again. One [C, V] × [V, K] product fewer a CTA, two
       [C, K] float32 accumulators live at once. Same result up to float32 summation order;
       untimed (2026-12-04): `experiments/bench_chunk_grads.py --join_exit=false,true` on a GPU.
+    warpgroups: 1 (the kernel above) or 2 (`_split_kernel`, DeltaNet / GDN with K = V: the
+      dq side and the dv / dR / dL side of the chunk on two warpgroups that run at once, dk
+      joined at the end; join_exit is implied). The same products in the same precision.
     profile_dir: if set, Mosaic GPU's in-kernel profiler writes a trace of the kernel's named
       phases there on every call (`experiments.kernel_trace` reads it); for measurement.
   Returns:
@@ -93,9 +103,15 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
     bf16, dβ `[B, HV, T]` float32 and dG `[B, HV, T]` float32 (None when not gated): the
     gradient with respect to the chunk cumulative gates G.
   """
+  if warpgroups not in (1, 2):
+    raise ValueError(f"chunk_grads: warpgroups={warpgroups!r} is not 1 or 2")
+  if warpgroups == 2 and (t0 is None or q.shape[-1] != v.shape[-1]):
+    raise ValueError("chunk_grads: warpgroups=2 takes the delta rule (t0 given) with K = V, "
+                     f"not K={q.shape[-1]}, V={v.shape[-1]}" + (", t0=None" if t0 is None else ""))
   outs = _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, scale=float(scale),
                       gated=bool(gated), approx_math=bool(approx_math),
-                      join_exit=bool(join_exit), profile_dir=profile_dir, interpret=interpret)
+                      join_exit=bool(join_exit), warpgroups=int(warpgroups),
+                      profile_dir=profile_dir, interpret=interpret)
   outs = mc.sync_if_interpreted(outs, interpret)
   if t0 is None:
     return (*outs, None, None)
@@ -109,9 +125,9 @@ def chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale: float,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gated", "approx_math", "join_exit",
-                                             "profile_dir", "interpret"))
+                                             "warpgroups", "profile_dir", "interpret"))
 def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, interpret,
-                 approx_math=False, join_exit=False, profile_dir=""):
+                 approx_math=False, join_exit=False, warpgroups=1, profile_dir=""):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c = CHUNK
@@ -132,6 +148,11 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
   if gated:
     out_type += (sds((b, hv, t), _F32), sds((b, hv, t), _F32))     # dG rows, tail
   n_vec = len(out_type) - 3
+  if warpgroups == 2:
+    return plgpu.kernel(
+        functools.partial(_split_kernel, b=b, hv=hv, n_rep=n_rep, scale=scale, gated=gated),
+        out_type=out_type, scratch_types=_split_scratch(dk, n_vec), num_threads=2,
+        thread_name="wg", **params)(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t)
 
   def kernel(q_ref, k_ref, v_ref, e_ref, do_ref, t0_ref, g_ref, beta_ref, h_ref, dh_ref, de_ref,
              *refs):
@@ -271,6 +292,154 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
 
   return plgpu.kernel(kernel, out_type=out_type, **params)(q, k, v, e, do, t0, g, beta, h_t,
                                                             dh_t, de_t)
+
+
+def _split_scratch(d, n_vec):
+  """`_split_kernel`'s shared memory (K = V = d): the single-warpgroup kernel's tiles, one
+  vector more (the β terms of dG that the second warpgroup hands the first)."""
+  cd, cc = mc.smem((CHUNK, d), MM_DTYPE), mc.smem((CHUNK, CHUNK), MM_DTYPE)
+  vec = plgpu.SMEM((CHUNK,), _F32)
+  return (cd, cd, cd, cd, cd, mc.smem((d, CHUNK), MM_DTYPE), mc.smem((d, d), MM_DTYPE),
+          mc.smem((d, d), MM_DTYPE), cc, cc, cc, cd, cd, vec, vec, vec, vec,
+          plgpu.SMEM((n_vec, CHUNK), _F32), plgpu.Barrier(num_barriers=12),
+          plgpu.Barrier(num_barriers=1))
+
+
+def _split_kernel(q_ref, k_ref, v_ref, e_ref, do_ref, t0_ref, g_ref, beta_ref, h_ref, dh_ref,
+                  de_ref, dq_ref, dk_ref, dv_ref, *refs, b, hv, n_rep, scale, gated):
+  """The per-chunk gradients on two warpgroups (K = V), the single-warpgroup kernel's products
+  split by what they depend on:
+
+      warpgroup 0: dA = s (dO Eᵀ) ⊙ Γ, dq = dA k + (s e ⊙ dO) Sᵀ; then, while warpgroup 1 works,
+                   its share of dk, dAᵀ q + (x ⊙ E) dS'ᵀ (the exit term in an accumulator of
+                   its own, for dG's tail), and ⟨S, dS'⟩; after warpgroup 1's signal, the rest
+                   of dk, (dB + dBᵀ) k − (β e ⊙ dR_v) Sᵀ, and dG's rows.
+      warpgroup 1: M = T0 ⊙ Γ, dR_v = Mᵀ dE, dv, dR_k = −dR_v Sᵀ, Y, U, dL, dB, dβ; it hands
+                   dB, −β e ⊙ dR_v, dβ and its share of dG over in shared memory.
+
+  Neither writes a tile the other reads before the signal (one mbarrier), so the first two
+  phases of each run at once. dR_v lives transposed in dEᵀ's tile once Mᵀ dE has read it, and
+  dv is staged in dR_k's tile before dR_k exists: K = V makes every [C, D] tile one shape."""
+  (dbeta_ref, *dg_refs), scratch = refs[:-20], refs[-20:]
+  (q_s, k_s, v_s, e_s, do_s, de_s, h_s, dh_s, m_s, ta_s, tb_s, rk_s, drk_s, g_rows, g_cols,
+   b_rows, twice_s, vout, bars, wg1_done) = scratch
+  vec_refs = [dbeta_ref, *dg_refs]
+  c = CHUNK
+  d = q_ref.shape[-1]
+  bi, hi, ci = _cta_coords(b, hv)
+  ki = lax.div(hi, n_rep)
+  rows = pl.ds(ci * c, c)
+  wg = lax.axis_index("wg")
+  arrived = lambda *names: [plgpu.barrier_wait(bars.at[i]) for i in names]
+  k_sum = lambda x: jnp.sum(k_s[...].astype(_F32) * x, axis=1)
+  lower = lambda: mc.iota(c, 0) >= mc.iota(c, 1)
+
+  def gates():
+    """(β, e, x, β e rows, Γ) of the chunk (e = x = 1, Γ the lower triangle ungated)."""
+    beta_row = plgpu.load(b_rows, layout=_ROWS)
+    if not gated:
+      one = jnp.ones_like(beta_row)
+      return beta_row, one, one, beta_row, jnp.where(lower(), 1.0, 0.0)
+    g_row = plgpu.load(g_rows, layout=_ROWS)
+    entry, exit_ = jnp.exp(g_row), jnp.exp(g_rows[c - 1] - g_row)
+    diff = mc.rows(g_row, (c, c)) - mc.cols(plgpu.load(g_cols, layout=_COLS), (c, c))
+    gam = jnp.where(lower(), jnp.exp(jnp.where(lower(), diff, 0.0)), 0.0)
+    return beta_row, entry, exit_, beta_row * entry, gam
+
+  @pl.when(wg == 0)
+  def _dq_side():
+    # Every load starts at once, in the order of first use; each has its own barrier.
+    loads = [(g_ref.at[bi, hi, rows], g_rows), (g_ref.at[bi, hi, rows], g_cols),
+             (beta_ref.at[bi, hi, rows], b_rows), (t0_ref.at[bi, hi, ci], m_s),
+             (q_ref.at[bi, rows, ki], q_s), (k_ref.at[bi, rows, ki], k_s),
+             (do_ref.at[bi, rows, hi], do_s), (e_ref.at[bi, rows, hi], e_s),
+             (h_ref.at[bi, hi, ci], h_s), (de_ref.at[bi, hi, ci], de_s),
+             (v_ref.at[bi, rows, hi], v_s), (dh_ref.at[bi, hi, ci], dh_s)]
+    for i, (src, dst) in enumerate(loads):
+      plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+    with jax.named_scope("dA, dq"):
+      arrived(0, 1, 2)
+      _, entry, exit_, _, gam = gates()
+      arrived(4, 5, 6, 7)
+      (dp,) = mc.matmuls((c, c, [(do_s, e_s.T)]))
+      ta_s[...] = (dp * (gam * scale)).astype(MM_DTYPE)
+      do_s[...] = (do_s[...].astype(_F32) * mc.rows(entry * scale, (c, d))).astype(MM_DTYPE)
+      if gated:
+        e_s[...] = (e_s[...].astype(_F32) * mc.rows(exit_, (c, d))).astype(MM_DTYPE)
+      plgpu.commit_smem()
+      arrived(8)
+      (dq,) = mc.matmuls((c, d, [(ta_s, k_s), (do_s, h_s)]))
+      qdq = jnp.sum(q_s[...].astype(_F32) * dq, axis=1)
+      do_s[...] = dq.astype(MM_DTYPE)               # s e ⊙ dO was last read by dq
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(do_s, dq_ref.at[bi, rows, hi])
+    with jax.named_scope("dk, own share"):
+      arrived(11)
+      dk_own, dk_exit = mc.matmuls((c, d, [(ta_s.T, q_s)]), (c, d, [(e_s, dh_s)]))
+      d_exit = k_sum(dk_exit) if gated else None
+      dk_own = dk_own + dk_exit
+      state_dot = None                              # ⟨S, dS'⟩ over 64-row blocks of Sᵀ
+      for r in range(d // 64 if gated else 0):
+        blk = pl.ds(r * 64, 64)
+        part = jnp.sum(plgpu.load(h_s.at[blk], layout=_WG).astype(_F32)
+                       * plgpu.load(dh_s.at[blk], layout=_WG).astype(_F32), axis=1)
+        state_dot = part if state_dot is None else state_dot + part
+    with jax.named_scope("dk, vectors"):
+      plgpu.barrier_wait(wg1_done.at[0])
+      (dk_rest,) = mc.matmuls((c, d, [(tb_s, k_s), (tb_s.T, k_s), (de_s.T, h_s)]))
+      dk_ = dk_own + dk_rest
+      kdk = k_sum(dk_)
+      rk_s[...] = dk_.astype(MM_DTYPE)              # Y was last read by warpgroup 1's dL
+      if gated:
+        twice = plgpu.load(twice_s, layout=_ROWS)
+        vout.at[1][...] = qdq - kdk + 2.0 * twice
+        vout.at[2][...] = d_exit + jnp.exp(g_rows[c - 1]) * state_dot
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(rk_s, dk_ref.at[bi, rows, hi])
+      for i, dst in enumerate(vec_refs):
+        plgpu.copy_smem_to_gmem(vout.at[i], dst.at[bi, hi, rows])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  @pl.when(wg == 1)
+  def _dv_side():
+    with jax.named_scope("M, dv, dR"):
+      arrived(0, 1, 2, 3)
+      beta_row, entry, _, be_row, gam = gates()
+      if gated:
+        m_s[...] = (m_s[...].astype(_F32) * gam).astype(MM_DTYPE)    # M = T0 ⊙ Γ
+        plgpu.commit_smem()
+      arrived(9, 10)
+      (d_rv,) = mc.matmuls((c, d, [(m_s.T, de_s.T)]))
+      dbeta = jnp.sum(d_rv * v_s[...].astype(_F32), axis=1)
+      drk_s[...] = (d_rv * mc.rows(beta_row, (c, d))).astype(MM_DTYPE)   # dv, staged
+      de_s.T[...] = d_rv.astype(MM_DTYPE)          # dR_v (dEᵀ was last read by Mᵀ dE)
+      v_s[...] = (v_s[...].astype(_F32) * mc.rows(beta_row, (c, d))).astype(MM_DTYPE)  # β v
+      rk_s[...] = (k_s[...].astype(_F32) * mc.rows(be_row, (c, d))).astype(MM_DTYPE)   # β e k
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(drk_s, dv_ref.at[bi, rows, hi])
+      arrived(8)
+      (d_rk,) = mc.matmuls((c, d, [(de_s.T, h_s)]))
+      d_rk = -d_rk
+      rk_dot = k_sum(d_rk)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # dv's copy has read drk_s
+      drk_s[...] = d_rk.astype(MM_DTYPE)
+      y, u = mc.matmuls((c, d, [(m_s, rk_s)]), (c, d, [(m_s, v_s)]))
+      rk_s[...] = y.astype(MM_DTYPE)
+      v_s[...] = u.astype(MM_DTYPE)
+      plgpu.commit_smem()
+    with jax.named_scope("dL, dB"):
+      d_l, kk = mc.matmuls((c, c, [(drk_s, rk_s.T), (de_s.T, v_s.T)]), (c, c, [(k_s, k_s.T)]))
+      lk = jnp.where(mc.iota(c, 0) > mc.iota(c, 1), -d_l, 0.0) * gam   # dL ⊙ Γ
+      lkk = jnp.sum(lk * kk, axis=1)
+      vout.at[0][...] = dbeta + lkk + rk_dot * entry
+      if gated:
+        twice_s[...] = be_row * rk_dot + beta_row * lkk
+      tb_s[...] = (lk * mc.rows(beta_row, (c, c))).astype(MM_DTYPE)   # dB
+      # dL has read dR_v: its tile becomes −β e ⊙ dR_v, dk's share of (β e ⊙ dR_k).
+      de_s.T[...] = (plgpu.load(de_s.T, layout=_WG).astype(_F32)
+                     * mc.rows(-be_row, (c, d))).astype(MM_DTYPE)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(wg1_done.at[0])
 
 
 def _linear_kernel(q_ref, k_ref, e_ref, do_ref, h_ref, dh_ref, de_ref, dq_ref, dk_ref, dv_ref, *,
