@@ -7,7 +7,10 @@ Hopper GPU the same tests run it compiled. Oracles:
   without column sums included). dq, dk, dv leave the kernel in bf16 and every product takes
   bf16 operands: 1e-2 relative (measured 2-4e-3 in the interpreter);
 * through the op, training through both walks against the scan (tests/test_chunk_walk.py);
-* lowering for CUDA on the CPU within Hopper's shared memory, at K, V in {64, 128}.
+* lowering for CUDA on the CPU within Hopper's shared memory, at K, V in {64, 128};
+* the two-warpgroup kernel under the interpreter's race detector: no tile one warpgroup writes
+  is read by the other without the mbarrier between them (the detector does not model the
+  loads' own barriers: those waits are checked by reading the kernel, and compiled on a GPU).
 """
 
 from __future__ import annotations
@@ -95,6 +98,19 @@ def test_kernel_matches_the_chunk_vjp(case, join_exit, warpgroups):
     if w is None:
       continue
     assert_close(jnp.asarray(g, jnp.float32), w, TOL, f"{case}: {name}")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the race detector is the interpreter's")
+@pytest.mark.parametrize("gated", [True, False])
+def test_two_warpgroups_hand_over_tiles_without_races(gated):
+  # Dropping warpgroup 0's wait on warpgroup 1's mbarrier makes this report races (checked).
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the detector's verdict
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  x = _inputs(1, 64, 1, 1, 64, 64, seed=3)
+  out = cg.chunk_grads(**x, scale=0.125, gated=gated, join_exit=True, warpgroups=2,
+                       interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(out)
+  assert gpu_callbacks.get_races().races_found is False
 
 
 LINEAR_CASES = [(1, 128, 1, 2, 64, 128), (1, 64, 1, 1, 128, 64)]

@@ -318,7 +318,8 @@ def _split_kernel(q_ref, k_ref, v_ref, e_ref, do_ref, t0_ref, g_ref, beta_ref, h
                    dB, −β e ⊙ dR_v, dβ and its share of dG over in shared memory.
 
   Neither writes a tile the other reads before the signal (one mbarrier), so the first two
-  phases of each run at once. dR_v lives transposed in dEᵀ's tile once Mᵀ dE has read it, and
+  phases of each run at once. Each waits on the load barrier of every tile it reads (the
+  interpreter's copies are done when issued, so a missing wait would pass its tests). dR_v lives transposed in dEᵀ's tile once Mᵀ dE has read it, and
   dv is staged in dR_k's tile before dR_k exists: K = V makes every [C, D] tile one shape."""
   (dbeta_ref, *dg_refs), scratch = refs[:-20], refs[-20:]
   (q_s, k_s, v_s, e_s, do_s, de_s, h_s, dh_s, m_s, ta_s, tb_s, rk_s, drk_s, g_rows, g_cols,
@@ -408,7 +409,7 @@ def _split_kernel(q_ref, k_ref, v_ref, e_ref, do_ref, t0_ref, g_ref, beta_ref, h
       if gated:
         m_s[...] = (m_s[...].astype(_F32) * gam).astype(MM_DTYPE)    # M = T0 ⊙ Γ
         plgpu.commit_smem()
-      arrived(9, 10)
+      arrived(5, 9, 10)   # k (β e k, k kᵀ, dR_k's row sums), dEᵀ, v
       (d_rv,) = mc.matmuls((c, d, [(m_s.T, de_s.T)]))
       dbeta = jnp.sum(d_rv * v_s[...].astype(_F32), axis=1)
       drk_s[...] = (d_rv * mc.rows(beta_row, (c, d))).astype(MM_DTYPE)   # dv, staged
