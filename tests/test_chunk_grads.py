@@ -8,9 +8,10 @@ Hopper GPU the same tests run it compiled. Oracles:
   bf16 operands: 1e-2 relative (measured 2-4e-3 in the interpreter);
 * through the op, training through both walks against the scan (tests/test_chunk_walk.py);
 * lowering for CUDA on the CPU within Hopper's shared memory, at K, V in {64, 128};
-* the two-warpgroup kernel under the interpreter's race detector: no tile one warpgroup writes
-  is read by the other without the mbarrier between them (the detector does not model the
-  loads' own barriers: those waits are checked by reading the kernel, and compiled on a GPU).
+* the two-warpgroup kernel under the interpreter's race detector, which sees the warpgroups'
+  register loads and stores of shared memory (the vectors handed over), not wgmma's or TMA's
+  reads of it nor the loads' barriers: those hand-overs are checked by reading the kernel, and
+  compiled on a GPU.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def test_kernel_matches_the_chunk_vjp(case, join_exit, warpgroups):
 @pytest.mark.skipif(ON_GPU, reason="the race detector is the interpreter's")
 @pytest.mark.parametrize("gated", [True, False])
 def test_two_warpgroups_hand_over_tiles_without_races(gated):
-  # Dropping warpgroup 0's wait on warpgroup 1's mbarrier makes this report races (checked).
+  # Dropping warpgroup 0's wait on warpgroup 1's mbarrier makes this report races on the
+  # vectors warpgroup 0 loads (checked); wgmma's operand reads are not seen by the detector.
   from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the detector's verdict
   from jax.experimental.pallas import mosaic_gpu as plgpu
   x = _inputs(1, 64, 1, 1, 64, 64, seed=3)
