@@ -4,7 +4,7 @@ The Mosaic walks of DeltaNet and GDN read one factor per chunk from HBM, the gat
 T0 = (I + diag(β) strict(k kᵀ))⁻¹, made by a Triton kernel beforehand (jax-linear-attention's
 own takes ~49 µs at B4 T4096 H16 D128). Its first launch was the intra kernel's, which holds far
 more live tiles; this program times it at others, `warps:BK:inverse` (warps, key columns a step
-of the k kᵀ loop, `blocks.INTRA_INVERSES`):
+of the k kᵀ loop, `blocks.T0_INVERSES`):
 
     python3 -u -m experiments.bench_t0 --launches=4:16:batched,4:128:batched,8:128:tiles \\
         --out_json=/tmp/t0.json

@@ -142,7 +142,7 @@ def _fused_launches(dk, dv, packed, hopper):
   f = frozenset
   warps, bk, inverse = blocks.t0_launch(dk)
   t0 = dict(H=16, HV=16, K=dk, C=blocks.CHUNK, PACKED=packed, PREC=blocks.INTRA_PRECISION,
-            BATCHED=inverse == "batched")
+            INVERSE=blocks.T0_INVERSES.index(inverse))
   # The library's launch, and the stored-scores form (BK = INTRA_BK: q kᵀ beside k kᵀ).
   launches = [Launch("fused_forward", f"_t0_kernel{tag}", dict(t0, BK=bk_, STORE_SCORES=stored),
                      f({"q_ptr", "k_ptr", "t0_ptr"} | ({"p0_ptr"} if stored else set())),

@@ -985,7 +985,8 @@ def test_fused_walk_knobs_are_checked():
 @pytest.mark.parametrize("dk,launch", [
     (dk, launch) for dk in (64, 128)
     for launch in (None, (4, 16, "batched"), (8, 64, "tiles"), (2, 64, "batched"),
-                   (4, 128, "batched")) if launch is None or dk % launch[1] == 0])
+                   (4, 128, "batched"), (4, 64, "batched_short"), (4, 64, "batched_bf16"))
+    if launch is None or dk % launch[1] == 0])
 def test_gate_free_inverse_at_every_launch_matches_the_exact_inverse(dk, launch):
   from experiments import bench_t0
   from pallas_kernels.gpu.triton import fused_forward as ff

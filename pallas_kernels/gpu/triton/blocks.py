@@ -195,6 +195,12 @@ INTRA_PRECISION = "tf32"
 # 0.977 (fwd+bwd), 0.965 (GDN fwd), 1.005 (fwd+bwd); same errors.
 INTRA_INVERSES = ("tiles", "batched")
 INTRA_INVERSE = "batched"
+# The T0 kernel's inverses (`t0_launch`): the intra kernel's, and two forms of the batched one
+# whose 16 -> 64 merge is three dependent products deep instead of four
+# (`intra_chunk._merge_blocks_short`), with float32 (tf32) or bf16 operands. Written
+# 2026-12-04, untimed: `experiments/bench_t0.py --launches=4:128:batched_short,
+# 4:128:batched_bf16` reports each one's time and its error against the float32 inverse.
+T0_INVERSES = INTRA_INVERSES + ("batched_short", "batched_bf16")
 
 
 def intra_supported(kind: str, chunk: int, dk: int, dv: int) -> str | None:
@@ -236,7 +242,7 @@ T0_LAUNCH: tuple[int, int, str] | None = None
 
 def t0_launch(dk: int) -> tuple[int, int, str]:
   """(warps, BK, inverse) of the T0 kernel (`fused_forward._t0_kernel`, the walks' gate-free
-  inverse): BK key columns a step of its k kᵀ loop, the inverse as `INTRA_INVERSES`.
+  inverse): BK key columns a step of its k kᵀ loop, the inverse as `T0_INVERSES`.
 
   It holds only k kᵀ and the inverse (none of the intra kernel's NY / U / P tiles, whose
   launch it started from), so its k kᵀ takes the whole key width in one step. Timed on the
@@ -256,9 +262,9 @@ def check_t0_launch(launch, dk: int) -> tuple[int, int, str]:
   except (TypeError, ValueError):
     raise ValueError(f"T0 launch {launch!r} is not (warps, BK, inverse)") from None
   if warps not in (1, 2, 4, 8) or bk not in (16, 32, 64, 128) or dk % bk or (
-      inverse not in INTRA_INVERSES):
+      inverse not in T0_INVERSES):
     raise ValueError(f"T0 launch {launch!r} needs warps in (1, 2, 4, 8), BK in (16, 32, 64, "
-                     f"128) dividing K={dk} and an inverse in {INTRA_INVERSES}")
+                     f"128) dividing K={dk} and an inverse in {T0_INVERSES}")
   return warps, bk, inverse
 
 

@@ -44,15 +44,17 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.gpu.triton import blocks
-from pallas_kernels.gpu.triton.intra_chunk import (_batched_unit_lower_inverse, _chunk_index,
-                                                   _gamma, _unit_lower_inverse, _ungated_gamma)
+from pallas_kernels.gpu.triton.intra_chunk import (_batched_diagonal_inverse,
+                                                   _batched_unit_lower_inverse, _chunk_index,
+                                                   _gamma, _merge_blocks_short,
+                                                   _unit_lower_inverse, _ungated_gamma)
 from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _on_hopper, _structs
 
 @triton.jit
 def _t0_kernel(q_ptr, k_ptr, beta_ptr, seg_ptr, t, scale, t0_ptr, p0_ptr,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
                BK: tl.constexpr, PACKED: tl.constexpr, PREC: tl.constexpr,
-               STORE_SCORES: tl.constexpr, BATCHED: tl.constexpr):
+               STORE_SCORES: tl.constexpr, INVERSE: tl.constexpr):
   scale = tl.cast(scale, tl.float32)   # jax-triton passes a Python float as float64
   rc, rows, qk_base, _, vec0, chunk = _chunk_index(t, H, HV, K, K, C)
   ii, jj = rc[:, None], rc[None, :]
@@ -68,10 +70,13 @@ def _t0_kernel(q_ptr, k_ptr, beta_ptr, seg_ptr, t, scale, t0_ptr, p0_ptr,
   beta = tl.load(beta_ptr + vec0 + rc)
   lower = _ungated_gamma(seg_ptr, rows, ii, jj, PACKED)
   lmat = tl.where(ii > jj, beta[:, None] * kk * lower, 0.0)
-  if BATCHED:
+  if INVERSE == 0:      # blocks.T0_INVERSES, in order
+    t0 = _unit_lower_inverse(lmat, ii, jj, PREC)
+  elif INVERSE == 1:
     t0 = _batched_unit_lower_inverse(lmat, ii, jj, PREC)
   else:
-    t0 = _unit_lower_inverse(lmat, ii, jj, PREC)
+    t0 = _merge_blocks_short(_batched_diagonal_inverse(lmat, PREC), lmat, ii, jj, INVERSE == 3,
+                             PREC)
   tl.store(t0_ptr + chunk * C * C + ii * C + jj, t0.to(tl.bfloat16))
   if STORE_SCORES:   # the scores s q kᵀ, unmasked: the walks' Γ masks and gates them
     tl.store(p0_ptr + chunk * C * C + ii * C + jj, (scale * qk).to(tl.bfloat16))
@@ -328,7 +333,7 @@ def _t0_call(q, k, beta, seg, *, scale, hv, packed, stored, launch=None):
                          ((b, hv, nc, c, c) if stored else (1,), MM_DTYPE)),
       grid=(nc, b * hv), num_warps=warps, num_stages=1, H=h, HV=hv, K=dk, C=c,
       BK=bk, PACKED=packed, PREC=blocks.INTRA_PRECISION, STORE_SCORES=stored,
-      BATCHED=inverse == "batched")
+      INVERSE=blocks.T0_INVERSES.index(inverse))
 
 
 @functools.partial(jax.jit, static_argnames=("hv", "launch"))

@@ -91,6 +91,27 @@ def _unit_lower_inverse(lmat, ii, jj, PREC: tl.constexpr):
 
 
 @triton.jit
+def _merge_blocks_short(inv, lmat, ii, jj, BF16: tl.constexpr, PREC: tl.constexpr):
+  """`_merge_blocks` from 16 to 64 with a shorter chain of dependent products.
+
+  With B = inv and F = B E (E: L's entries between different 16-blocks), F⁴ = 0, so
+  (I + L)^{-1} = (I − F + F² − F³) B = Y + F² Y with Y = B − F B: F B and F² do not depend on
+  each other (three products deep where `_merge_blocks` is four). BF16: the products take bf16
+  operands (float32 accumulators), as jla's kkt merge does; else float32 at PREC."""
+  e = tl.where((ii // 16) != (jj // 16), lmat, 0.0)
+  f = _merge_dot(inv, e, BF16, PREC)
+  y = inv - _merge_dot(f, inv, BF16, PREC)
+  return y + _merge_dot(_merge_dot(f, f, BF16, PREC), y, BF16, PREC)
+
+
+@triton.jit
+def _merge_dot(a, b, BF16: tl.constexpr, PREC: tl.constexpr):
+  if BF16:
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+  return _dot32(a, b, PREC)
+
+
+@triton.jit
 def _batched_unit_lower_inverse(lmat, ii, jj, PREC: tl.constexpr):
   """`_unit_lower_inverse` with its first two levels on the 16 × 16 diagonal blocks alone.
 
@@ -100,14 +121,20 @@ def _batched_unit_lower_inverse(lmat, ii, jj, PREC: tl.constexpr):
   back as a block-diagonal [64, 64] and only the 16 → 64 merge is full-tile. Same maths, fewer
   FLOPs; whether the reshapes cost less than the products they save is for the GPU to say
   (`blocks.INTRA_INVERSE`)."""
+  return _merge_blocks(_batched_diagonal_inverse(lmat, PREC), lmat, ii, jj, 64, PREC)
+
+
+@triton.jit
+def _batched_diagonal_inverse(lmat, PREC: tl.constexpr):
+  """The inverses of (I + L)'s four 16 × 16 diagonal blocks, as a block-diagonal [64, 64]
+  (`_batched_unit_lower_inverse`'s first two levels)."""
   x = tl.permute(tl.reshape(lmat, (4, 16, 4, 16)), (0, 2, 1, 3))      # [row blk, col blk, r, c]
   a4 = tl.arange(0, 4)
   diag = (a4[:, None] == a4[None, :])[:, :, None, None]
   d = tl.sum(tl.where(diag, x, 0.0), axis=1)                           # [blk, r, c]
   inv = _unit_lower_inverse_blocks(d, tl.arange(0, 16)[None, :, None],
                                    tl.arange(0, 16)[None, None, :], 16, PREC)
-  inv64 = tl.reshape(tl.permute(tl.where(diag, inv[:, None, :, :], 0.0), (0, 2, 1, 3)), (64, 64))
-  return _merge_blocks(inv64, lmat, ii, jj, 64, PREC)
+  return tl.reshape(tl.permute(tl.where(diag, inv[:, None, :, :], 0.0), (0, 2, 1, 3)), (64, 64))
 
 
 @triton.jit
