@@ -163,15 +163,9 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
 
     def body(q_s, k_s, v_s, e_s, do_s, de_s, h_s, dh_s, m_s, ta_s, tb_s, rk_s, drk_s, g_rows,
              g_cols, b_rows, vout, bars):
-      # Every load starts at once, in the order of first use; each has its own barrier.
-      loads = [(g_ref.at[bi, hi, rows], g_rows), (g_ref.at[bi, hi, rows], g_cols),
-               (beta_ref.at[bi, hi, rows], b_rows), (t0_ref.at[bi, hi, ci], m_s),
-               (q_ref.at[bi, rows, ki], q_s), (k_ref.at[bi, rows, ki], k_s),
-               (do_ref.at[bi, rows, hi], do_s), (e_ref.at[bi, rows, hi], e_s),
-               (h_ref.at[bi, hi, ci], h_s), (de_ref.at[bi, hi, ci], de_s),
-               (v_ref.at[bi, rows, hi], v_s), (dh_ref.at[bi, hi, ci], dh_s)]
-      for i, (src, dst) in enumerate(loads):
-        plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+      _issue_loads((q_ref, k_ref, v_ref, e_ref, do_ref, t0_ref, g_ref, beta_ref, h_ref, dh_ref,
+                    de_ref), (q_s, k_s, v_s, e_s, do_s, m_s, g_rows, g_cols, b_rows, h_s, dh_s,
+                              de_s), (bi, hi, ci, ki), bars)
       arrived = lambda *names: [plgpu.barrier_wait(bars.at[i]) for i in names]
       # Row sums against k reload it from shared memory rather than hold [C, K] float32 live.
       k_sum = lambda x: jnp.sum(k_s[...].astype(_F32) * x, axis=1)
@@ -294,6 +288,24 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
                                                             dh_t, de_t)
 
 
+def _issue_loads(ins, tiles, coords, bars):
+  """Starts every load of a CTA's chunk at once, in the order of first use, each on its own
+  barrier: 0, 1 the gate rows (as rows and as columns), 2 β, 3 T0, 4 q, 5 k, 6 dO, 7 E, 8 Sᵀ,
+  9 dEᵀ, 10 v, 11 dS'ᵀ."""
+  q_ref, k_ref, v_ref, e_ref, do_ref, t0_ref, g_ref, beta_ref, h_ref, dh_ref, de_ref = ins
+  q_s, k_s, v_s, e_s, do_s, m_s, g_rows, g_cols, b_rows, h_s, dh_s, de_s = tiles
+  bi, hi, ci, ki = coords
+  rows = pl.ds(ci * CHUNK, CHUNK)
+  loads = [(g_ref.at[bi, hi, rows], g_rows), (g_ref.at[bi, hi, rows], g_cols),
+           (beta_ref.at[bi, hi, rows], b_rows), (t0_ref.at[bi, hi, ci], m_s),
+           (q_ref.at[bi, rows, ki], q_s), (k_ref.at[bi, rows, ki], k_s),
+           (do_ref.at[bi, rows, hi], do_s), (e_ref.at[bi, rows, hi], e_s),
+           (h_ref.at[bi, hi, ci], h_s), (de_ref.at[bi, hi, ci], de_s),
+           (v_ref.at[bi, rows, hi], v_s), (dh_ref.at[bi, hi, ci], dh_s)]
+  for i, (src, dst) in enumerate(loads):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+
+
 def _split_scratch(d, n_vec):
   """`_split_kernel`'s shared memory (K = V = d): the single-warpgroup kernel's tiles, one
   vector more (the β terms of dG that the second warpgroup hands the first)."""
@@ -349,15 +361,9 @@ def _split_kernel(q_ref, k_ref, v_ref, e_ref, do_ref, t0_ref, g_ref, beta_ref, h
 
   @pl.when(wg == 0)
   def _dq_side():
-    # Every load starts at once, in the order of first use; each has its own barrier.
-    loads = [(g_ref.at[bi, hi, rows], g_rows), (g_ref.at[bi, hi, rows], g_cols),
-             (beta_ref.at[bi, hi, rows], b_rows), (t0_ref.at[bi, hi, ci], m_s),
-             (q_ref.at[bi, rows, ki], q_s), (k_ref.at[bi, rows, ki], k_s),
-             (do_ref.at[bi, rows, hi], do_s), (e_ref.at[bi, rows, hi], e_s),
-             (h_ref.at[bi, hi, ci], h_s), (de_ref.at[bi, hi, ci], de_s),
-             (v_ref.at[bi, rows, hi], v_s), (dh_ref.at[bi, hi, ci], dh_s)]
-    for i, (src, dst) in enumerate(loads):
-      plgpu.copy_gmem_to_smem(src, dst, bars.at[i])
+    _issue_loads((q_ref, k_ref, v_ref, e_ref, do_ref, t0_ref, g_ref, beta_ref, h_ref, dh_ref,
+                  de_ref), (q_s, k_s, v_s, e_s, do_s, m_s, g_rows, g_cols, b_rows, h_s, dh_s,
+                            de_s), (bi, hi, ci, ki), bars)
     with jax.named_scope("dA, dq"):
       arrived(0, 1, 2)
       _, entry, exit_, _, gam = gates()
