@@ -107,7 +107,7 @@ def given_cotangents(cts):
 # `axes` is static: the backward is traced without the primal's varying-axes types.
 # symbolic_zeros: E (the write residual) is rarely an output anyone reads; its cotangent then
 # reaches the reverse pass as None, which reads nothing in its place (no [B, T, HV, V] float32
-# zeros made and streamed: 41 µs of KDA's backward at B4 T4096 H16 D128 on the H200).
+# zeros made and streamed: KDA fwd+bwd 4.050 -> 3.943 ms at B4 T4096 H16 D128 on the H200).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels):
   axes = frozenset(axes)
