@@ -56,6 +56,11 @@ class Launch:
   num_stages: int
 
 
+def _state_pass():
+  from pallas_kernels.gpu.triton import state_pass  # noqa: PLC0415 (the optional extra)
+  return state_pass
+
+
 def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
   """The launches of the three kernel modules at head dims (dk, dv), as their wrappers make
   them on a Hopper GPU or another (pallas_kernels/gpu/triton/*.py: the `triton_call`s)."""
@@ -81,6 +86,10 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
       Launch("state_pass", "_bwd_kernel", dict(state, BV=bwd_bv, STAGES=bwd_stages, HAS_DX=True),
              f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "do_ptr", "dh_ptr"}), bwd_warps,
              bwd_stages),
+      Launch("state_pass", "_products_kernel",
+             dict(C=blocks.CHUNK, K=dk, V=dv, BK=min(_state_pass().PRODUCTS_BK, dk)),
+             f({"do_ptr", "h_ptr", "dh_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}),
+             _state_pass().PRODUCTS_WARPS, 1),
       Launch("intra_chunk", "_fwd_kernel",
              dict(intra, SBK=blocks.solve_bk(dk, dv), BATCHED_INVERSE=False),
              f({"q_ptr", "k_ptr", "v_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}),

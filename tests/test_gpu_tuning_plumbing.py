@@ -97,6 +97,23 @@ def test_the_model_builds_its_linear_layers_with_the_config_tuning():
                         for m in mixers)
 
 
+def test_state_products_choice_is_checked_and_needs_the_triton_extra():
+  # GpuTuning.state_products: "xla" (default) or "kernel" (Triton); "kernel" where the extra
+  # cannot run is refused by name rather than silently replaced.
+  from lineax_attn.ops import pallas_gpu, triton_gpu
+  assert ops.GpuTuning().state_products == "xla"
+  assert ops.GpuTuning.parse("state_products=kernel").state_products == "kernel"
+  with pytest.raises(ValueError, match="state_products"):
+    ops.GpuTuning(state_products="cuda")
+  assert pallas_gpu.state_products(ops.GpuTuning()) == "xla"
+  asked = ops.GpuTuning(state_products="kernel")
+  if triton_gpu.available():
+    assert pallas_gpu.state_products(asked) == "kernel"
+  else:
+    with pytest.raises(ValueError, match="state_products='xla'"):
+      pallas_gpu.state_products(asked)
+
+
 def test_state_pass_choice_is_checked_and_needs_the_triton_extra():
   # GpuTuning.state_pass: "mosaic" (default) or "triton"; anything else is refused by name. The
   # Triton path runs its own state pass whatever the field says; the Mosaic path refuses the

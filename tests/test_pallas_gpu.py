@@ -105,6 +105,25 @@ def test_kda_gradients_with_and_without_the_residual_match_scan(used):
     assert_close(g, want, GRAD_TOL, f"{used}: d{name}")
 
 
+def test_products_kernel_wiring_matches_scan(monkeypatch):
+  # GpuTuning(state_products="kernel") hands the reverse pass's dE, dO, E and the states to the
+  # products kernel (GPU-only: XLA's products stand in for it here, counted) and its outputs
+  # to the cotangents: KDA's gradients still the scan's.
+  from lineax_attn.ops import gpu_vjps, triton_gpu
+  calls = []
+  monkeypatch.setattr(triton_gpu, "available", lambda: True)
+  monkeypatch.setattr(gpu_vjps, "_products_kernel", lambda *a: calls.append(1) or tuple(
+      x.astype(jnp.bfloat16) if i < 4 else x
+      for i, x in enumerate(gpu_vjps.state_pass_products(*a))))
+  args, kw = make_inputs("kda", b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=6)
+  tuning = pallas_gpu.GpuTuning(state_products="kernel", channel_intra="xla")  # (no Triton here)
+  got = output_and_state_grads("kda", args, kw["initial_state"], "pallas_gpu", tuning=tuning)
+  assert calls, "the products kernel was not called"
+  want = output_and_state_grads("kda", args, kw["initial_state"], "scan")
+  for name, g, w in zip(["q", "k", "v", "g", "beta", "initial_state"], got, want):
+    assert_close(g, w, GRAD_TOL, f"products kernel wiring: d{name}")
+
+
 def test_each_tuning_traces_separately_under_one_jit(monkeypatch):
   # The tuning used to be module flags read at trace time, so changing one after a function
   # had been jitted was silently ignored. A GpuTuning is a static argument: one jitted function

@@ -415,6 +415,43 @@ def test_pallas_gpu_borrows_the_triton_channel_kernels(monkeypatch, mixer):
       assert_close(g_, w, GRAD_TOL, f"{mixer} channel_intra={choice} grad {i}")
 
 
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 128), (128, 64)])
+def test_state_pass_products_kernel_matches_float32_products(dk, dv):
+  # The one-program-a-chunk products against float32 products (HIGHEST) of the same bf16
+  # operands: only the outputs' bf16 rounding (and the accumulation order) differ.
+  r = np.random.default_rng(dk + dv)
+  n = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)
+  b, hv, nc, c = 1, 2, 3, 64
+  de, e = n(b, hv, nc, c, dv), n(b, hv, nc, c, dv)
+  do = n(b, hv, nc, c, dv).astype(BF)
+  h, dh = n(b, hv, nc, dk, dv).astype(BF), n(b, hv, nc, dk, dv).astype(BF)
+  got = jax.jit(tsp.state_pass_products)(de, do, e, h, dh)
+  f = lambda x: x.astype(BF).astype(jnp.float32)
+  mm = lambda spec, x, y: jnp.einsum(spec, f(x), f(y), precision=jax.lax.Precision.HIGHEST)
+  want = (mm("...cv,...kv->...ck", de, h), mm("...cv,...kv->...ck", do, h),
+          mm("...iv,...jv->...ij", do, e), mm("...cv,...kv->...ck", e, dh),
+          jnp.sum(f(h) * f(dh), axis=-1))
+  for name, g_, w, dtype in zip(("dNY", "dQG", "dP", "dKG", "dgc"), got, want,
+                                (BF, BF, BF, BF, jnp.float32)):
+    assert g_.shape == w.shape and g_.dtype == dtype, name
+    assert_close(g_.astype(jnp.float32), w, 1e-2 if dtype == BF else 1e-5, f"{name} K{dk} V{dv}")
+
+
+@pytest.mark.parametrize("mixer", ["kda", "gdn2"])
+def test_pallas_gpu_with_the_products_kernel_matches_scan(mixer):
+  # GpuTuning(state_products="kernel"): the state pass's backward products by the Triton
+  # kernel instead of XLA's; every gradient against the scan's, with a tail and two heads.
+  if not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):   # (on CPU: Mosaic's interpreter)
+    pytest.skip("pallas_gpu needs a Hopper GPU")
+  args, kw = make_inputs(mixer, b=1, t=100, h=1, hv=2, dk=64, dv=64, seed=9)
+  s0 = kw["initial_state"]
+  got = output_and_state_grads(mixer, args, s0, "pallas_gpu",
+                               tuning=ops.GpuTuning(state_products="kernel"))
+  want = output_and_state_grads(mixer, args, s0, "scan")
+  for i, (g_, w) in enumerate(zip(got, want)):
+    assert_close(g_, w, GRAD_TOL, f"{mixer} grad {i}")
+
+
 @pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule", "kda"])
 def test_pallas_gpu_with_the_triton_state_pass_matches_scan(monkeypatch, mixer):
   # GpuTuning(state_pass="triton"): pallas_gpu's intra part (Mosaic intra kernels for DeltaNet /

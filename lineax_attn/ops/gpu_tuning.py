@@ -19,6 +19,7 @@ PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
 STATE_PASS_CHOICES = ("mosaic", "triton")
+STATE_PRODUCTS_CHOICES = ("xla", "kernel")
 FORWARD_CHOICES = ("auto", "split", "fused", "walk")
 
 
@@ -106,6 +107,14 @@ class GpuTuning:
       0.456 / 0.430 (docs/BENCHMARKS.md "sixth stage"), but inside the whole op the two are
       within 2 % ("tenth stage"), so the default stays "mosaic". The Triton path always runs
       its own.
+    state_products: who makes the state pass's backward products (dNY = dE Sᵀ, dQG = dO Sᵀ,
+      dP = dO Eᵀ, dKG = E dS'ᵀ, dgc = Σ S ⊙ dS') on the paths with a state pass (KDA, GDN-2;
+      DeltaNet / GDN off the walks): "xla" (the default: four batched products, a reduction and
+      float32 -> bf16 copies of dE and E, ~0.4 ms of KDA's 3.9 at B4 T4096 H16 D128 on the
+      H200) or "kernel" (`pallas_kernels.gpu.triton.state_pass.state_pass_products`: one Triton
+      program a chunk reading each operand once; needs the triton extra: a ValueError without
+      it). Written 2026-12-04, the same products as XLA's in Triton's interpreter; untimed, so
+      not the default.
     forward: how DeltaNet / GDN (on the intra-kernel path) compute the chunk form: "split"
       (the intra-chunk kernel writes NY, QG, P, U, KG for the state pass, whose residuals the
       backward reads), "walk" (below), "auto" (the default: "walk" on `pallas_gpu` where the
@@ -166,6 +175,7 @@ class GpuTuning:
   channel_gates: str = "kernel"
   intra_grads: str = "auto"
   state_pass: str = "mosaic"
+  state_products: str = "xla"
   forward: str = "auto"
   channel_span: float = 80.0   # = blocks.CHANNEL_SPAN (literal: no kernel import at start-up)
   approx_math: bool = True
@@ -181,6 +191,7 @@ class GpuTuning:
                           ("channel_gates", CHANNEL_GATES_CHOICES),
                           ("intra_grads", INTRA_GRADS_CHOICES),
                           ("state_pass", STATE_PASS_CHOICES),
+                          ("state_products", STATE_PRODUCTS_CHOICES),
                           ("forward", FORWARD_CHOICES)):
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:

@@ -80,7 +80,7 @@ def interpret_kw(kernels, interpret):
   return {} if kernels == "triton" else {"interpret": interpret}
 
 
-def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic"):
+def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic", products="xla"):
   # Under shard_map(check_vma=True) (context parallelism, lineax_attn.parallel) every input,
   # output and cotangent must carry the varying axes its values have; the kernels' outputs carry
   # none. So the inputs are all cast to the union here, and inside the custom VJP (where no
@@ -89,7 +89,8 @@ def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic"):
   axes = vma(ny, qg, p, u, kg, gc, s0)
   args = [vary(x, axes) for x in (ny, qg, p, u, kg, gc, s0)]
   kernel_module(kernels, "state")  # validates `kernels`
-  return _state_pass_vjp(*args, interpret, tuple(sorted(axes)), kernels)
+  # products: who makes the backward's products (`GpuTuning.state_products`).
+  return _state_pass_vjp(*args, interpret, tuple(sorted(axes)), kernels, products)
 
 
 def primal_values(*xs):
@@ -108,21 +109,34 @@ def given_cotangents(cts):
 # symbolic_zeros: E (the write residual) is rarely an output anyone reads; its cotangent then
 # reaches the reverse pass as None, which reads nothing in its place (no [B, T, HV, V] float32
 # zeros made and streamed: KDA fwd+bwd 4.050 -> 3.943 ms at B4 T4096 H16 D128 on the H200).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products):
+  del products
   axes = frozenset(axes)
   outs = kernel_module(kernels, "state").state_passing_fwd(ny, qg, p, u, kg, gc, s0,
                                                           **interpret_kw(kernels, interpret))
   return tuple(vary(x, axes) for x in outs)
 
 
-def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels):
+def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products):
+  del products
   ny, qg, p, u, kg, gc, s0 = primal_values(ny, qg, p, u, kg, gc, s0)
   axes = frozenset(axes)
   outs = kernel_module(kernels, "state").state_passing_fwd(
       ny, qg, p, u, kg, gc, s0, save_states=True, **interpret_kw(kernels, interpret))
   o, e, s_final, h = (vary(x, axes) for x in outs)
   return (o, e, s_final), (ny, qg, p, kg, gc, h, e)
+
+
+def _products_kernel(de, do, e, h, dh):
+  """`state_pass_products` by the Triton kernel (`GpuTuning.state_products="kernel"`)."""
+  from pallas_kernels.gpu.triton import state_pass as tsp  # pylint: disable=g-import-not-at-top
+  return tsp.state_pass_products(de, do, e, h, dh)
+
+
+def _triton_blocks():
+  from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
+  return blocks
 
 
 def _mm(spec, a, b):
@@ -142,7 +156,7 @@ def state_pass_products(de, do, e, h, dh):
   return d_ny, d_qg, d_p, d_kg, d_gc
 
 
-def _state_pass_bwd(interpret, axes, kernels, res, cts):
+def _state_pass_bwd(interpret, axes, kernels, products, res, cts):
   ny, qg, p, kg, gc, h, e = res
   do, de_ext, ds_final = given_cotangents(cts)
   do = jnp.zeros(e.shape, _MM) if do is None else do
@@ -150,7 +164,11 @@ def _state_pass_bwd(interpret, axes, kernels, res, cts):
   de, dh, ds0 = kernel_module(kernels, "state").state_passing_bwd(
       ny, qg, p, kg, gc, do.astype(_MM), None if de_ext is None else de_ext.astype(_F32),
       ds_final.astype(_F32), **interpret_kw(kernels, interpret))
-  d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, do, e, h, dh)
+  c, (dk, dv) = e.shape[-2], h.shape[-2:]
+  if products == "kernel" and _triton_blocks().supported(c, dk, dv) is None:
+    d_ny, d_qg, d_p, d_kg, d_gc = _products_kernel(de, do.astype(_MM), e, h, dh)
+  else:   # (sizes the Triton kernels do not take: XLA's products)
+    d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, do, e, h, dh)
   axes = frozenset(axes)
   cts = (d_ny.astype(ny.dtype), d_qg.astype(qg.dtype), d_p.astype(p.dtype), de,
          d_kg.astype(kg.dtype), d_gc, ds0)

@@ -148,6 +148,19 @@ def state_kernels(tuning: GpuTuning, kernels: str) -> str:
   return "triton"
 
 
+def state_products(tuning: GpuTuning) -> str:
+  """Who makes the state pass's backward products (`GpuTuning.state_products`): "kernel" only
+  where the triton extra runs (a ValueError otherwise, not a silent fallback)."""
+  if tuning.state_products == "xla":
+    return "xla"
+  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+  if not triton_gpu.available():
+    raise ValueError("GpuTuning(state_products='kernel') needs the triton extra (missing: "
+                     f"{', '.join(triton_gpu.missing_packages()) or 'none'}) and a CUDA GPU "
+                     f"(backend: {jax.default_backend()}); use state_products='xla'.")
+  return "kernel"
+
+
 def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernels):
   """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
   if channel_kernel_applies(q, k_erase, v_write, g, c=c, tuning=tuning, kernels=kernels):
@@ -157,7 +170,8 @@ def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernel
   else:
     ny, qg, p, u, kg, gc = prepare_chunks(q, k, k_erase, v_write, g, segidx, c=c,
                                           tuning=tuning)
-  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state_kernels(tuning, kernels))
+  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state_kernels(tuning, kernels),
+                             state_products(tuning))
   return from_chunks(o), from_chunks(e), s_final
 
 

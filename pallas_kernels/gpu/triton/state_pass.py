@@ -16,6 +16,10 @@ async copies while chunk c computes). The loop asks for it itself: triton 3.6 di
 this loop from the launch's `num_stages` alone (its TTGIR had no async copy at 1, 2 or 3
 stages; with `tl.range` it has four).
 
+`state_pass_products`: the reverse pass's cotangents that are products, per chunk (one program
+a chunk, no walk): dNY = dE Sᵀ, dQG = dO Sᵀ, dP = dO Eᵀ, dKG = E dS'ᵀ and dgc = Σ_v S ⊙ dS',
+each operand read once for all of them.
+
 Offsets are int64 (a B·T·H·D past 2^31 elements stays exact); the chunk count is a run-time
 argument, so one compiled kernel serves every sequence length.
 
@@ -211,3 +215,57 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, launch=None):
       ds_final.astype(f32), nc, kernel=_bwd_kernel, out_shape=out_shape,
       grid=(dv // bv, b * hv), C=c, K=dk, V=dv, BV=bv, HAS_DX=de_ext is not None,
       STAGES=launch["num_stages"], **launch))
+
+
+@triton.jit
+def _products_kernel(de_ptr, do_ptr, e_ptr, h_ptr, dh_ptr, dny_ptr, dqg_ptr, dp_ptr, dkg_ptr,
+                     dgc_ptr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BK: tl.constexpr):
+  """One chunk's dNY, dQG, dKG [C, K], dP [C, C] (bf16) and dgc [K] (float32); S, dS' are
+  read in BK-row slices, so no [K, V] tile is held whole."""
+  chunk = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+  rc, rv, rb = tl.arange(0, C), tl.arange(0, V), tl.arange(0, BK)
+  cv = chunk * C * V + rc[:, None] * V + rv[None, :]
+  de = tl.load(de_ptr + cv).to(tl.bfloat16)
+  do = tl.load(do_ptr + cv).to(tl.bfloat16)
+  e = tl.load(e_ptr + cv).to(tl.bfloat16)
+  dp = tl.dot(do, tl.trans(e))
+  tl.store(dp_ptr + chunk * C * C + rc[:, None] * C + rc[None, :], dp.to(tl.bfloat16))
+  for s in tl.range(K // BK):
+    rk = s * BK + rb
+    kv = chunk * K * V + rk[:, None] * V + rv[None, :]
+    h = tl.load(h_ptr + kv)
+    dh = tl.load(dh_ptr + kv)
+    ck = chunk * C * K + rc[:, None] * K + rk[None, :]
+    tl.store(dny_ptr + ck, tl.dot(de, tl.trans(h)).to(tl.bfloat16))     # E = U + NY·S
+    tl.store(dqg_ptr + ck, tl.dot(do, tl.trans(h)).to(tl.bfloat16))     # O = QG·S + P·E
+    tl.store(dkg_ptr + ck, tl.dot(e, tl.trans(dh)).to(tl.bfloat16))     # S' = gc⊙S + KGᵀ·E
+    tl.store(dgc_ptr + chunk * K + rk,
+             tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=1))
+
+
+PRODUCTS_WARPS = 8   # ptxas (sm_90a, K = V = 128, BK 64): see `state_pass_products`
+PRODUCTS_BK = 64
+
+
+@jax.jit
+def state_pass_products(de, do, e, h, dh):
+  """`lineax_attn.ops.gpu_vjps.state_pass_products` in one kernel: (dNY, dQG, dP, dKG, dgc) from
+  dE, dO, E `[B, HV, Nc, C, V]` (any float dtype; rounded to bf16 as operands) and the states
+  h, dh `[B, HV, Nc, K, V]` bf16; dNY, dQG, dKG `[B, HV, Nc, C, K]` and dP `[..., C, C]` in
+  bf16 (float32 accumulation, rounded once, as XLA's products rounded to the operands' bf16),
+  dgc `[B, HV, Nc, K]` float32. XLA makes them as four batched products, a reduction and
+  float32 -> bf16 copies of dE and E, each pass reading its operands again."""
+  b, hv, nc, c, dv = de.shape
+  dk = h.shape[-2]
+  reason = blocks.supported(c, dk, dv)
+  if reason:
+    raise ValueError(f"state_pass_products: {reason}.")
+  bf = MM_DTYPE
+  out_shape = _structs(((b, hv, nc, c, dk), bf), ((b, hv, nc, c, dk), bf), ((b, hv, nc, c, c), bf),
+                       ((b, hv, nc, c, dk), bf), ((b, hv, nc, dk), jnp.float32))
+  d_ny, d_qg, d_p, d_kg, d_gc = _jax_triton().triton_call(
+      de, do, e, h.astype(bf), dh.astype(bf), kernel=_products_kernel,
+      out_shape=out_shape, grid=(nc, b * hv),
+      num_warps=PRODUCTS_WARPS, num_stages=1, C=c, K=dk, V=dv, BK=min(PRODUCTS_BK, dk))
+  return d_ny, d_qg, d_p, d_kg, d_gc
