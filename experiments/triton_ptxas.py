@@ -142,6 +142,11 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
              dict(channel_bwd, GRADS=True, PRODUCTS=True, ERASE=1, WRITE=1, QS=0.0883883461),
              f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr",
                 "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr", "dps_ptr"}), blocks.CHANNEL_WARPS, 1),
+      # ... the state pass's products given (state_products "kernel" / "xla"), gates on chip
+      Launch("channel_intra", "_bwd_kernel+grads@gates",
+             dict(channel_bwd, GRADS=True, PRODUCTS=False, ERASE=1, WRITE=1, QS=0.0883883461),
+             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr",
+                "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
   ] + (_fused_launches(dk, dv, packed, hopper) if dk <= 128 else [])
 
 

@@ -105,6 +105,10 @@ def test_state_products_choice_is_checked_and_needs_the_triton_extra():
   assert ops.GpuTuning.parse("state_products=kernel").state_products == "kernel"
   with pytest.raises(ValueError, match="state_products"):
     ops.GpuTuning(state_products="cuda")
+  with pytest.raises(ValueError, match="needs channel_grads='states'"):
+    ops.GpuTuning(state_products="channel")       # (the channel kernel's own products)
+  assert ops.GpuTuning(channel_grads="states", state_products="channel").state_products == (
+      "channel")
   assert pallas_gpu.state_products(ops.GpuTuning()) == "xla"
   asked = ops.GpuTuning(state_products="kernel")
   if triton_gpu.available():

@@ -748,27 +748,32 @@ def test_channel_kernels_apply_erase_and_write_gates_on_chip(gates):
     assert_close(np.asarray(a).reshape(b.shape), np.asarray(b), 1e-5, f"{name} ({gates})")
 
 
-@pytest.mark.parametrize("implementation,gates", [("triton", "kernel"), ("pallas_gpu", "kernel"),
-                                                 ("pallas_gpu", "xla")])
+@pytest.mark.parametrize("implementation,gates,products", [
+    ("triton", "kernel", "channel"), ("pallas_gpu", "kernel", "channel"),
+    ("pallas_gpu", "xla", "channel"), ("pallas_gpu", "kernel", "kernel"),
+    ("pallas_gpu", "kernel", "xla"), ("pallas_gpu", "xla", "kernel")])
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
-def test_op_with_channel_grads_states_matches_scan(monkeypatch, mixer, implementation, gates):
+def test_op_with_channel_grads_states_matches_scan(monkeypatch, mixer, implementation, gates,
+                                                   products):
   # Every gradient of a loss on the output and the final state through the state pass and
   # channel kernels' one custom VJP (channel_grads="states"; bounded span, the default), the
-  # erase / write gates applied on chip or by XLA (channel_gates), against the scan; the
-  # products kernel is what ran.
+  # erase / write gates applied on chip or by XLA (channel_gates), the state pass's products
+  # made by the channel kernel, the products kernel or XLA (state_products), against the
+  # scan; the states path is what ran, with the products asked for.
   if implementation == "pallas_gpu" and not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
     pytest.skip("pallas_gpu needs a Hopper GPU")
   calls, real = [], gpu_prepare._channel_kernel_states_call
   monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call",
-                      lambda *a, **k: calls.append(1) or real(*a, **k))
+                      lambda *a, **k: calls.append(k["products"]) or real(*a, **k))
   tuning = ops.GpuTuning(channel_grads="states", channel_gates=gates, triton_intra="kernel",
-                         channel_intra="triton")
+                         channel_intra="triton", state_products=products)
   args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=12)
   got = output_and_state_grads(mixer, args, kw["initial_state"], implementation, tuning=tuning)
-  assert calls, "the products kernel did not run"
+  assert calls and set(calls) == {products}, calls
   want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
   for i, (g_, w) in enumerate(zip(got, want)):
-    assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} states, {gates} gates, grad {i}")
+    assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} states, {gates} gates, "
+                                  f"{products} products, grad {i}")
 
 
 @pytest.mark.parametrize("mixer,t", [("kda", 1), ("gdn2", 64), ("kda", 65)])
@@ -778,7 +783,8 @@ def test_op_with_channel_grads_states_at_the_edges_of_t(monkeypatch, mixer, t):
   calls, real = [], gpu_prepare._channel_kernel_states_call
   monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call",
                       lambda *a, **k: calls.append(1) or real(*a, **k))
-  tuning = ops.GpuTuning(channel_grads="states", triton_intra="kernel", channel_intra="triton")
+  tuning = ops.GpuTuning(channel_grads="states", triton_intra="kernel", channel_intra="triton",
+                         state_products="kernel")
   args, kw = make_inputs(mixer, b=2, t=t, h=2, hv=2, dk=64, dv=64, seed=17 + t)
   fwd = lambda impl, tun: jax.jit(lambda *a: run(mixer, a, implementation=impl, tuning=tun,
                                                  return_residual=True))(*args)
@@ -799,7 +805,8 @@ def test_op_with_channel_grads_states_on_packed_rows(monkeypatch, mixer):
   calls, real = [], gpu_prepare._channel_kernel_states_call
   monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call",
                       lambda *a, **k: calls.append(a[6] is not None) or real(*a, **k))
-  tuning = ops.GpuTuning(channel_grads="states", triton_intra="kernel", channel_intra="triton")
+  tuning = ops.GpuTuning(channel_grads="states", triton_intra="kernel", channel_intra="triton",
+                         state_products="channel")
   args, kw = make_inputs(mixer, b=1, t=150, h=1, hv=2, dk=64, dv=64, seed=19)
   s0 = kw["initial_state"]
   seg = jnp.asarray(np.repeat([[1, 2]], [90, 60]))[None]

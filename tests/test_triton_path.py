@@ -282,8 +282,8 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
   interpret = gpu_vjps.interpret_params()
 
   def states_call(q, k, v, erase, write, g, segidx, m, de, do, e, h, dh, c, span=0.0,
-                  on_chip=True, q_scale=1.0):
-    assert on_chip
+                  on_chip=True, q_scale=1.0, products="channel"):
+    assert on_chip and products == "channel"   # (channel_state_core's default)
     q = q * q_scale
     kt, vt = k * erase, v * write
     d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.state_pass_products(de, do, e, h, dh)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from lineax_attn.ops import chunked
 from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, segment_masks, to_chunks
 from lineax_attn.ops.gpu_tuning import DEFAULT_TUNING, GpuTuning
+from lineax_attn.ops import gpu_vjps
 from lineax_attn.ops.gpu_vjps import (channel_pairs_kernel, given_cotangents, interpret_kw,
                                       interpret_params, kernel_module, primal_values, vma)
 from pallas_kernels.gpu import channel_pair as cp
@@ -218,21 +219,31 @@ def _erased_and_written(k, v, erase, write):
 
 
 def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c,
-                                span=0.0, on_chip=True, q_scale=1.0):
-  """The fused backward kernel making the state pass's products itself, the gates applied on
+                                span=0.0, on_chip=True, q_scale=1.0, products="channel"):
+  """The fused backward kernel after the state pass's reverse kernel, the gates applied on
   chip (on_chip) or to k̃, ṽ made here (then their chain rule here too): (dq, dk, dv, dg,
   d_erase, d_write) float32, d_write None without a write gate; the gates' gradients have one
-  entry per row (`[B, T, HV]`) for `[B, T, HV, 1]` gates."""
+  entry per row (`[B, T, HV]`) for `[B, T, HV, 1]` gates. products
+  (`GpuTuning.state_products`): who makes the state pass's cotangent products from dE, dO, E and
+  the chunk states: "channel" this kernel, "kernel" the Triton products kernel, "xla" XLA."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
-  call = functools.partial(channel_intra.channel_intra_grads_from_states, chunk=c,
-                           span=float(span), q_scale=float(q_scale))
+  if products == "channel":
+    call = functools.partial(channel_intra.channel_intra_grads_from_states, chunk=c,
+                             span=float(span), q_scale=float(q_scale))
+    tail = (de, do, e, h, dh)
+  else:
+    make = gpu_vjps.products_kernel if products == "kernel" else gpu_vjps.state_pass_products
+    d_ny, d_qg, d_p, d_kg, d_gc = make(de, do, e, h, dh)
+    call = functools.partial(channel_intra.channel_intra_grads_gated, chunk=c,
+                             span=float(span), q_scale=float(q_scale))
+    tail = (d_ny, d_qg, d_p, de, d_kg, d_gc)
   if on_chip:
-    dq, dk, _, dv, dg, d_erase, d_write = call(q, k, k, v, G, segments, m, de, do, e, h, dh,
+    dq, dk, _, dv, dg, d_erase, d_write = call(q, k, k, v, G, segments, m, *tail,
                                                erase=erase, write=write)
     return dq, dk, dv, dg, d_erase, d_write
   kt, vt = _erased_and_written(k, v, erase, write)   # remade, not kept from the forward
-  dq, dk, dkt, dvt, dg, _, _ = call(q, k, kt, vt, G, segments, m, de, do, e, h, dh)
+  dq, dk, dkt, dvt, dg, _, _ = call(q, k, kt, vt, G, segments, m, *tail)
   rows = lambda x, gate: jnp.sum(x, -1) if gate.shape[-1] == 1 else x
   d_erase = rows(dkt * k.astype(_F32), erase)
   d_write = None if write is None else rows(dvt * v.astype(_F32), write)
@@ -240,7 +251,7 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
 
 
 def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels, interpret,
-                       gates_on_chip=True, scale=1.0):
+                       gates_on_chip=True, scale=1.0, products="channel"):
   """KDA / GDN-2's chunk form on the Triton channel kernels and the state pass (`kernels`:
   "mosaic" or "triton") under one custom VJP (`GpuTuning(channel_grads="states")`).
 
@@ -253,23 +264,26 @@ def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels
   chunk states, E, dE and dO on chip, where the split composition has XLA make them (four
   batched products, a reduction and two float32 -> bf16 copies). gates_on_chip=False
   (`GpuTuning.channel_gates="xla"`, for A/B) makes k̃, ṽ and the gates' chain rule in XLA
-  instead, inside the same VJP. Returns (o, e, s_final), o and e chunk-major. Not under
-  shard_map (as the channel kernels)."""
+  instead, inside the same VJP. products (`GpuTuning.state_products`): "channel" (the channel
+  backward kernel makes the products, as above), "kernel" (the Triton products kernel, then
+  the channel kernel fed them) or "xla" (XLA's products). Returns (o, e, s_final), o and e
+  chunk-major. Not under shard_map (as the channel kernels)."""
   kernel_module(kernels, "state")  # validates `kernels`
   return _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, float(span), kernels,
-                            interpret, bool(gates_on_chip), float(scale))
+                            interpret, bool(gates_on_chip), float(scale), products)
 
 
 # write None: a pytree without leaves, whose cotangent is None.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
 def _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
-                       on_chip, scale):
+                       on_chip, scale, products):
   return _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels,
-                            interpret, on_chip, scale)[0]
+                            interpret, on_chip, scale, products)[0]
 
 
 def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
-                       on_chip, scale):
+                       on_chip, scale, products):
+  del products   # (the backward's)
   q, k, v, erase, write, g, s0, segidx = primal_values(q, k, v, erase, write, g, s0, segidx)
   G = _chunk_gates(g, c)
   if on_chip:
@@ -283,7 +297,7 @@ def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, i
   return (o, e, s_final), (q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h)
 
 
-def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, res, cts):
+def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, products, res, cts):
   q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h = res
   do, de_ext, ds_final = given_cotangents(cts)   # None: an output the caller did not use
   do = jnp.zeros(e.shape, _MM) if do is None else do.astype(_MM)
@@ -292,7 +306,8 @@ def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, res, cts):
       ny, qg, p, kg, gc, do, None if de_ext is None else de_ext.astype(_F32),
       ds_final.astype(_F32), **interpret_kw(kernels, interpret))
   dq, dk, dv, dg, d_erase, d_write = _channel_kernel_states_call(
-      q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c, span, on_chip, scale)
+      q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c, span, on_chip, scale,
+      products=products)
   back = lambda d, x: None if x is None else d.reshape(x.shape).astype(x.dtype)
   return (back(dq, q), back(dk, k), back(dv, v), back(d_erase, erase), back(d_write, write),
           back(dg, g), ds0, None)

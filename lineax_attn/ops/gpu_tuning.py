@@ -19,7 +19,7 @@ PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
 STATE_PASS_CHOICES = ("mosaic", "triton")
-STATE_PRODUCTS_CHOICES = ("xla", "kernel")
+STATE_PRODUCTS_CHOICES = ("xla", "kernel", "channel")
 FORWARD_CHOICES = ("auto", "split", "fused", "walk")
 
 
@@ -79,7 +79,8 @@ class GpuTuning:
       (`gpu_prepare.channel_state_core`): four batched products, a reduction and two float32
       copies of XLA's fewer between the kernels, ~0.4 ms of KDA's 4.1 at B4 T4096 H16 D128 by
       the H200's profile of 2026-12-04; `channel_gates` below says who applies KDA / GDN-2's
-      erase and write gates there. Tested in the interpreters against the split composition
+      erase and write gates there, `state_products` who makes the products: the channel kernel
+      as described with "channel", XLA or the products kernel otherwise. Tested in the interpreters against the split composition
       and the scan, compiled tests passed; timed on the H200 (2026-12-04, docs/BENCHMARKS.md
       "eighteenth stage") it is slower: KDA fwd+bwd 5.14 ms against the default's 4.05, its
       backward kernel 3.48 ms against 1.90, so it stays opt-in).
@@ -113,8 +114,12 @@ class GpuTuning:
       float32 -> bf16 copies of dE and E, ~0.4 ms of KDA's 3.9 at B4 T4096 H16 D128 on the
       H200) or "kernel" (`pallas_kernels.gpu.triton.state_pass.state_pass_products`: one Triton
       program a chunk reading each operand once; needs the triton extra: a ValueError without
-      it). Written 2026-12-04, the same products as XLA's in Triton's interpreter; untimed, so
-      not the default.
+      it), or, with channel_grads="states" only, "channel" (the channel backward kernel makes
+      them itself: `channel_intra_grads_from_states`, what "states" did alone until 2026-12-04;
+      timed slower there, docs/BENCHMARKS.md "eighteenth stage"). Under "states" the other two
+      feed the channel kernel the products, its gates and q's scale still on chip. Written
+      2026-12-04, the same products as XLA's in Triton's interpreter; untimed, so not the
+      default.
     forward: how DeltaNet / GDN (on the intra-kernel path) compute the chunk form: "split"
       (the intra-chunk kernel writes NY, QG, P, U, KG for the state pass, whose residuals the
       backward reads), "walk" (below), "auto" (the default: "walk" on `pallas_gpu` where the
@@ -199,6 +204,10 @@ class GpuTuning:
     for name in ("remat_intra", "approx_math", "join_exit"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"GpuTuning.{name} must be a bool, got {getattr(self, name)!r}.")
+    if self.state_products == "channel" and self.channel_grads != "states":
+      raise ValueError("GpuTuning.state_products='channel' (the channel kernel makes the "
+                       "products) needs channel_grads='states', got channel_grads="
+                       f"{self.channel_grads!r}.")
     wgs = self.grads_warpgroups
     if isinstance(wgs, bool) or wgs not in (1, 2):
       raise ValueError(f"GpuTuning.grads_warpgroups must be 1 or 2, got {wgs!r}.")

@@ -128,7 +128,7 @@ def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products
   return (o, e, s_final), (ny, qg, p, kg, gc, h, e)
 
 
-def _products_kernel(de, do, e, h, dh):
+def products_kernel(de, do, e, h, dh):
   """`state_pass_products` by the Triton kernel (`GpuTuning.state_products="kernel"`)."""
   from pallas_kernels.gpu.triton import state_pass as tsp  # pylint: disable=g-import-not-at-top
   return tsp.state_pass_products(de, do, e, h, dh)
@@ -166,7 +166,7 @@ def _state_pass_bwd(interpret, axes, kernels, products, res, cts):
       ds_final.astype(_F32), **interpret_kw(kernels, interpret))
   c, (dk, dv) = e.shape[-2], h.shape[-2:]
   if products == "kernel" and _triton_blocks().supported(c, dk, dv) is None:
-    d_ny, d_qg, d_p, d_kg, d_gc = _products_kernel(de, do.astype(_MM), e, h, dh)
+    d_ny, d_qg, d_p, d_kg, d_gc = products_kernel(de, do.astype(_MM), e, h, dh)
   else:   # (sizes the Triton kernels do not take: XLA's products)
     d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, do, e, h, dh)
   axes = frozenset(axes)

@@ -151,8 +151,8 @@ def state_kernels(tuning: GpuTuning, kernels: str) -> str:
 def state_products(tuning: GpuTuning) -> str:
   """Who makes the state pass's backward products (`GpuTuning.state_products`): "kernel" only
   where the triton extra runs (a ValueError otherwise, not a silent fallback)."""
-  if tuning.state_products == "xla":
-    return "xla"
+  if tuning.state_products in ("xla", "channel"):   # (the channel kernels ask for triton)
+    return tuning.state_products
   from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
   if not triton_gpu.available():
     raise ValueError("GpuTuning(state_products='kernel') needs the triton extra (missing: "
@@ -553,7 +553,8 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
                                        span=tuning.channel_span,
                                        interpret=interpret,
                                        kernels=state_kernels(tuning, kernels),
-                                       gates_on_chip=tuning.channel_gates == "kernel")
+                                       gates_on_chip=tuning.channel_gates == "kernel",
+                                       products=state_products(tuning))
     return (from_chunks(o)[:, :t], (s_final if output_final_state else None),
             from_chunks(e)[:, :t])
   q = jnp.repeat(q, n_rep, axis=2) * scale

@@ -835,6 +835,25 @@ def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "solve_bk",
                                              "span", "q_scale"))
+def channel_intra_grads_gated(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc, *,
+                              chunk: int, num_warps: int = blocks.CHANNEL_WARPS,
+                              band_stages: int = blocks.CHANNEL_BAND_STAGES,
+                              solve_bk: int | None = None, span: float = blocks.CHANNEL_SPAN,
+                              erase=None, write=None, q_scale: float = 1.0):
+  """`channel_intra_grads` (the state pass's cotangents given) with
+  `channel_intra_grads_from_states`' gates and q scale on chip and its returns: (dq, dk, dkt,
+  dvt, dg, d_erase, d_write), dkt None with an erase gate (dk is then k's whole gradient), dvt
+  v's gradient with a write gate. For products made outside the kernel
+  (`GpuTuning.state_products`)."""
+  dq, dkt, dk, _, dvt, _, dg, d_erase, d_write = _bwd_call(
+      q, k, kt, vt, G, segments, m, dny, dp, du, (dqg, dkg, dgc), chunk=chunk,
+      num_warps=num_warps, band_stages=band_stages, solve_bk=solve_bk, span=span, erase=erase,
+      write=write, q_scale=q_scale)
+  return dq, dk, None if erase is not None else dkt, dvt, dg, d_erase, d_write
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "solve_bk",
+                                             "span", "q_scale"))
 def channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e, h, dh, *,
                                     chunk: int, num_warps: int = blocks.CHANNEL_WARPS,
                                     band_stages: int = blocks.CHANNEL_BAND_STAGES,
