@@ -31,10 +31,11 @@ resources:
   wired in `_walk_train_core`. On the H200 (2026-12-04) fwd+bwd GDN 1.16 ms, DeltaNet 1.24,
   linear attention 0.67 against the split's 2.36 / 2.15 / 1.95 (docs/BENCHMARKS.md "fifteenth
   stage"). Packed rows keep the split.
-* **KDA / GDN-2 under one VJP (`GpuTuning(channel_grads="states")`, opt-in, untimed):** the
-  Triton channel kernels and the state pass in `gpu_prepare.channel_state_core`; the backward
-  kernel makes the state pass's products from the chunk states itself, and with
-  `channel_gates="kernel"` the erase / write gates are applied on chip.
+* **KDA / GDN-2 under one VJP (`GpuTuning(channel_grads="states")`, opt-in):** the Triton
+  channel kernels and the state pass in `gpu_prepare.channel_state_core`; the state pass's
+  products made by the channel backward kernel itself (`state_products="channel"`: timed
+  slower, docs/BENCHMARKS.md "eighteenth stage"), the products kernel or XLA, and with
+  `channel_gates="kernel"` the erase / write gates applied on chip.
 * **Fused (DeltaNet / GDN, `GpuTuning(forward="fused")`, opt-in; on the H200 slower than the
   split in fwd+bwd, docs/BENCHMARKS.md "twelfth stage"):** the Triton
   kernels of `pallas_kernels.gpu.triton.fused_forward` instead of the intra-chunk kernel and
