@@ -63,6 +63,7 @@ CASES = {
     "GVA, K 64, V 128": (1, 128, 1, 2, 64, 128, 1.0, False, True),
     "-1e4 gates": (1, 64, 1, 1, 64, 64, 1.0, True, True),
     "ungated (DeltaNet)": (1, 128, 1, 1, 64, 64, 1.0, False, False),
+    "K 128, V 128, GVA, one chunk": (1, 64, 1, 2, 128, 128, 1.0, False, True),
 }
 if ON_GPU:
   CASES.update({
