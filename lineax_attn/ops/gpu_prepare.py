@@ -73,12 +73,9 @@ def channel_kernel_applies(q, kt, vt, g, *, c, tuning: GpuTuning, kernels: str) 
     return False
   if kernels != "triton":   # pallas_gpu borrowing the Triton kernels: say clearly if it cannot
     from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
-    if not triton_gpu.available():
-      if tuning.channel_intra == "auto":
-        return False
-      raise ValueError("GpuTuning(channel_intra='triton') needs the triton extra "
-                       f"(missing: {', '.join(triton_gpu.missing_packages()) or 'none'}) and a "
-                       f"CUDA GPU (backend: {jax.default_backend()}); use channel_intra='xla'.")
+    if not triton_gpu.available() and tuning.channel_intra == "auto":
+      return False
+    triton_gpu.require("channel_intra='triton'", "channel_intra='xla'")
   from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
   return (blocks.intra_supported("channel-gate", c, q.shape[-1], vt.shape[-1]) is None
           and not vma(q, kt, vt))

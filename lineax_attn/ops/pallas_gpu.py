@@ -142,10 +142,7 @@ def state_kernels(tuning: GpuTuning, kernels: str) -> str:
   if kernels != "mosaic" or tuning.state_pass == "mosaic":
     return kernels
   from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
-  if not triton_gpu.available():
-    raise ValueError("GpuTuning(state_pass='triton') needs the triton extra (missing: "
-                     f"{', '.join(triton_gpu.missing_packages()) or 'none'}) and a CUDA GPU "
-                     f"(backend: {jax.default_backend()}); use state_pass='mosaic'.")
+  triton_gpu.require("state_pass='triton'", "state_pass='mosaic'")
   return "triton"
 
 
@@ -155,10 +152,7 @@ def state_products(tuning: GpuTuning) -> str:
   if tuning.state_products in ("xla", "channel"):   # (the channel kernels ask for triton)
     return tuning.state_products
   from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
-  if not triton_gpu.available():
-    raise ValueError("GpuTuning(state_products='kernel') needs the triton extra (missing: "
-                     f"{', '.join(triton_gpu.missing_packages()) or 'none'}) and a CUDA GPU "
-                     f"(backend: {jax.default_backend()}); use state_products='xla'.")
+  triton_gpu.require("state_products='kernel'", "state_products='xla'")
   return "kernel"
 
 
@@ -204,10 +198,7 @@ def fused_forward_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int) 
   if tuning.forward != "fused":
     return False
   from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
-  if not triton_gpu.available():
-    raise ValueError("GpuTuning(forward='fused') needs the triton extra (missing: "
-                     f"{', '.join(triton_gpu.missing_packages()) or 'none'}) and a CUDA GPU "
-                     f"(backend: {jax.default_backend()}); use forward='split'.")
+  triton_gpu.require("forward='fused'", "forward='split'")
   from pallas_kernels.gpu.triton import fused_forward as ff  # pylint: disable=g-import-not-at-top
   return ff.supported(chunk_size, dk, dv) is None
 

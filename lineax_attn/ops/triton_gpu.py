@@ -70,6 +70,16 @@ def available() -> bool:
   return interpreted() or (not missing_packages() and _on_cuda())
 
 
+def require(asked: str, instead: str) -> None:
+  """ValueError naming the GpuTuning choice `asked` (e.g. "state_pass='triton'") and the one to
+  use `instead` where the triton extra cannot run: a tuning that asks for the Triton kernels
+  is refused by name, never silently replaced."""
+  if not available():
+    raise ValueError(f"GpuTuning({asked}) needs the triton extra (missing: "
+                     f"{', '.join(missing_packages()) or 'none'}) and a CUDA GPU "
+                     f"(backend: {jax.default_backend()}); use {instead}.")
+
+
 def _on_cuda() -> bool:
   """JAX's default device is an NVIDIA GPU (the kernels are untested on ROCm)."""
   device = jax.devices()[0]

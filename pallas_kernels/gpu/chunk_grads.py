@@ -180,9 +180,7 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
           entry, exit_ = jnp.exp(g_row), jnp.exp(g_last - g_row)
           be_row = beta_row * entry
 
-          def decay():
-            diff = mc.rows(g_row, (c, c)) - mc.cols(plgpu.load(g_cols, layout=_COLS), (c, c))
-            return jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+          decay = lambda: _decay_mask(g_row, g_cols, lower)
           gam = decay()   # kept for dA, next: little else is live yet (the dL phase remakes it)
           m_s[...] = (m_s[...].astype(_F32) * gam).astype(MM_DTYPE)    # M = T0 ⊙ Γ
         else:
@@ -288,6 +286,14 @@ def _chunk_grads(q, k, v, e, do, t0, g, beta, h_t, dh_t, de_t, *, scale, gated, 
                                                             dh_t, de_t)
 
 
+def _decay_mask(g_row, g_cols, lower):
+  """Γ_ij = e^{G_i − G_j} on i ≥ j (`lower`), 0 above: the chunk's rows of G as loaded (`_ROWS`)
+  and its columns read from their shared-memory copy (exponents ≤ 0: no overflow)."""
+  n = g_row.shape[0]
+  diff = mc.rows(g_row, (n, n)) - mc.cols(plgpu.load(g_cols, layout=_COLS), (n, n))
+  return jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+
+
 def _issue_loads(ins, tiles, coords, bars):
   """Starts every load of a CTA's chunk at once, in the order of first use, each on its own
   barrier: 0, 1 the gate rows (as rows and as columns), 2 β, 3 T0, 4 q, 5 k, 6 dO, 7 E, 8 Sᵀ,
@@ -355,9 +361,7 @@ def _split_kernel(q_ref, k_ref, v_ref, e_ref, do_ref, t0_ref, g_ref, beta_ref, h
       return beta_row, one, one, beta_row, jnp.where(lower(), 1.0, 0.0)
     g_row = plgpu.load(g_rows, layout=_ROWS)
     entry, exit_ = jnp.exp(g_row), jnp.exp(g_rows[c - 1] - g_row)
-    diff = mc.rows(g_row, (c, c)) - mc.cols(plgpu.load(g_cols, layout=_COLS), (c, c))
-    gam = jnp.where(lower(), jnp.exp(jnp.where(lower(), diff, 0.0)), 0.0)
-    return beta_row, entry, exit_, beta_row * entry, gam
+    return beta_row, entry, exit_, beta_row * entry, _decay_mask(g_row, g_cols, lower())
 
   @pl.when(wg == 0)
   def _dq_side():
