@@ -29,8 +29,8 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
   assert ops.GpuTuning().approx_math is True           # ex2.approx in chunk_grads by default
   assert ops.GpuTuning.parse("join_exit=false").join_exit is False
   assert ops.GpuTuning().join_exit is True             # timed faster on the H200: the default
-  assert ops.GpuTuning.parse("grads_warpgroups=2").grads_warpgroups == 2
-  assert ops.GpuTuning().grads_warpgroups == 1         # untimed: not the default
+  assert ops.GpuTuning.parse("grads_warpgroups=1").grads_warpgroups == 1
+  assert ops.GpuTuning().grads_warpgroups == 2         # timed faster on the H200: the default
 
 
 @pytest.mark.parametrize("text, match", [
@@ -78,8 +78,11 @@ def test_the_layer_passes_its_tuning_to_pallas_gpu_only():
   x = jax.random.normal(jax.random.key(0), (1, 64, 64))
   make = lambda impl, t: LinearMixer("kda", 64, num_heads=1, implementation=impl, gpu_tuning=t,
                                      rngs=nnx.Rngs(0))
-  assert _pair_paths(make("pallas_gpu", None), x) == {"kernel": False, "xla": True}
-  kernel = ops.GpuTuning(channel_pair="kernel")
+  # (channel_intra="xla": where the triton extra runs, "auto" takes the Triton channel kernels,
+  # which make no pairs at all.)
+  plain = ops.GpuTuning(channel_intra="xla")
+  assert _pair_paths(make("pallas_gpu", plain), x) == {"kernel": False, "xla": True}
+  kernel = ops.GpuTuning(channel_intra="xla", channel_pair="kernel")
   assert _pair_paths(make("pallas_gpu", kernel), x) == {"kernel": True, "xla": False}
   # Another implementation takes no tuning: the layer drops it, and the output is unchanged.
   forward = nnx.jit(lambda m, x: m(x))  # one compile per layer, not one per primitive
@@ -98,10 +101,11 @@ def test_the_model_builds_its_linear_layers_with_the_config_tuning():
 
 
 def test_state_products_choice_is_checked_and_needs_the_triton_extra():
-  # GpuTuning.state_products: "xla" (default) or "kernel" (Triton); "kernel" where the extra
-  # cannot run is refused by name rather than silently replaced.
+  # GpuTuning.state_products: "auto" (default: the Triton kernel where the extra runs, else
+  # XLA's), "xla" or "kernel"; "kernel" asked for by name where the extra cannot run is refused
+  # rather than silently replaced.
   from lineax_attn.ops import pallas_gpu, triton_gpu
-  assert ops.GpuTuning().state_products == "xla"
+  assert ops.GpuTuning().state_products == "auto"
   assert ops.GpuTuning.parse("state_products=kernel").state_products == "kernel"
   with pytest.raises(ValueError, match="state_products"):
     ops.GpuTuning(state_products="cuda")
@@ -109,7 +113,9 @@ def test_state_products_choice_is_checked_and_needs_the_triton_extra():
     ops.GpuTuning(state_products="channel")       # (the channel kernel's own products)
   assert ops.GpuTuning(channel_grads="states", state_products="channel").state_products == (
       "channel")
-  assert pallas_gpu.state_products(ops.GpuTuning()) == "xla"
+  assert pallas_gpu.state_products(ops.GpuTuning(state_products="xla")) == "xla"
+  assert pallas_gpu.state_products(ops.GpuTuning()) == (
+      "kernel" if triton_gpu.available() else "xla")
   asked = ops.GpuTuning(state_products="kernel")
   if triton_gpu.available():
     assert pallas_gpu.state_products(asked) == "kernel"

@@ -19,7 +19,7 @@ PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
 STATE_PASS_CHOICES = ("mosaic", "triton")
-STATE_PRODUCTS_CHOICES = ("xla", "kernel", "channel")
+STATE_PRODUCTS_CHOICES = ("auto", "xla", "kernel", "channel")
 FORWARD_CHOICES = ("auto", "split", "fused", "walk")
 
 
@@ -110,16 +110,16 @@ class GpuTuning:
       its own.
     state_products: who makes the state pass's backward products (dNY = dE Sᵀ, dQG = dO Sᵀ,
       dP = dO Eᵀ, dKG = E dS'ᵀ, dgc = Σ S ⊙ dS') on the paths with a state pass (KDA, GDN-2;
-      DeltaNet / GDN off the walks): "xla" (the default: four batched products, a reduction and
-      float32 -> bf16 copies of dE and E, ~0.4 ms of KDA's 3.9 at B4 T4096 H16 D128 on the
-      H200) or "kernel" (`pallas_kernels.gpu.triton.state_pass.state_pass_products`: one Triton
-      program a chunk reading each operand once; needs the triton extra: a ValueError without
-      it), or, with channel_grads="states" only, "channel" (the channel backward kernel makes
-      them itself: `channel_intra_grads_from_states`, what "states" did alone until 2026-12-04;
-      timed slower there, docs/BENCHMARKS.md "eighteenth stage"). Under "states" the other two
-      feed the channel kernel the products, its gates and q's scale still on chip. Written
-      2026-12-04, the same products as XLA's in Triton's interpreter; untimed, so not the
-      default.
+      DeltaNet / GDN off the walks): "xla" (four batched products, a reduction and float32 ->
+      bf16 copies of dE and E), "kernel" (`pallas_kernels.gpu.triton.state_pass.
+      state_pass_products`: one Triton program a chunk reading each operand once; needs the
+      triton extra: a ValueError without it), "auto" (the default: "kernel" where the triton
+      extra runs, else "xla"), or, with channel_grads="states" only, "channel" (the channel
+      backward kernel makes them itself: `channel_intra_grads_from_states`; timed slower,
+      docs/BENCHMARKS.md "eighteenth stage"). Under "states" the others feed the channel
+      kernel the products, its gates and q's scale still on chip. On the H200 (2026-12-04,
+      B4 T4096 H16 D128, `bench_ab` queued, 5 rounds; "nineteenth stage") "kernel" took KDA
+      fwd+bwd from 3.952 ms to 3.817 and GDN-2 from 4.131 to 3.998.
     forward: how DeltaNet / GDN (on the intra-kernel path) compute the chunk form: "split"
       (the intra-chunk kernel writes NY, QG, P, U, KG for the state pass, whose residuals the
       backward reads), "walk" (below), "auto" (the default: "walk" on `pallas_gpu` where the
@@ -162,11 +162,12 @@ class GpuTuning:
       phase 7.2 µs a CTA against 8.3) and GDN fwd+bwd 0.919 ms against 0.933
       (docs/BENCHMARKS.md "seventeenth stage"); its compiled tests pass.
     grads_warpgroups: 1 or 2 warpgroups for that per-chunk backward (`chunk_grads(warpgroups=)`).
-      With 2 (DeltaNet / GDN at K = V; other calls keep 1) one warpgroup makes dA, dq and its
-      share of dk while the other makes M, dv, dR, Y, U, dL and dB, and dk is joined at the end
-      (jla's kernel overlaps its products the same way, on three). Written 2026-12-04, tested
-      against the chunk VJP in the interpreter and lowered for CUDA within shared memory;
-      untimed, so not the default.
+      With 2 (the default; DeltaNet / GDN at K = V, other calls keep 1) one warpgroup makes
+      dA, dq and its share of dk while the other makes M, dv, dR, Y, U, dL and dB, and dk is
+      joined at the end (jla's kernel overlaps its products the same way, on three). On the
+      H200 (2026-12-04, B4 T4096 H16 D128; docs/BENCHMARKS.md "nineteenth stage") the gated
+      kernel took 370 µs a call against 493 and the ungated 332 against 486; GDN fwd+bwd
+      0.778 ms against 0.902, DeltaNet 0.706 against 0.854 (`bench_ab` queued, 5 rounds).
   """
 
   intra: str = "kernel"
@@ -180,12 +181,12 @@ class GpuTuning:
   channel_gates: str = "kernel"
   intra_grads: str = "auto"
   state_pass: str = "mosaic"
-  state_products: str = "xla"
+  state_products: str = "auto"
   forward: str = "auto"
   channel_span: float = 80.0   # = blocks.CHANNEL_SPAN (literal: no kernel import at start-up)
   approx_math: bool = True
   join_exit: bool = True
-  grads_warpgroups: int = 1
+  grads_warpgroups: int = 2
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),

@@ -148,10 +148,13 @@ def state_kernels(tuning: GpuTuning, kernels: str) -> str:
 
 def state_products(tuning: GpuTuning) -> str:
   """Who makes the state pass's backward products (`GpuTuning.state_products`): "kernel" only
-  where the triton extra runs (a ValueError otherwise, not a silent fallback)."""
+  where the triton extra runs (asked for by name without it: a ValueError, not a silent
+  fallback); "auto" takes it there and XLA's products elsewhere."""
+  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+  if tuning.state_products == "auto":
+    return "kernel" if triton_gpu.available() else "xla"
   if tuning.state_products in ("xla", "channel"):   # (the channel kernels ask for triton)
     return tuning.state_products
-  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
   triton_gpu.require("state_products='kernel'", "state_products='xla'")
   return "kernel"
 

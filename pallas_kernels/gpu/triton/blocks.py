@@ -253,8 +253,12 @@ def t0_launch(dk: int) -> tuple[int, int, str]:
   2026-12-04): 4:16:batched (the intra kernel's launch) 100.0 µs, 4:64:batched 86.2,
   **4:128:batched 81.6**, 2:128:batched 96.9, 4:128:tiles 112.4, 2:64:tiles 163.4; each
   round's range under 6 µs; T0's error the same in all (4.8e-4 rms against the float32
-  inverse). The floor (k read, T0 written once) is 21 µs."""
-  return 4, min(128, dk), "batched"
+  inverse). The floor (k read, T0 written once) is 21 µs. Later the same day (docs/BENCHMARKS.md
+  "nineteenth stage"): 4:128:batched 79.9 µs, **4:128:batched_short** (its 16 -> 64 merge
+  three dependent products deep instead of four) 78.1 at 4.5e-4, 4:128:batched_bf16 58.5 at
+  6.9e-4 (bf16 merges: 5.0e-3 against 8.9e-4 on strongly correlated keys in the interpreter,
+  so opt-in, `T0_LAUNCH`)."""
+  return 4, min(128, dk), "batched_short"
 
 
 def check_t0_launch(launch, dk: int) -> tuple[int, int, str]:
