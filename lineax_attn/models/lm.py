@@ -207,7 +207,11 @@ class LanguageModel(nnx.Module):
     n_layers = self.config.n_layers
     if cache is not None and len(cache) != n_layers:
       raise ValueError(f"cache has {len(cache)} layers, the model {n_layers}.")
-    h = self.embed(tokens).astype(self.dtype)
+    # The rows are gathered from the table in its own dtype (float32) and cast after, so the
+    # table's gradient is a float32 scatter-add. `nnx.Embed` casts the table to bf16 first; the
+    # bf16 scatter-add that makes its gradient took 19 / 61 / 122 ms of the 350M softmax / GDN /
+    # KDA training steps on the H200 (docs/BENCHMARKS.md "nineteenth stage").
+    h = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(self.dtype)
     residual = None
     want_cache = cache is not None or max_len is not None
     if self.config.scan_layers and not want_cache:
