@@ -360,3 +360,26 @@ def test_make_param_init_rejects_shardings_without_every_block():
   with pytest.raises(ValueError, match="out_shardings must have 'blocks' with an entry for each "
                      "of the 3 blocks, got \\[0, 1\\]"):
     lm.make_param_init(small_config(), 0, out_shardings=shardings)
+
+
+def test_embed_tokens_keeps_the_rows_and_makes_a_float32_table_gradient():
+  # The embedding's rows are the table's, cast; their VJP is the one-hot product computed here
+  # in float32 at HIGHEST (repeated tokens add up), and the compiled gradient is a float32
+  # scatter-add (a bf16 one, what nnx.Embed's cast-first lookup makes, is slow on a GPU).
+  from lineax_attn.models.lm import embed_tokens
+  table = jax.random.normal(jax.random.key(0), (50, 24), jnp.float32)
+  tokens = jnp.array([[3, 7, 3, 49], [0, 3, 7, 7]])
+  rows = jax.jit(embed_tokens, static_argnums=2)(table, tokens, jnp.bfloat16)
+  assert rows.dtype == jnp.bfloat16
+  assert jnp.array_equal(rows, table[tokens].astype(jnp.bfloat16))
+  ct = jax.random.normal(jax.random.key(1), (2, 4, 24)).astype(jnp.bfloat16)
+  vjp = jax.jit(lambda t, c: jax.vjp(lambda t: embed_tokens(t, tokens, jnp.bfloat16), t)[1](c))
+  (got,) = vjp(table, ct)
+  onehot = jax.nn.one_hot(tokens.reshape(-1), 50, dtype=jnp.float32)
+  want = jnp.matmul(onehot.T, ct.reshape(-1, 24).astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  hlo = vjp.lower(table, ct).compile().as_text()
+  scatters = [line for line in hlo.splitlines() if " scatter(" in line]
+  assert scatters and all("f32[50,24]" in line for line in scatters), scatters

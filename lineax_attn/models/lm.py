@@ -117,6 +117,18 @@ class Block(nnx.Module):
     return h, residual, out.cache
 
 
+def embed_tokens(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
+  """The rows of `table` [V, d] at `tokens`, in `dtype`: gathered in the table's own dtype
+  (float32) and cast after, so the table's gradient is a float32 scatter-add.
+
+  `nnx.Embed.__call__` casts the whole table to `dtype` first, so its gradient is a bf16
+  scatter-add (compare-and-swap loops on a GPU, contended on frequent tokens): by
+  `experiments/step_profile` on the H200 that one kernel took 19 / 61 / 122 ms of the 350M
+  softmax / GDN / KDA training steps (docs/BENCHMARKS.md "nineteenth stage"). Same values.
+  """
+  return jnp.take(table, tokens, axis=0).astype(dtype)
+
+
 def _outer_parts(config: ModelConfig, rngs: nnx.Rngs):
   """(embedding, one Rngs per block, final norm, LM head or None) in the model's RNG order.
 
@@ -207,11 +219,7 @@ class LanguageModel(nnx.Module):
     n_layers = self.config.n_layers
     if cache is not None and len(cache) != n_layers:
       raise ValueError(f"cache has {len(cache)} layers, the model {n_layers}.")
-    # The rows are gathered from the table in its own dtype (float32) and cast after, so the
-    # table's gradient is a float32 scatter-add. `nnx.Embed` casts the table to bf16 first; the
-    # bf16 scatter-add that makes its gradient took 19 / 61 / 122 ms of the 350M softmax / GDN /
-    # KDA training steps on the H200 (docs/BENCHMARKS.md "nineteenth stage").
-    h = jnp.take(self.embed.embedding[...], tokens, axis=0).astype(self.dtype)
+    h = embed_tokens(self.embed.embedding[...], tokens, self.dtype)
     residual = None
     want_cache = cache is not None or max_len is not None
     if self.config.scan_layers and not want_cache:
