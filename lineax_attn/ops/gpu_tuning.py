@@ -160,7 +160,9 @@ class GpuTuning:
       a group of its own and again inside dk's. On by default: on the H200 (2026-12-04, B4
       T4096 H16 D128, device time) the gated kernel took 500 µs a call against 519 (its last
       phase 7.2 µs a CTA against 8.3) and GDN fwd+bwd 0.919 ms against 0.933
-      (docs/BENCHMARKS.md "seventeenth stage"); its compiled tests pass.
+      (docs/BENCHMARKS.md "seventeenth stage"); its compiled tests pass. The two-warpgroup
+      kernel (grads_warpgroups=2, the default) always makes it so: join_exit=False takes
+      effect only where one warpgroup runs (grads_warpgroups=1, or K != V).
     grads_warpgroups: 1 or 2 warpgroups for that per-chunk backward (`chunk_grads(warpgroups=)`).
       With 2 (the default; DeltaNet / GDN at K = V, other calls keep 1) one warpgroup makes
       dA, dq and its share of dk while the other makes M, dv, dR, Y, U, dL and dB, and dk is
