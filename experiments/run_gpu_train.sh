@@ -21,6 +21,7 @@
 #       # into one table (eval_recall --merge_niah); one archive of tables, metrics and logs
 #   bash experiments/run_gpu_train.sh parallel MESHES [flags ...]  # bench_parallel on all local GPUs
 #   bash experiments/run_gpu_train.sh paper ARMS STEPS [flags ...]  # 350M tokens/s per arm, one GPU
+#   bash experiments/run_gpu_train.sh profile ARMS [flags ...]      # 350M step profile per arm
 #
 # `compare` trains the arms as concurrent processes on the one GPU (a 26M-parameter model keeps an
 # H200 mostly idle, so concurrent arms overlap one another's host work; each process gets a fifth
@@ -138,17 +139,36 @@ paper)
   # The 350M 2:1 hybrids (and the softmax baseline) of configs/mixers.py:paper on one GPU, 16 rows
   # of 4096 per step without micro-batches (issue #17's throughput rows), one arm per process.
   # An arm may name its implementation, ARM@IMPL (e.g. gdn@triton, gdn@chunk): its files are then
-  # paper_ARM@IMPL.*, so one call can compare implementations of one arm.
+  # paper_ARM@IMPL.*, so one call can compare implementations of one arm. The files travel in one
+  # archive, paper.tgz (the device tool brings back only a few files a call).
   ARMS=${1:-softmax,gdn,kda,gdn2}; STEPS=${2:-8}; shift 2
+  mkdir -p /tmp/paper
   for spec in ${ARMS//,/ }; do
     arm=${spec%@*}; impl=(); [ "$spec" != "$arm" ] && impl=(--config.model.implementation=${spec#*@})
     python3 -u -m experiments.bench_parallel --config=configs/mixers.py:paper --config.arm=$arm \
       --config.train.global_batch_size=16 --config.train.grad_accum_steps=1 --meshes=data=1 \
-      --steps=$STEPS --out_md=$OUT/paper_$spec.md "${impl[@]}" "$@" > $OUT/paper_$spec.log 2>&1
-    echo "$spec rc=$?"; grep -E "^\| *data=1|tokens/s" $OUT/paper_$spec.md 2>/dev/null | head -3
+      --steps=$STEPS --out_md=/tmp/paper/paper_$spec.md "${impl[@]}" "$@" > /tmp/paper/paper_$spec.log 2>&1
+    echo "$spec rc=$?"; grep -E "^\| *data=1|tokens/s" /tmp/paper/paper_$spec.md 2>/dev/null | head -3
   done
+  tar czf $OUT/paper.tgz -C /tmp/paper .
+  ;;
+profile)
+  # Where a 350M step's time goes (experiments/step_profile), one process per arm of
+  # configs/mixers.py:paper at 16 x 4096: kinds and kernels with their HLO source lines; the
+  # tables, JSON and the compiled HLO text (gzipped) in one archive, profile.tgz.
+  ARMS=${1:-softmax,gdn,kda,gdn2}; shift
+  mkdir -p /tmp/profile
+  for arm in ${ARMS//,/ }; do
+    python3 -u -m experiments.step_profile --config=configs/mixers.py:paper --config.arm=$arm \
+      --config.train.global_batch_size=16 --config.train.grad_accum_steps=1 --top=60 \
+      --out_md=/tmp/profile/step_$arm.md --out_json=/tmp/profile/step_$arm.json \
+      --hlo_out=/tmp/profile/step_$arm.hlo "$@" > /tmp/profile/step_$arm.log 2>&1
+    echo "$arm rc=$?"; sed -n '/^| kind/,/^$/p' /tmp/profile/step_$arm.md
+    gzip -f /tmp/profile/step_$arm.hlo 2>/dev/null
+  done
+  tar czf $OUT/profile.tgz -C /tmp/profile .
   ;;
 *)
-  echo "unknown mode $MODE (compare | seq | mqar | mqar_cells | parallel | paper)" >&2; exit 2
+  echo "unknown mode $MODE (compare | seq | mqar | mqar_cells | niah | parallel | paper | profile)" >&2; exit 2
   ;;
 esac
