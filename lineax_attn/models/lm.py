@@ -122,7 +122,7 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
   (float32) and cast after, so the table's gradient is a float32 scatter-add.
 
   `nnx.Embed.__call__` casts the whole table to `dtype` first, so its gradient is a bf16
-  scatter-add (compare-and-swap loops on a GPU, contended on frequent tokens): by
+  scatter-add (16-bit atomics, contended on frequent tokens): by
   `experiments/step_profile` on the H200 that one kernel took 19 / 61 / 122 ms of the 350M
   softmax / GDN / KDA training steps (docs/BENCHMARKS.md "nineteenth stage"). Same values.
   """
