@@ -3,9 +3,9 @@ r"""Where one training step of a model spends its GPU time, by kind of kernel an
 `bench_parallel` says how many tokens a second a config trains; this says what a step is made
 of, so that work on a model's speed goes where its time is (issue #17: the 350M hybrids against
 the softmax Transformer++). The step is built as `bench_parallel` builds its one-device row
-(the config's Trainer on a data=1 mesh), compiled ahead of time, run twice, then run `--steps` times under
-`jax.profiler.trace`; the trace's device events are summed per kernel (`op_profile.
-kernel_times`) and per step, and grouped into kinds by name (`KINDS`):
+(the config's Trainer on a data=1 mesh), compiled ahead of time, run twice, then run `--steps`
+times under `jax.profiler.trace`; the trace's device events are summed per kernel
+(`op_profile.kernel_times`) and per step, and grouped into kinds by name (`KINDS`):
 
     python -m experiments.step_profile --config=configs/mixers.py:paper --config.arm=gdn \
         --config.train.global_batch_size=16 --config.train.grad_accum_steps=1 \
@@ -14,8 +14,9 @@ kernel_times`) and per step, and grouped into kinds by name (`KINDS`):
 Tables: ms per step of each kind with its share of the summed kernel time, then the `--top`
 kernels, each XLA kernel with what the compiled step's HLO says of the instruction of its name:
 its output type and the JAX op and line of this repository's code that made it
-(`hlo_instructions`; `--hlo_out` keeps the whole text). The summed kernel time can exceed the step's wall time where kernels overlap (XLA
-runs independent ones on several streams) and falls short of it where the device idles.
+(`hlo_instructions`; `--hlo_out` keeps the whole text). The summed kernel time can exceed the
+step's wall time where kernels overlap (XLA runs independent ones on several streams) and falls
+short of it where the device idles.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ _PLANE = flags.DEFINE_string("plane_prefix", "/device:GPU", "Trace planes whose 
 # "linear mixer": our Mosaic GPU kernels and Triton custom calls, and jla's (not XLA's own
 # Triton GEMM fusions, which are "matmul"); "attention": cuDNN's and XLA's
 # fused attention; "matmul": cuBLAS / CUTLASS GEMMs; "fusion": XLA's own elementwise and
-# reduction kernels; "copy": layout changes and memory moves.
+# reduction kernels; "copy": layout changes and memory moves (a fusion with a transpose in its
+# name counts here).
 KINDS = (
     ("linear mixer", r"mosaic_gpu|triton_kernel_call|_t0_kernel|chunk_walk|chunk_grads|"
                      r"state_pass|channel_intra|intra_chunk|fused_forward"),
