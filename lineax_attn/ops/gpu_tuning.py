@@ -80,10 +80,11 @@ class GpuTuning:
       copies of XLA's fewer between the kernels, ~0.4 ms of KDA's 4.1 at B4 T4096 H16 D128 by
       the H200's profile of 2026-12-04; `channel_gates` below says who applies KDA / GDN-2's
       erase and write gates there, `state_products` who makes the products: the channel kernel
-      as described with "channel", XLA or the products kernel otherwise. Tested in the interpreters against the split composition
-      and the scan, compiled tests passed; timed on the H200 (2026-12-04, docs/BENCHMARKS.md
-      "eighteenth stage") it is slower: KDA fwd+bwd 5.14 ms against the default's 4.05, its
-      backward kernel 3.48 ms against 1.90, so it stays opt-in).
+      as described with "channel", XLA or the products kernel otherwise. Tested in the
+      interpreters against the split composition and the scan, compiled tests passed; timed on
+      the H200 (2026-12-04, docs/BENCHMARKS.md "eighteenth stage") it is slower: KDA fwd+bwd
+      5.14 ms against the default's 4.05, its backward kernel 3.48 ms against 1.90; with the
+      products kernel 3.89 against the default's 3.82 ("nineteenth stage"), so it stays opt-in).
     channel_gates: with channel_grads="states", who makes k̃ = k ⊙ erase and ṽ = v ⊙ write:
       "kernel" (the channel kernels on chip, from k, v and the gates; the backward kernel then
       writes k's and v's whole gradients and the gates' own, so k̃, ṽ, dk̃, dṽ never exist in
