@@ -199,11 +199,10 @@ INTRA_INVERSE = "batched"
 # whose 16 -> 64 merge is three dependent products deep instead of four
 # (`intra_chunk._merge_blocks_short`), with float32 (tf32) or bf16 operands. Timed on the H200
 # (2026-12-04, `experiments/bench_t0.py`; `t0_launch`'s docstring): batched_short 2 % faster
-# at the same error, the default; batched_bf16 27 % faster at 6.9e-4 against 4.8e-4. In
+# at the same error; batched_bf16 27 % faster at 6.9e-4 against 4.8e-4, the default. In
 # Triton's interpreter (float32 products exact) the bf16 merges' error was 6.7e-4 against
 # 4.1e-4 on independent unit keys, but 5.0e-3 against 8.9e-4 on correlated ones (keys 0.9 of a
-# shared direction), so batched_bf16 stays opt-in until the op's forward error is measured
-# with it on such keys.
+# shared direction); the op's own error did not move with it (`t0_launch`).
 T0_INVERSES = INTRA_INVERSES + ("batched_short", "batched_bf16")
 
 
@@ -255,11 +254,14 @@ def t0_launch(dk: int) -> tuple[int, int, str]:
   **4:128:batched 81.6**, 2:128:batched 96.9, 4:128:tiles 112.4, 2:64:tiles 163.4; each
   round's range under 6 µs; T0's error the same in all (4.8e-4 rms against the float32
   inverse). The floor (k read, T0 written once) is 21 µs. Later the same day (docs/BENCHMARKS.md
-  "nineteenth stage"): 4:128:batched 79.9 µs, **4:128:batched_short** (its 16 -> 64 merge
-  three dependent products deep instead of four) 78.1 at 4.5e-4, 4:128:batched_bf16 58.5 at
-  6.9e-4 (bf16 merges: 5.0e-3 against 8.9e-4 on strongly correlated keys in the interpreter,
-  so opt-in, `T0_LAUNCH`)."""
-  return 4, min(128, dk), "batched_short"
+  "nineteenth stage"): 4:128:batched 79.9 µs, 4:128:batched_short (its 16 -> 64 merge three
+  dependent products deep instead of four) 78.1 at 4.5e-4, **4:128:batched_bf16** (the same
+  with bf16 merges) 58.5 at 6.9e-4. T0 alone errs more with bf16 merges on strongly correlated
+  keys (5.0e-3 against 8.9e-4 in the interpreter), but it is stored in bf16 anyway and the op
+  does not see it: GDN's forward error against the float32 chunk form in the interpreters,
+  K = 128, was 4.47e-3 either way on independent keys and 4.93e-3 against 4.92e-3 on keys 0.9
+  of a shared direction; its gradients the same but dG there, 2.41e-2 against 2.24e-2."""
+  return 4, min(128, dk), "batched_bf16"
 
 
 def check_t0_launch(launch, dk: int) -> tuple[int, int, str]:
