@@ -42,7 +42,9 @@ def test_mixers_and_implementations_match_scan():
   cfg = bench_ops.BenchConfig(batch=1, seq_len=32, heads=1, v_heads=2, head_dim_k=16,
                               head_dim_v=16, chunk_size=16, repeats=1, warmup=0,
                               mixers=BENCH_MIXERS + ("softmax_attention",),
-                              implementations=impls)
+                              implementations=impls,
+                              # pinned: the default adds cuDNN on a GPU
+                              attention_implementations=("xla",))
   rows = bench_ops.run_benchmark(cfg)
   assert set(BENCH_MIXERS) < set(ops.MIXERS)
   expected = [(m, i) for m in BENCH_MIXERS for i in impls] + [("softmax_attention", "xla")]
@@ -69,7 +71,7 @@ def test_flags_prefix_check_and_json(tmp_path):
   fv(["bench_ops", "--batch=1", "--seq_len=48", "--heads=1", "--v_heads=1", "--head_dim_k=16",
       "--head_dim_v=16", "--chunk_size=16", "--repeats=1", "--warmup=0", "--scan_max_len=32",
       "--mixers=gated_delta_rule,softmax_attention", "--implementations=scan,chunk",
-      f"--json_out={out}"])
+      "--attention_implementations=xla", f"--json_out={out}"])
   table = bench_ops.run_from_flags(fv)
   rows = json.loads(out.read_text())["rows"]
   assert len(_table_lines(table)) == len(rows) == 3
