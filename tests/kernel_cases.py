@@ -137,3 +137,26 @@ def state_pass_backward_pairs(bwd, x, seed=2, residual=True):
       x["u"], x["s0"], (do.astype(jnp.float32), de_ext if residual else 0 * de_ext, ds_final))
   return [("dE (= dU)", de, du, 2e-2), ("d initial_state", ds0, d_s0, 2e-2),
           ("dh of the last chunk", dh[:, :, -1].astype(jnp.float32), ds_final, 1e-2)]
+
+
+def walk_inputs(b, t, h, hv, dk, dv, seed, gate_scale=1.0, floor_gates=False):
+  """The Mosaic walks' kernel arguments (`chunk_walk`) as numpy-built arrays: unit q, k;
+  β = σ(N); log gates logsigmoid(N) · gate_scale (with `floor_gates` every 7th token −1e4),
+  cumulated per chunk; the exact gate-free inverse in float64; a small initial state
+  (transposed)."""
+  r = np.random.default_rng(seed)
+  n = lambda *s: r.standard_normal(s)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q, k, v = unit(n(b, t, h, dk)), unit(n(b, t, h, dk)), n(b, t, hv, dv)
+  beta = 1 / (1 + np.exp(-n(b, hv, t)))
+  g = -np.log1p(np.exp(-n(b, hv, t))) * gate_scale
+  if floor_gates:
+    g[..., ::7] = -1e4
+  c = 64   # the walks' chunk
+  cum = np.cumsum(g.reshape(b, hv, t // c, c), -1).reshape(b, hv, t)
+  kc = np.repeat(k, hv // h, axis=2).reshape(b, t // c, c, hv, dk).transpose(0, 3, 1, 2, 4)
+  lower = np.tril(np.einsum("bhnik,bhnjk->bhnij", kc, kc) * beta.reshape(b, hv, t // c, c, 1), -1)
+  t0 = np.linalg.inv(np.eye(c) + lower)
+  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return (bf(q), bf(k), bf(v), bf(t0), f32(cum), f32(beta), f32(0.1 * n(b, hv, dv, dk)))

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernel_cases
 from helpers import (assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads,
                      record_smem_estimates, run_jit)
 
@@ -36,26 +37,7 @@ FWD_TOL = 2e-2
 GRAD_TOL = 3e-2
 
 
-def _kernel_inputs(b, t, h, hv, dk, dv, seed, gate_scale=1.0, floor_gates=False):
-  """Kernel arguments as numpy-built arrays: unit q, k; β = σ(N); log gates logsigmoid(N) ·
-  gate_scale (with `floor_gates` every 7th token −1e4), cumulated per chunk; the exact
-  gate-free inverse in float64; a small initial state (transposed)."""
-  r = np.random.default_rng(seed)
-  n = lambda *s: r.standard_normal(s)
-  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-  q, k, v = unit(n(b, t, h, dk)), unit(n(b, t, h, dk)), n(b, t, hv, dv)
-  beta = 1 / (1 + np.exp(-n(b, hv, t)))
-  g = -np.log1p(np.exp(-n(b, hv, t))) * gate_scale
-  if floor_gates:
-    g[..., ::7] = -1e4
-  c = cw.CHUNK
-  cum = np.cumsum(g.reshape(b, hv, t // c, c), -1).reshape(b, hv, t)
-  kc = np.repeat(k, hv // h, axis=2).reshape(b, t // c, c, hv, dk).transpose(0, 3, 1, 2, 4)
-  lower = np.tril(np.einsum("bhnik,bhnjk->bhnij", kc, kc) * beta.reshape(b, hv, t // c, c, 1), -1)
-  t0 = np.linalg.inv(np.eye(c) + lower)
-  bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-  f32 = lambda x: jnp.asarray(x, jnp.float32)
-  return (bf(q), bf(k), bf(v), bf(t0), f32(cum), f32(beta), f32(0.1 * n(b, hv, dv, dk)))
+_kernel_inputs = kernel_cases.walk_inputs
 
 
 # (b, t, h, hv, dk, dv, gate_scale, floor_gates, gated). The ring holds 4 chunks at K = 64 and
@@ -353,19 +335,21 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
   args = (sds((b, t, h, dk), bf), sds((b, t, h, dk), bf), sds((b, t, hv, dv), bf),
           sds((b, hv, t // 64, 64, 64), bf), sds((b, hv, t), f32), sds((b, hv, t), f32),
           sds((b, hv, dv, dk), f32))
-  for gated, save in ((True, False), (False, False), (True, True)):
-    fn = lambda *a, gated=gated, save=save: cw._chunk_walk(*a, scale=0.1, gated=gated,
-                                                          save_states=save, interpret=None)
+  # (gated, save_states, states_only): the walks of the op and the maps' walk of row pieces
+  for gated, save, alone in ((True, False, False), (False, False, False), (True, True, False),
+                             (True, False, True), (False, False, True)):
+    fn = lambda *a, gated=gated, save=save, alone=alone: cw._chunk_walk(
+        *a, scale=0.1, gated=gated, save_states=save, states_only=alone, interpret=None)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, save, estimates[-1])
+    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, save, alone, estimates[-1])
   assert cw.ring_stages(dk) == (4 if dk == 64 else 2)
   # The reverse walk: q, k, T0, g, β, dO, dE_ext, dS_T.
   rev_args = args[:2] + args[3:6] + (sds((b, t, hv, dv), bf),) * 2 + (args[6],)
-  for gated in (True, False):
-    fn = lambda *a, gated=gated: cwr._chunk_walk_reverse(*a, scale=0.1, gated=gated,
-                                                         interpret=None)
+  for gated, alone in ((True, False), (False, False), (True, True)):
+    fn = lambda *a, gated=gated, alone=alone: cwr._chunk_walk_reverse(
+        *a, scale=0.1, gated=gated, states_only=alone, interpret=None)
     text = jax.jit(fn).trace(*rev_args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, ("reverse", dk, gated, estimates[-1])
+    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, ("reverse", dk, gated, alone, estimates[-1])
   assert cwr.ring_stages(dk) == (3 if dk == 64 else 2)

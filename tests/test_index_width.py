@@ -77,10 +77,10 @@ def _gpu_kernel_cases(b, t, h, d):
       "intra fwd packed, with M": (lambda *a: ic._intra_chunk_fwd(
           *a[:6], a[6:], scale=0.1, with_inverse=True, interpret=None), inputs + segments),
       "chunk walk, saving states": (lambda *a: cw._chunk_walk(
-          *a, scale=0.1, gated=True, save_states=True, interpret=None),
+          *a, scale=0.1, gated=True, save_states=True, states_only=False, interpret=None),
           inputs[:3] + [cc] + rows[:2] + [SDS((b, h, d, d), F32)]),
       "reverse chunk walk": (lambda *a: cwr._chunk_walk_reverse(
-          *a, scale=0.1, gated=True, interpret=None),
+          *a, scale=0.1, gated=True, states_only=False, interpret=None),
           inputs[:2] + [cc] + rows[:2] + inputs[2:3] * 2 + [SDS((b, h, d, d), F32)]),
       "chunk grads": (lambda *a: cg._chunk_grads(*a, scale=0.1, gated=True, interpret=None),
                       inputs[:3] + inputs[2:3] * 2 + [cc] + rows[:2]

@@ -171,6 +171,16 @@ class GpuTuning:
       H200 (2026-12-04, B4 T4096 H16 D128; docs/BENCHMARKS.md "nineteenth stage") the gated
       kernel took 370 µs a call against 493 and the ungated 332 against 486; GDN fwd+bwd
       0.778 ms against 0.902, DeltaNet 0.706 against 0.854 (`bench_ab` queued, 5 rounds).
+    row_pieces: on the walks (linear attention, DeltaNet, GDN), cut every row into this many
+      pieces that walk at once (1, the default: rows whole). For small B·HV and long T, where
+      the walks' B·HV·V/64 CTAs leave most SMs idle (B1 T65536 H16 V128: 32 of the H200's
+      132, and GDN's fwd+bwd took 1.85x its time at B4 T16384, docs/BENCHMARKS.md
+      "seventeenth stage"). Exact: a walk over [0 | v] from [I | 0] gives each piece's affine
+      map S_out = Φ S_in + Ψ, the entry states are composed from the maps, then every piece
+      walks from its own; the backward likewise (`gpu_walks.walk_pieces_core`). It costs one
+      more walk forward (K columns wider) and one more reverse walk. T is padded to a multiple
+      of 64·row_pieces with identity steps. Tested in the interpreter against the scan;
+      untimed, so not a default yet.
   """
 
   intra: str = "kernel"
@@ -190,6 +200,7 @@ class GpuTuning:
   approx_math: bool = True
   join_exit: bool = True
   grads_warpgroups: int = 2
+  row_pieces: int = 1
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
@@ -212,6 +223,10 @@ class GpuTuning:
       raise ValueError("GpuTuning.state_products='channel' (the channel kernel makes the "
                        "products) needs channel_grads='states', got channel_grads="
                        f"{self.channel_grads!r}.")
+    pieces = self.row_pieces
+    if isinstance(pieces, bool) or not isinstance(pieces, int) or not 1 <= pieces <= 64:
+      raise ValueError(f"GpuTuning.row_pieces must be an int in [1, 64] (1: rows whole), "
+                       f"got {pieces!r}.")
     wgs = self.grads_warpgroups
     if isinstance(wgs, bool) or wgs not in (1, 2):
       raise ValueError(f"GpuTuning.grads_warpgroups must be 1 or 2, got {wgs!r}.")

@@ -28,7 +28,7 @@ resources:
   walk that makes every per-chunk factor on chip with the state transposed in registers;
   differentiated, the reverse walk and one kernel per chunk for dq, dk, dv, dβ, dG
   (`pallas_kernels.gpu.chunk_grads`; V = 256 keeps XLA's products and the split's backward),
-  wired in `_walk_train_core`. On the H200 (2026-12-04) fwd+bwd GDN 1.16 ms, DeltaNet 1.24,
+  wired in `gpu_walks.walk_core`. On the H200 (2026-12-04) fwd+bwd GDN 1.16 ms, DeltaNet 1.24,
   linear attention 0.67 against the split's 2.36 / 2.15 / 1.95 (docs/BENCHMARKS.md "fifteenth
   stage"). Packed rows keep the split.
 * **KDA / GDN-2 under one VJP (`GpuTuning(channel_grads="states")`, opt-in):** the Triton
@@ -65,6 +65,8 @@ the others, so `pallas_gpu.GpuTuning`, `pallas_gpu.prepare_chunks` etc. stay val
 * `gpu_vjps`: the custom VJPs around the kernels (state pass, intra-chunk, channel pairs) and
   the varying-axes typing of their outputs under `shard_map`.
 * `gpu_prepare`: `prepare_chunks`, the XLA intra-chunk preparation feeding the state pass.
+* `gpu_walks`: the walks as differentiable cores (`walk_core`; `walk_pieces_core`, rows cut
+  into pieces by `GpuTuning(row_pieces=P)`).
 """
 
 from __future__ import annotations
@@ -84,9 +86,9 @@ from lineax_attn.ops.gpu_prepare import (channel_intra_kernel, channel_kernel_ap
 from lineax_attn.ops.gpu_tuning import (DEFAULT_TUNING, INTRA_CHOICES, PAIR_CHOICES,
                                         SOLVE_CHOICES, GpuTuning, check_tuning,
                                         fused_intra_grads)
-from lineax_attn.ops.gpu_vjps import (given_cotangents, interpret_params, intra_kernel,
-                                      kernel_module, primal_values, state_pass, vma)
-from lineax_attn.ops.gpu_vjps import intra_kernel_backward, state_pass_products
+from lineax_attn.ops import gpu_walks
+from lineax_attn.ops.gpu_vjps import (interpret_params, intra_kernel, kernel_module, state_pass,
+                                      vma)
 from pallas_kernels.gpu import state_passing as sp
 
 __all__ = ["DEFAULT_TUNING", "INTRA_CHOICES", "PAIR_CHOICES", "SOLVE_CHOICES", "GpuTuning",
@@ -206,14 +208,6 @@ def fused_forward_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int) 
   return ff.supported(chunk_size, dk, dv) is None
 
 
-# `intra_chunk_bwd_from_states` runs only up to these head dims. Compiled on the H200
-# (2026-12-03) its products' V loop in two steps of 64 gave a wrong dk at K = V = 128 (a triton
-# 3.6 miscompile; Triton's interpreter computes it right); one step of 128, the kernel's default
-# since, is right (every fused-path op test passed compiled at 128: docs/data/
-# test_triton_gpu_h200_2026-12-03_fused_k128.log) but slow: the kernel took 1.6 ms there, and
-# GDN fwd+bwd with forward="fused" 3.23 ms against 2.80 with XLA's products. So wider heads keep
-# XLA's products.
-_FROM_STATES_MAX_DIM = 64
 
 # forward="fused": the chunk form in the fused kernels of `pallas_kernels.gpu.triton.
 # fused_forward`, forward (T0, then the walk) and reverse (the state cotangent walked back with the
@@ -252,53 +246,10 @@ def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
   de, dh, ds0 = ff.fused_reverse(q, k, beta_rows, None if G is None else G.reshape(b, hv, t),
                                  segments, factors, do, de_ext, ds_final, scale=float(scale),
                                  gated=G is not None)
-  return _grads_after_reverse(q, k, v, beta, G, segidx, factors[0], h, e, de, dh, do,
+  return gpu_walks.grads_after_reverse(q, k, v, beta, G, segidx, factors[0], h, e, de, dh,
+                                       do,
                               scale=scale, c=c, interpret=interpret, kernels=kernels,
                               from_states=True) + (ds0, None)
-
-
-def _grads_after_reverse(q, k, v, beta, G, segidx, t0, h, e, de, dh, do, *, scale, c,
-                         interpret, kernels, from_states):
-  """(dq, dk, dv, dβ, dG) of the delta rule's chunk form once the reverse state pass has made
-  de `[B, HV, Nc, C, V]` (float32 or bf16) and dh `[B, HV, Nc, K, V]` bf16: the intra-chunk
-  backward fed with M = T0 ⊙ Γ, after the state pass's products (made inside the Triton kernel when
-  `from_states` and its sizes allow, else in XLA), and γ's share of dG. h: the chunk states, e
-  the pseudo-values `[B, T, HV, V]`."""
-  b, t, hv = v.shape[:3]
-  segments = None if segidx is None else kernel_segments(segidx, c)
-  beta_rows = jnp.moveaxis(beta.astype(_F32), 1, 2)                 # [B, HV, T]
-  m = t0
-  if G is not None:    # M = T0 ⊙ Γ, Γ_ij = e^{G_i − G_j} on i ≥ j (T0 is zero elsewhere)
-    lower = jnp.tril(jnp.ones((c, c), bool))
-    diff = jnp.where(lower, G[..., :, None] - G[..., None, :], 0.0)
-    m = (t0.astype(_F32) * jnp.where(lower, jnp.exp(diff), 0.0)).astype(t0.dtype)
-  if (from_states and q.shape[2] == hv
-      and max(q.shape[-1], v.shape[-1]) <= _FROM_STATES_MAX_DIM):
-    # One Triton kernel per chunk: the state pass's products (dNY, dQG, dP, dKG) made inside
-    # from E, dE, dO and the chunk states, never written to HBM, then the intra backward.
-    from pallas_kernels.gpu.triton import intra_chunk as tic  # pylint: disable=g-import-not-at-top
-    g_rows = jnp.zeros((b, hv, t), _F32) if G is None else G.reshape(b, hv, t)
-    dq, dk_, dv, dbeta, dG = tic.intra_chunk_bwd_from_states(
-        q, k, v, beta_rows, g_rows, segments, m, de, h, dh, e, do,
-        scale=float(scale), gated=G is not None)
-    dq, dk_, dv = dq.astype(q.dtype), dk_.astype(k.dtype), dv.astype(v.dtype)
-    dbeta = jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype)
-    dG = None if G is None else dG.reshape(G.shape)
-    d_gc = None if G is None else jnp.sum(dh.astype(_F32) * h.astype(_F32), axis=(-2, -1))
-  else:   # GVA, wider heads: the products in XLA, the split's intra backward (which sums
-    # over value heads)
-    d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, to_chunks(do, c), to_chunks(e, c), h,
-                                                      dh)
-    dq, dk_, dv, dbeta, dG = intra_kernel_backward(
-        (q, k, v, beta, G, segidx, m), (d_ny, d_qg, d_p, de, d_kg), scale=scale, c=c,
-        interpret=interpret, kernels=kernels, fused=False)
-    d_gc = None if G is None else jnp.sum(d_gc, axis=-1)
-  if G is not None:    # γ = e^{G_C} (cut by a segment start in the chunk) scales the carry
-    gc = jnp.exp(G[..., -1])
-    if segidx is not None:
-      gc = gc * segment_masks(segidx, c)[1][..., -1]
-    dG = dG.at[..., -1].add((d_gc * gc).astype(dG.dtype))
-  return dq, dk_, dv, dbeta, dG
 
 
 _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
@@ -328,128 +279,25 @@ def _linear_walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, k
           and chunk_grads.supported(chunk_size, dk, dv) is None)
 
 
-def gate_free_inverse(k, beta_rows, hv: int, c: int):
-  """T0 = (I + diag(β) strict(k kᵀ))⁻¹ per chunk, `[B, HV, Nc, C, C]` bf16: the Triton T0
-  kernel where the triton extra runs, else XLA's blocked inverse (`triangular`, float32)."""
-  from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
-  if triton_gpu.available():
-    from pallas_kernels.gpu.triton import fused_forward as ff  # pylint: disable=g-import-not-at-top
-    return ff.gate_free_inverse(k, beta_rows, hv=hv)
-  from lineax_attn.ops import triangular  # pylint: disable=g-import-not-at-top
-  b, t, h, dk = k.shape
-  kc = to_chunks(jnp.repeat(k.astype(_F32), hv // h, axis=2), c)       # [B, HV, Nc, C, K]
-  kk = jnp.einsum("bhnik,bhnjk->bhnij", kc, kc, precision=jax.lax.Precision.HIGHEST)
-  beta_c = beta_rows.astype(_F32).reshape(b, hv, t // c, c)
-  lower = jnp.tril(kk * beta_c[..., :, None], -1)
-  return triangular.unit_lower_inverse(lower).astype(jnp.bfloat16)
 
-
-def _walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_states=False):
-  """(o, e, s_final[, t0, h]) of DeltaNet / GDN by the Mosaic walk, or of linear attention
-  (beta_rows None: no erase, no T0); q, k unrepeated and unscaled, beta_rows `[B, HV, T]`,
-  g_rows the chunk cumulative log gates `[B, HV, T]` or None (ungated). o and e come back
-  float32 (the walk writes bf16; XLA folds the two casts into the op's cast to v's dtype); with
-  save_states also the gate-free inverses (None for linear attention) and the bf16 chunk states
-  transposed, h_t `[B, HV, Nc, V, K]` bf16, the backward's residuals."""
-  from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
-  hv = v.shape[2]
-  t0 = None if beta_rows is None else gate_free_inverse(k, beta_rows, hv, c)
-  bf = lambda x: x.astype(jnp.bfloat16)
-  outs = chunk_walk.chunk_walk(bf(q), bf(k), bf(v), t0, *_kernel_rows(beta_rows, g_rows, v),
-                               jnp.swapaxes(s0.astype(_F32), -1, -2),
-                               scale=float(scale), gated=g_rows is not None,
-                               save_states=save_states, interpret=interpret)
-  o, e, s_final = outs[0].astype(_F32), outs[1].astype(_F32), jnp.swapaxes(outs[2], -1, -2)
-  if not save_states:
-    return o, e, s_final
-  return o, e, s_final, t0, outs[3]
-
-
-# forward="walk" (and "auto" where it walks): trained through the Mosaic walks both ways (a
-# walk forward cannot pair with the split's backward, which reads the split's intra-chunk
-# residuals). The forward walk saves the chunk states; the reverse walk (`chunk_walk_reverse`)
-# makes dE and the state cotangents from q, k, T0 and the gates; then one kernel per chunk
-# (`chunk_grads`) makes dq, dk, dv, dβ and dG from them in the inputs' layout. Where that
-# kernel does not take the sizes (V = 256), XLA's products and the split's intra-chunk backward
-# do its work. G: the chunk cumulative gates `[B, HV, Nc, C]` (None ungated). grads_opts:
-# (`GpuTuning.approx_math`, `GpuTuning.join_exit`, `GpuTuning.grads_warpgroups`), for
-# chunk_grads.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _walk_train_core(q, k, v, beta, G, s0, scale, c, interpret, grads_opts):
-  del grads_opts
-  return _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret)
-
-
-def _grads_opts(tuning: GpuTuning) -> tuple[bool, bool, int]:
-  """The `chunk_grads` options a tuning sets (hashable: a nondiff argument of the walk's VJP)."""
-  return tuning.approx_math, tuning.join_exit, tuning.grads_warpgroups
-
-
-def _walk_rows(beta, G):
-  if beta is None:    # linear attention
-    return None, None
-  b, t, hv = beta.shape
-  return jnp.moveaxis(beta.astype(_F32), 1, 2), None if G is None else G.reshape(b, hv, t)
-
-
-def _kernel_rows(beta_rows, g_rows, v):
-  """The (gate, β) rows `[B, HV, T]` the walks copy: β stands in for an ungated mixer's gates
-  and zeros for linear attention's β (the kernels read neither)."""
-  if beta_rows is None:
-    b, t, hv = v.shape[:3]
-    beta_rows = jnp.zeros((b, hv, t), _F32)
-  return (beta_rows if g_rows is None else g_rows), beta_rows
-
-
-def _walk_train_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, grads_opts):
-  del grads_opts
-  q, k, v, beta, G, s0 = primal_values(q, k, v, beta, G, s0)   # (symbolic_zeros)
-  o, e, s_final, t0, h = _walk_forward(q, k, v, *_walk_rows(beta, G), s0, scale, c, interpret,
-                                       save_states=True)
-  return (o, e, s_final), (q, k, v, beta, G, t0, h, e.astype(jnp.bfloat16))
-
-
-def _walk_train_core_bwd(scale, c, interpret, grads_opts, res, cts):
-  from pallas_kernels.gpu import chunk_grads  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
-  q, k, v, beta, G, t0, h_t, e = res
-  # Outputs the caller does not use come as symbolic zeros: an unused residual e (the usual
-  # case) costs the reverse walk no copies and XLA no [B, T, HV, V] broadcast of zeros.
-  do, de_ext, ds_final = given_cotangents(cts)
-  if do is None:
-    do = jnp.zeros(v.shape, jnp.bfloat16)
-  if ds_final is None:
-    ds_final = jnp.zeros((*v.shape[:1], v.shape[2], q.shape[-1], v.shape[-1]), _F32)
-  gate_rows, beta_rows = _kernel_rows(*_walk_rows(beta, G), v)
-  bf = lambda x: x.astype(jnp.bfloat16)
-  de_t, dh_t, ds0_t = chunk_walk_reverse.chunk_walk_reverse(
-      bf(q), bf(k), t0, gate_rows, beta_rows, bf(do), None if de_ext is None else bf(de_ext),
-      jnp.swapaxes(ds_final.astype(_F32), -1, -2), scale=float(scale), gated=G is not None,
-      interpret=interpret)
-  ds0 = jnp.swapaxes(ds0_t, -1, -2)
-  b, t, h, dk = q.shape
-  hv, dv = v.shape[2:]
-  if chunk_grads.supported(c, dk, dv) is not None:   # (linear attention never walks there)
-    grads = _grads_after_reverse(q, k, v, beta, G, None, t0, jnp.swapaxes(h_t, -1, -2), e,
-                                 jnp.swapaxes(de_t, -1, -2), jnp.swapaxes(dh_t, -1, -2), do,
-                                 scale=scale, c=c, interpret=interpret, kernels="mosaic",
-                                 from_states=False)
-    return grads + (ds0,)
-  dq, dk_, dv_, dbeta, dG = chunk_grads.chunk_grads(
-      bf(q), bf(k), bf(v), e, bf(do), t0, gate_rows, beta_rows, h_t, dh_t, de_t,
-      scale=float(scale), gated=G is not None, interpret=interpret, approx_math=grads_opts[0],
-      join_exit=grads_opts[1],
-      # two warpgroups take the delta rule at K = V (chunk_grads' own rule); else one
-      warpgroups=grads_opts[2] if t0 is not None and dk == dv else 1)
-  if hv != h:   # GVA: each value head's share of its key head's gradient, summed in float32
-    heads = lambda x: jnp.sum(x.reshape(b, t, h, hv // h, dk).astype(_F32), axis=3)
-    dq, dk_ = heads(dq), heads(dk_)
-  return (dq.astype(q.dtype), dk_.astype(k.dtype), dv_.astype(v.dtype),
-          None if beta is None else jnp.moveaxis(dbeta, 1, 2).astype(beta.dtype),
-          None if G is None else dG.reshape(G.shape).astype(G.dtype), ds0)
-
-
-_walk_train_core.defvjp(_walk_train_core_fwd, _walk_train_core_bwd, symbolic_zeros=True)
+def _walk(q, k, v, beta, g, s0, *, scale, c, interpret, tuning: GpuTuning):
+  """(o, e, s_final) of the walks (`gpu_walks`) on `[B, T, ...]` inputs: linear attention when
+  beta is None; g the log gates or None. Pads T to a multiple of the chunk, or of the chunk
+  times `tuning.row_pieces` when rows are cut into pieces (padding rows are identity steps),
+  and slices the outputs back to T."""
+  t, pieces = q.shape[1], tuning.row_pieces
+  t_pad = -(-t // (c * pieces)) * c * pieces
+  pad = functools.partial(chunked.pad_time, t_pad=t_pad)
+  G = None
+  if g is not None:
+    G, _ = chunked.chunk_cumulative_gates(pad(g).astype(_F32), functools.partial(to_chunks, c=c))
+  args = (pad(q), pad(k), pad(v), pad(beta), G, s0, scale, c, interpret,
+          gpu_walks.grads_options(tuning))
+  if pieces == 1:
+    o, e, s_final = gpu_walks.walk_core(*args)
+  else:
+    o, e, s_final = gpu_walks.walk_pieces_core(*args, pieces)
+  return o[:, :t], e[:, :t], s_final
 
 
 def _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) -> bool:
@@ -510,23 +358,22 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
       and _linear_walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None)):
     # Linear attention on the walks without their erase (E = v).
     vw = v if m is None else v * m[..., None]
-    o, e, s_final = _walk_train_core(pad(q), pad(k), pad(vw), None, None, s0, scale, c,
-                                     interpret, _grads_opts(tuning))
-    return o[:, :t], (s_final if output_final_state else None), e[:, :t]
+    o, e, s_final = _walk(q, k, vw, None, None, s0, scale=scale, c=c, interpret=interpret,
+                          tuning=tuning)
+    return o, (s_final if output_final_state else None), e
   if _intra_kernel_applies(mixer, dk, dv, chunk_size, tuning, kernels) and not vma(q, k, v):
     beta = gates["beta"] if m is None else gates["beta"] * m
-    walk = walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None)
-    if walk or fused_forward_applies(tuning, dk, dv, chunk_size):
+    if walk_applies(tuning, dk, dv, chunk_size, kernels, segidx is not None):
+      o, e, s_final = _walk(q, k, v, beta, g, s0, scale=scale, c=c, interpret=interpret,
+                            tuning=tuning)
+      return o, (s_final if output_final_state else None), e
+    if fused_forward_applies(tuning, dk, dv, chunk_size):
       G = None
       if g is not None:
         G, _ = chunked.chunk_cumulative_gates(pad(g).astype(_F32),
                                               functools.partial(to_chunks, c=c))
-      if walk:
-        o, e, s_final = _walk_train_core(pad(q), pad(k), pad(v), pad(beta), G, s0, scale, c,
-                                         interpret, _grads_opts(tuning))
-      else:
-        o, e, s_final = _fused_core(pad(q), pad(k), pad(v), pad(beta), G, s0, segidx, scale, c,
-                                    interpret, kernels)
+      o, e, s_final = _fused_core(pad(q), pad(k), pad(v), pad(beta), G, s0, segidx, scale, c,
+                                  interpret, kernels)
     else:
       o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                          scale=scale, c=c, interpret=interpret, kernels=kernels,

@@ -163,7 +163,7 @@ def _product(a, b, shape, stage=None):
 
 
 def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
-               save_states: bool = False, interpret=None):
+               save_states: bool = False, states_only: bool = False, interpret=None):
   """(o, e, s_final_t[, h_t]) of the delta rule's chunk form, or of linear attention.
 
   Args:
@@ -175,14 +175,21 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
     s0t: `[B, HV, V, K]` float32, the initial state transposed.
     save_states: also return h_t, the bf16 state entering every chunk (transposed, exactly
       the operand the chunk used): the backward's residual.
+    states_only: return only (s_final_t,): the output warpgroup makes M̃ and nothing else, and
+      the state warpgroup publishes no tiles (the maps' walk of rows cut into pieces reads the
+      final state alone). Not with save_states.
   Returns:
     o `[B, T, HV, V]` bf16 (its products' operands are bf16 already; rounding it here saves
     the float32 round trip through HBM), e `[B, T, HV, V]` bf16 (the pseudo-values, the write
     residual), s_final_t `[B, HV, V, K]` float32 (the final state transposed), and with
     save_states h_t `[B, HV, Nc, V, K]` bf16.
   """
+  if states_only and save_states:
+    raise ValueError("chunk_walk: states_only returns the final state alone; save_states "
+                     "cannot be asked with it.")
   outs = _chunk_walk(q, k, v, t0, g, beta, s0t, scale=float(scale), gated=bool(gated),
-                     save_states=bool(save_states), interpret=interpret)
+                     save_states=bool(save_states), states_only=bool(states_only),
+                     interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
@@ -200,20 +207,25 @@ def kernel_args(args):
   return tuple(x for x in args if x is not None), with_absent
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "interpret"))
-def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "states_only",
+                                             "interpret"))
+def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_only,
+                interpret):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
   reason = supported(c, dk, dv)
   if reason or t % c or hv % h:
-    raise ValueError(f"chunk_walk: {reason or f'T={t} must be a multiple of {c} and HV={hv} a multiple of H={h}'}.")
+    why = reason or f"T={t} must be a multiple of {c} and HV={hv} a multiple of H={h}"
+    raise ValueError(f"chunk_walk: {why}.")
   check_index_range(b, t, hv, dv)
   nc, n_rep = t // c, hv // h
   stages = ring_stages(dk, bv)
   out_type = [jax.ShapeDtypeStruct((b, t, hv, dv), MM_DTYPE),
               jax.ShapeDtypeStruct((b, t, hv, dv), MM_DTYPE),
               jax.ShapeDtypeStruct((b, hv, dv, dk), f32)]
+  if states_only:
+    out_type = out_type[2:]
   if save_states:
     out_type.append(jax.ShapeDtypeStruct((b, hv, nc, dv, dk), MM_DTYPE))
   vec = plgpu.SMEM((stages, c), f32)
@@ -254,14 +266,15 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         half = lax.rem(n, 2)
         plgpu.barrier_wait(in_bar.at[slot])
 
-        @pl.when(n >= 2)
-        def _():   # the output warpgroup has read what was published two chunks ago
-          plgpu.barrier_wait(pub_free.at[half])
-
         s_lo = s_t.astype(MM_DTYPE)
-        if save_states:   # this tile's copy to h from two chunks back must have read it
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        s_pub.at[half][...] = s_lo
+        if not states_only:
+          @pl.when(n >= 2)
+          def _():   # the output warpgroup has read what was published two chunks ago
+            plgpu.barrier_wait(pub_free.at[half])
+
+          if save_states:   # this tile's copy to h from two chunks back must have read it
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          s_pub.at[half][...] = s_lo
         if save_states:
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(s_pub.at[half], h_ref.at[bi, hi, n, vs])
@@ -281,9 +294,10 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
           e_t = _product(r_t.astype(MM_DTYPE), m_s.at[slot].T, (bv, c), stage_c)
         else:
           e_t = v_t
-        e_pub.at[half].T[...] = e_t.astype(MM_DTYPE)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(pub_ready.at[half])
+        if not states_only:
+          e_pub.at[half].T[...] = e_t.astype(MM_DTYPE)
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(pub_ready.at[half])
         # Sᵀ ← γ Sᵀ + (Eᵀ ⊙ xᵀ) k
         xe_t = (e_t * exit_ if gated else e_t).astype(MM_DTYPE)
         s_next = _product(xe_t, k_s.at[slot], (bv, dk), stage_c)
@@ -291,8 +305,9 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         return s_next + (s_t * decay if gated else s_t)
 
       s_t = lax.fori_loop(0, nc, step, s_init)
-      for n in range(max(nc - 2, 0), nc):   # the last releases of the published tiles
-        plgpu.barrier_wait(pub_free.at[n % 2])
+      if not states_only:
+        for n in range(max(nc - 2, 0), nc):   # the last releases of the published tiles
+          plgpu.barrier_wait(pub_free.at[n % 2])
       store_state(s_t, s_f32, sf_ref.at[bi, hi, vs])
 
     @pl.when(wg == 1)
@@ -305,16 +320,19 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         rows = pl.ds(n * c, c)
         plgpu.barrier_wait(in_bar.at[slot])
         gam = decay_mask(g_rows, g_cols, slot, gated)
-        if gated:
-          entry = mc.rows(jnp.exp(plgpu.load(g_rows.at[slot], layout=_ROWS)) * scale, (c, bv))
-        else:
-          entry = scale
         if delta:   # M̃ = T0 ⊙ Γ · diag(β) over T0 in the ring: the state's Eᵀ = Rᵀ M̃ᵀ
           beta_col = plgpu.load(b_cols.at[slot], layout=_COLS)
           t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(f32)
           m_s.at[slot][...] = (t0_tile * gam * mc.cols(beta_col, (c, c))).astype(MM_DTYPE)
           plgpu.commit_smem()
           plgpu.barrier_arrive(m_ready.at[slot])
+        if states_only:   # M̃ was all the state warpgroup needed from this one
+          plgpu.barrier_arrive(in_free.at[slot])
+          return carry
+        if gated:
+          entry = mc.rows(jnp.exp(plgpu.load(g_rows.at[slot], layout=_ROWS)) * scale, (c, bv))
+        else:
+          entry = scale
         qk = _product(q_s.at[slot], k_s.at[slot].T, (c, c))
         p = (qk * (gam * scale)).astype(MM_DTYPE)
         plgpu.barrier_wait(pub_ready.at[half])
@@ -354,6 +372,8 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
     names = list(scratch)
     n_in = len(ins) + len(out_type)
     outs = refs[len(ins):n_in] + (() if save_states else (None,))
+    if states_only:
+      outs = (None, None) + outs
     return kernel(*with_absent(refs[:len(ins)]), *outs, **dict(zip(names, refs[n_in:])))
 
   return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch.values()),

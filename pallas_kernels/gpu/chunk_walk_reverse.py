@@ -60,7 +60,7 @@ def ring_stages(dk: int, bv: int = BLOCK_V) -> int:
 
 
 def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, gated: bool = True,
-                       interpret=None):
+                       states_only: bool = False, interpret=None):
   """(de_t, dh_t, ds0_t): the reverse state pass of `chunk_walk`.
 
   Args:
@@ -69,17 +69,21 @@ def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, ga
     do, de_ext: `[B, T, HV, V]` bf16, the cotangents of o and of e; de_ext may be None (e
       unused downstream: no copies, no add).
     dsf_t: `[B, HV, V, K]` float32, the cotangent of the final state, transposed.
+    states_only: return only (ds0_t,): dE and the chunk cotangents are made but not stored (the
+      entry cotangents of rows cut into pieces, `gpu_walks.walk_pieces_core`).
   Returns:
     de_t `[B, HV, Nc, V, C]` bf16 (dE of each chunk, transposed), dh_t `[B, HV, Nc, V, K]`
     bf16 (dS leaving each chunk, transposed, exactly as used), ds0_t `[B, HV, V, K]` float32.
   """
   outs = _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, scale=float(scale),
-                             gated=bool(gated), interpret=interpret)
+                             gated=bool(gated), states_only=bool(states_only),
+                             interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated", "interpret"))
-def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "states_only", "interpret"))
+def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, states_only,
+                        interpret):
   b, t, h, dk = q.shape
   hv, dv = do.shape[2], do.shape[3]
   c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
@@ -93,6 +97,8 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
   out_type = (jax.ShapeDtypeStruct((b, hv, nc, dv, c), MM_DTYPE),
               jax.ShapeDtypeStruct((b, hv, nc, dv, dk), MM_DTYPE),
               jax.ShapeDtypeStruct((b, hv, dv, dk), f32))
+  if states_only:
+    out_type = out_type[2:]
   vec = plgpu.SMEM((stages, c), f32)
   with_dx, delta = de_ext is not None, t0 is not None
   n_copies = 7 + with_dx + delta   # q, k, dO, (dE_ext,) (T0,) and four gate vectors per chunk
@@ -132,12 +138,13 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
         half = lax.rem(j, 2)
         plgpu.barrier_wait(in_bar.at[slot])
         ds_lo = ds_t.astype(MM_DTYPE)
-        # Per step two copy-outs (dSᵀ from s_pub, then dEᵀ from de_out[half]); at most the
-        # last step's dEᵀ may still be reading, so s_pub and de_out[half] are free.
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        s_pub[...] = ds_lo
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(s_pub, dh_ref.at[bi, hi, n, vs])
+        if not states_only:
+          # Per step two copy-outs (dSᵀ from s_pub, then dEᵀ from de_out[half]); at most the
+          # last step's dEᵀ may still be reading, so s_pub and de_out[half] are free.
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          s_pub[...] = ds_lo
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(s_pub, dh_ref.at[bi, hi, n, vs])
         beta_col = plgpu.load(b_cols.at[slot], layout=_COLS)
         if gated:
           g_col = plgpu.load(g_state.at[slot], layout=_COLS)
@@ -158,9 +165,10 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
         de_t = pdo_t + (kds_t * exit_ if gated else kds_t)
         if with_dx:
           de_t = de_t + plgpu.load(dx_s.at[slot].T, layout=_WG).astype(jnp.float32)
-        de_out.at[half][...] = de_t.astype(MM_DTYPE)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(de_out.at[half], de_ref.at[bi, hi, n, vs])
+        if not states_only:
+          de_out.at[half][...] = de_t.astype(MM_DTYPE)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(de_out.at[half], de_ref.at[bi, hi, n, vs])
         ds_next = (ds_t * decay if gated else ds_t) + qdo_t
         if delta:
           z_t = _product(de_t.astype(MM_DTYPE), m_s.at[slot], (bv, c), stage_c)   # the chain
@@ -209,8 +217,10 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, i
   n_io = len(ins) + len(out_type)
 
   def body(*refs):
-    return kernel(*with_absent(refs[:len(ins)]), *refs[len(ins):n_io],
-                  **dict(zip(scratch, refs[n_io:])))
+    outs = refs[len(ins):n_io]
+    if states_only:
+      outs = (None, None) + outs
+    return kernel(*with_absent(refs[:len(ins)]), *outs, **dict(zip(scratch, refs[n_io:])))
 
   return plgpu.kernel(body, out_type=out_type, scratch_types=tuple(scratch.values()),
                       grid=(b, hv, dv // bv), grid_names=("b", "h", "v"), num_threads=3,

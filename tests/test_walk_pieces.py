@@ -1,0 +1,179 @@
+"""The walks with every row cut into pieces (`GpuTuning(row_pieces=P)`, `gpu_walks.
+walk_pieces_core`).
+
+Off GPU the Mosaic GPU kernels run in JAX's interpreter, so this file runs in `make test`; on a
+Hopper GPU the same tests run them compiled. Oracles: the op's `scan` (the recurrence token by
+token, float32 at HIGHEST) for the output, the final state and the write residual (2e-2: the
+walks' bf16 operands) and for every gradient (3e-2), under jit, with GVA, an initial state,
+T that no piece length divides, and pieces of one chunk; and that the maps' walk ran (the
+pieces path taken, not the whole-row walk). The maps' walks (`chunk_walk` and `chunk_walk_reverse`
+with `states_only=True`) against the whole walks' final state and entry cotangent: the same
+products (1e-5).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import kernel_cases
+from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, run_jit
+
+ON_GPU, INTERPRET = mosaic_gpu_or_skip()
+
+from lineax_attn.ops import pallas_gpu  # noqa: E402
+from pallas_kernels.gpu import chunk_walk as cw  # noqa: E402
+from pallas_kernels.gpu import chunk_walk_reverse as cwr  # noqa: E402
+
+FWD_TOL = 2e-2
+GRAD_TOL = 3e-2
+
+
+def _pieces(p):
+  return pallas_gpu.GpuTuning(forward="walk", row_pieces=p)
+
+
+def _count_walk_widths(monkeypatch):
+  """Records the value width of every forward walk traced (the maps' walk is K columns wider)."""
+  widths = []
+  real = cw.chunk_walk
+
+  def spy(q, k, v, *a, **kw):
+    widths.append(v.shape[-1])
+    return real(q, k, v, *a, **kw)
+  monkeypatch.setattr(cw, "chunk_walk", spy)
+  return widths
+
+
+# (mixer, B, T, pieces): T = 200 in 2 pieces pads to 256 (two chunks each); 130 in 3 pads to
+# 192 (one chunk each, the last mostly padding); T = 1 leaves the second piece all padding.
+FWD_CASES = [("gated_delta_rule", 1, 200, 2), ("delta_rule", 2, 130, 3),
+             ("linear_attention", 1, 100, 2), ("gated_delta_rule", 1, 1, 2)]
+if ON_GPU:
+  FWD_CASES += [("gated_delta_rule", 1, 4096, 8), ("delta_rule", 1, 1000, 4)]
+
+
+@pytest.mark.parametrize("mixer,b,t,pieces", FWD_CASES)
+def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces):
+  widths = _count_walk_widths(monkeypatch)
+  args, kw = make_inputs(mixer, b=b, t=t, h=1, hv=2, dk=64, dv=64, seed=t + pieces)
+  kwargs = dict(kw, output_final_state=True, return_residual=True)
+  got = run_jit(mixer, args, **kwargs, implementation="pallas_gpu", tuning=_pieces(pieces))
+  want = run_jit(mixer, args, **kwargs, implementation="scan")
+  assert sorted(widths) == [64, 128], widths   # the pieces' walk and the maps' walk
+  for name, g, w in zip(("o", "final state", "residual"), got, want):
+    assert_close(g, w, FWD_TOL, f"{mixer} B={b} T={t} P={pieces}: {name}")
+
+
+GRAD_CASES = [("gated_delta_rule", 1, 150, 2), ("delta_rule", 2, 128, 2),
+              ("linear_attention", 1, 100, 2)]
+if ON_GPU:
+  GRAD_CASES += [("gated_delta_rule", 1, 2048, 8), ("gated_delta_rule", 2, 333, 3)]
+
+
+@pytest.mark.parametrize("mixer,b,t,pieces", GRAD_CASES)
+def test_pieces_gradients_match_scan(mixer, b, t, pieces):
+  # Every gradient, the initial state's and the residual's included, against the scan's: the
+  # entry cotangents carried back across the pieces (D and the maps) are what this checks.
+  args, kw = make_inputs(mixer, b=b, t=t, h=1, hv=2, dk=64, dv=64, seed=3 * t + pieces)
+  s0 = kw["initial_state"]
+  w_r = jax.random.normal(jax.random.key(7), args[2].shape)
+
+  def loss(impl, tuning):
+    def f(*a):
+      *xs, s_init = a
+      o, s, r = run_jit(mixer, xs, initial_state=s_init, output_final_state=True,
+                        return_residual=True, implementation=impl, tuning=tuning)
+      return jnp.sum(o * o) + jnp.sum(s * s) + jnp.sum(r * w_r)
+    return jax.jit(jax.grad(f, argnums=tuple(range(len(args) + 1))))(*args, s0)
+
+  names = {"gated_delta_rule": ["q", "k", "v", "g", "beta"], "delta_rule": ["q", "k", "v", "beta"],
+           "linear_attention": ["q", "k", "v"]}[mixer] + ["s0"]
+  assert len(names) == len(args) + 1
+  for name, g, w in zip(names, loss("pallas_gpu", _pieces(pieces)), loss("scan", None)):
+    assert_close(g, w, GRAD_TOL, f"{mixer} B={b} T={t} P={pieces}: d{name}")
+
+
+@pytest.mark.parametrize("mixer,t,pieces", [("gated_delta_rule", 150, 2), ("delta_rule", 192, 3)])
+def test_pieces_carry_the_cotangent_back(mixer, t, pieces):
+  # A loss on the outputs of the last piece only, with slow gates (τ = 8): the earlier pieces'
+  # inputs get their gradients only through the entry cotangents carried back across the
+  # pieces (without the carried local terms D, dk was off by 0.2 in the full-loss test above).
+  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=2, dk=64, dv=64, tau=8.0, seed=t)
+  last = -(-t // (64 * pieces)) * 64 * (pieces - 1)     # where the last piece starts
+  late = (jnp.arange(t) >= last)[None, :, None, None]
+  w = jax.random.normal(jax.random.key(4), args[2].shape) * late
+
+  def loss(impl, tuning):
+    def f(*a):
+      o, _ = run_jit(mixer, a, **kw, implementation=impl, tuning=tuning)
+      return jnp.sum(o * w)
+    return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
+
+  names = ["q", "k", "v", "g", "beta"] if mixer == "gated_delta_rule" else ["q", "k", "v", "beta"]
+  for name, g, want in zip(names, loss("pallas_gpu", _pieces(pieces)), loss("scan", None)):
+    early = slice(0, last)   # the earlier pieces' gradients: the carry's alone
+    assert_close(g[:, early], want[:, early], GRAD_TOL,
+                 f"{mixer} P={pieces}: d{name}, earlier pieces")
+    assert_close(g, want, GRAD_TOL, f"{mixer} P={pieces}: d{name}")
+
+
+def test_pieces_gradients_without_final_state_or_residual():
+  # The usual training call: only o is read, so the final state's and the residual's
+  # cotangents reach the backward as symbolic zeros.
+  args, kw = make_inputs("gated_delta_rule", b=1, t=192, h=1, hv=2, dk=64, dv=64, seed=5)
+  w = jax.random.normal(jax.random.key(3), args[2].shape)
+
+  def loss(impl, tuning):
+    def f(*a):
+      o, _ = run_jit("gated_delta_rule", a, **kw, implementation=impl, tuning=tuning)
+      return jnp.sum(o * w)
+    return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
+
+  for name, g, want in zip(["q", "k", "v", "g", "beta"], loss("pallas_gpu", _pieces(3)),
+                           loss("scan", None)):
+    assert_close(g, want, GRAD_TOL, f"o only: d{name}")
+
+
+@pytest.mark.parametrize("delta,gated", [(True, True), (True, False), (False, False)])
+def test_states_only_walk_gives_the_whole_walks_final_state(delta, gated):
+  # GDN, DeltaNet, linear attention; K 64, V 128 (two value tiles), a ring that wraps.
+  q, k, v, t0, g, beta, s0t = kernel_cases.walk_inputs(1, 320, 1, 2, 64, 128, seed=9)
+  t0 = t0 if delta else None
+  kw = dict(scale=0.125, gated=gated, interpret=INTERPRET)
+  whole = jax.jit(lambda *a: cw.chunk_walk(*a, **kw))(q, k, v, t0, g, beta, s0t)
+  (alone,) = jax.jit(lambda *a: cw.chunk_walk(*a, **kw, states_only=True))(q, k, v, t0, g, beta,
+                                                                            s0t)
+  assert alone.shape == whole[2].shape and bool(jnp.any(alone != 0))
+  assert_close(alone, whole[2], 1e-5, "final state, states_only against the whole walk")
+
+
+@pytest.mark.parametrize("delta,gated", [(True, True), (False, False)])
+def test_states_only_reverse_walk_gives_the_whole_walks_entry_cotangent(delta, gated):
+  q, k, _, t0, g, beta, dsf_t = kernel_cases.walk_inputs(1, 320, 1, 2, 64, 128, seed=8)
+  r = jax.random.split(jax.random.key(2), 2)
+  do, dx = (jax.random.normal(x, (1, 320, 2, 128)).astype(jnp.bfloat16) for x in r)
+  t0 = t0 if delta else None
+  kw = dict(scale=0.125, gated=gated, interpret=INTERPRET)
+  args = (q, k, t0, g, beta, do, dx, dsf_t)
+  whole = jax.jit(lambda *a: cwr.chunk_walk_reverse(*a, **kw))(*args)
+  (alone,) = jax.jit(lambda *a: cwr.chunk_walk_reverse(*a, **kw, states_only=True))(*args)
+  assert alone.shape == whole[2].shape and bool(jnp.any(alone != 0))
+  assert_close(alone, whole[2], 1e-5, "entry cotangent, states_only against the whole walk")
+
+
+def test_states_only_refuses_save_states():
+  args = kernel_cases.walk_inputs(1, 64, 1, 1, 64, 64, seed=0)
+  with pytest.raises(ValueError, match="states_only"):
+    cw.chunk_walk(*args, scale=0.125, states_only=True, save_states=True, interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("bad", [0, 65, True, 2.0, "4"])
+def test_row_pieces_must_be_a_small_int(bad):
+  with pytest.raises(ValueError, match="row_pieces"):
+    pallas_gpu.GpuTuning(row_pieces=bad)
+
+
+def test_row_pieces_parses_from_the_command_line():
+  assert pallas_gpu.GpuTuning.parse("row_pieces=8").row_pieces == 8
