@@ -160,3 +160,23 @@ def walk_inputs(b, t, h, hv, dk, dv, seed, gate_scale=1.0, floor_gates=False):
   bf = lambda x: jnp.asarray(x, jnp.bfloat16)
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   return (bf(q), bf(k), bf(v), bf(t0), f32(cum), f32(beta), f32(0.1 * n(b, hv, dv, dk)))
+
+
+# The positional inputs of the walked mixers, then the initial state: the names of
+# `residual_training_grads`' gradients.
+GRAD_NAMES = {"gated_delta_rule": ["q", "k", "v", "g", "beta", "s0"],
+              "delta_rule": ["q", "k", "v", "beta", "s0"],
+              "linear_attention": ["q", "k", "v", "s0"]}
+
+
+def residual_training_grads(mixer, args, s0, implementation, tuning):
+  """Gradients of Σ o² + Σ S_T² + <r, W_r> (r the write residual, W_r fixed random) with respect
+  to every positional input and the initial state s0: a loss that reads every output."""
+  w_r = jax.random.normal(jax.random.key(7), args[2].shape)
+
+  def f(*a):
+    *xs, s_init = a
+    o, s, r = run_jit(mixer, xs, initial_state=s_init, output_final_state=True,
+                      return_residual=True, implementation=implementation, tuning=tuning)
+    return jnp.sum(o * o) + jnp.sum(s * s) + jnp.sum(r * w_r)
+  return jax.jit(jax.grad(f, argnums=tuple(range(len(args) + 1))))(*args, s0)

@@ -205,21 +205,11 @@ def test_training_through_both_walks_matches_scan(mixer, t, hv):
   # makes dE and the state cotangents, then the intra-chunk backward. Every gradient (and the
   # residual's, through return_residual) against the scan's.
   args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=hv, dk=64, dv=64, seed=t + hv)
-  s0 = kw["initial_state"]
-  w_r = jax.random.normal(jax.random.key(7), args[2].shape)
-
-  def loss(impl, tuning):
-    def f(*a):
-      *xs, s_init = a
-      o, s, r = run_jit(mixer, xs, initial_state=s_init, output_final_state=True,
-                        return_residual=True, implementation=impl, tuning=tuning)
-      return jnp.sum(o * o) + jnp.sum(s * s) + jnp.sum(r * w_r)
-    return jax.jit(jax.grad(f, argnums=tuple(range(len(args) + 1))))(*args, s0)
-
-  names = {"gated_delta_rule": ["q", "k", "v", "g", "beta"], "delta_rule": ["q", "k", "v", "beta"],
-           "linear_attention": ["q", "k", "v"]}[mixer] + ["s0"]
+  grads = [kernel_cases.residual_training_grads(mixer, args, kw["initial_state"], impl, tuning)
+           for impl, tuning in (("pallas_gpu", WALK), ("scan", None))]
+  names = kernel_cases.GRAD_NAMES[mixer]
   assert len(names) == len(args) + 1
-  for name, g, w in zip(names, loss("pallas_gpu", WALK), loss("scan", None)):
+  for name, g, w in zip(names, *grads):
     assert_close(g, w, GRAD_TOL, f"{mixer} T={t} HV={hv}: d{name}")
 
 
