@@ -22,6 +22,7 @@ from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, run_jit
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
+from lineax_attn.ops import gpu_walks  # noqa: E402
 from lineax_attn.ops import pallas_gpu  # noqa: E402
 from pallas_kernels.gpu import chunk_walk as cw  # noqa: E402
 from pallas_kernels.gpu import chunk_walk_reverse as cwr  # noqa: E402
@@ -159,7 +160,40 @@ def test_states_only_refuses_save_states():
     cw.chunk_walk(*args, scale=0.125, states_only=True, save_states=True, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("bad", [0, 65, True, 2.0, "4"])
+@pytest.mark.parametrize("ctas,chunks,sms,want", [
+    (32, 1024, 132, 4),     # B1 T65536 H16 V128 on an H200: 4 x 32 CTAs fill one wave
+    (16, 1024, 132, 8),     # at most 8 pieces
+    (128, 1024, 132, 1),    # the walks fill the GPU already (B4 H16 V128)
+    (66, 1024, 132, 2),     # exactly half: 2 x 66 = 132
+    (32, 16, 132, 2),       # 16 chunks: 2 pieces of 8, not 4 of 4
+    (32, 8, 132, 1),        # 8 chunks: no piece would reach 8
+    (1, 1024, 4, 4),        # 4 SMs, 1 CTA: 4 pieces fill them
+])
+def test_auto_row_pieces_by_hand(ctas, chunks, sms, want):
+  assert gpu_walks.auto_row_pieces(ctas, chunks, sms) == want
+
+
+def test_auto_row_pieces_reach_the_op(monkeypatch):
+  # row_pieces=0 asks the rule at trace time. With 4 SMs and pieces of one chunk allowed, B1
+  # HV2 V64 (2 CTAs) over 2 chunks takes 2 pieces: the maps' walk runs, and the op still
+  # matches the scan.
+  monkeypatch.setattr(gpu_walks, "device_sms", lambda: 4)
+  monkeypatch.setattr(gpu_walks, "MIN_PIECE_CHUNKS", 1)
+  assert gpu_walks.row_pieces(pallas_gpu.GpuTuning(row_pieces=0), 1, 2, 64, 128, 64) == 2
+  assert gpu_walks.row_pieces(pallas_gpu.GpuTuning(row_pieces=3), 1, 2, 64, 128, 64) == 3
+  assert gpu_walks.row_pieces(pallas_gpu.GpuTuning(), 1, 2, 64, 128, 64) == 1
+  widths = _count_walk_widths(monkeypatch)
+  args, kw = make_inputs("gated_delta_rule", b=1, t=128, h=1, hv=2, dk=64, dv=64, seed=12)
+  got = run_jit("gated_delta_rule", args, **kw, output_final_state=True,
+                implementation="pallas_gpu", tuning=_pieces(0))
+  want = run_jit("gated_delta_rule", args, **kw, output_final_state=True,
+                 implementation="scan")
+  assert sorted(widths) == [64, 128], widths
+  for name, g, w in zip(("o", "final state"), got, want):
+    assert_close(g, w, FWD_TOL, f"auto pieces: {name}")
+
+
+@pytest.mark.parametrize("bad", [-1, 65, True, 2.0, "4"])
 def test_row_pieces_must_be_a_small_int(bad):
   with pytest.raises(ValueError, match="row_pieces"):
     pallas_gpu.GpuTuning(row_pieces=bad)

@@ -179,8 +179,10 @@ class GpuTuning:
       map S_out = Φ S_in + Ψ, the entry states are composed from the maps, then every piece
       walks from its own; the backward likewise (`gpu_walks.walk_pieces_core`). It costs one
       more walk forward (K columns wider) and one more reverse walk. T is padded to a multiple
-      of 64·row_pieces with identity steps. Tested in the interpreter against the scan;
-      untimed, so not a default yet.
+      of 64·row_pieces with identity steps. 0 ("auto", `gpu_walks.auto_row_pieces`): pieces
+      only where the walks' CTAs fill at most half the SMs, as many (a power of two, ≤ 8) as
+      still fit one wave, each ≥ 8 chunks (B1 T65536 H16 V128 on an H200: 4). Tested in the
+      interpreter against the scan; untimed, so not a default yet.
   """
 
   intra: str = "kernel"
@@ -224,9 +226,9 @@ class GpuTuning:
                        "products) needs channel_grads='states', got channel_grads="
                        f"{self.channel_grads!r}.")
     pieces = self.row_pieces
-    if isinstance(pieces, bool) or not isinstance(pieces, int) or not 1 <= pieces <= 64:
-      raise ValueError(f"GpuTuning.row_pieces must be an int in [1, 64] (1: rows whole), "
-                       f"got {pieces!r}.")
+    if isinstance(pieces, bool) or not isinstance(pieces, int) or not 0 <= pieces <= 64:
+      raise ValueError(f"GpuTuning.row_pieces must be an int in [0, 64] (1: rows whole, 0: "
+                       f"auto), got {pieces!r}.")
     wgs = self.grads_warpgroups
     if isinstance(wgs, bool) or wgs not in (1, 2):
       raise ValueError(f"GpuTuning.grads_warpgroups must be 1 or 2, got {wgs!r}.")

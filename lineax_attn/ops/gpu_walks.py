@@ -224,6 +224,40 @@ walk_core.defvjp(walk_core_fwd, walk_core_bwd, symbolic_zeros=True)
 #   float32 state), so forward and gradients are the unsplit op's up to that rounding.
 
 
+# `row_pieces=0` ("auto"): cut rows only where the walks' CTAs fill at most half the GPU, into
+# the most pieces (a power of two, at most MAX_ROW_PIECES) whose walks still fit one wave,
+# each at least MIN_PIECE_CHUNKS chunks long (shorter pieces spend more on their maps than
+# they win). Untimed: thresholds of the kind jla 0.1.0 uses, until the H200 times them.
+MAX_ROW_PIECES = 8
+MIN_PIECE_CHUNKS = 8
+
+
+def device_sms() -> int:
+  """Streaming multiprocessors of the default device; 132 (an H100 / H200) where JAX does not
+  say (CPU, the interpreter)."""
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
+  except RuntimeError:
+    return 132
+
+
+def auto_row_pieces(ctas: int, chunks: int, sms: int) -> int:
+  """Pieces per row for walks of `ctas` CTAs (B·HV·V/64) over `chunks` chunks on `sms` SMs."""
+  if ctas > sms // 2:
+    return 1
+  p = 1
+  while 2 * p <= MAX_ROW_PIECES and 2 * p * ctas <= sms and chunks // (2 * p) >= MIN_PIECE_CHUNKS:
+    p *= 2
+  return p
+
+
+def row_pieces(tuning: GpuTuning, b: int, hv: int, dv: int, t: int, c: int) -> int:
+  """The pieces a walked row is cut into: `tuning.row_pieces`, or the auto rule's for 0."""
+  if tuning.row_pieces:
+    return tuning.row_pieces
+  return auto_row_pieces(b * hv * (dv // 64), -(-t // c), device_sms())
+
+
 def _pieces_time(x, p):
   """`[B, T, ...]` -> `[B·P, T/P, ...]` (piece j of row b at row b·P + j); None stays None."""
   return None if x is None else x.reshape((x.shape[0] * p, x.shape[1] // p) + x.shape[2:])

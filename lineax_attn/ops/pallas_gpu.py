@@ -283,9 +283,10 @@ def _linear_walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, k
 def _walk(q, k, v, beta, g, s0, *, scale, c, interpret, tuning: GpuTuning):
   """(o, e, s_final) of the walks (`gpu_walks`) on `[B, T, ...]` inputs: linear attention when
   beta is None; g the log gates or None. Pads T to a multiple of the chunk, or of the chunk
-  times `tuning.row_pieces` when rows are cut into pieces (padding rows are identity steps),
-  and slices the outputs back to T."""
-  t, pieces = q.shape[1], tuning.row_pieces
+  times the pieces when rows are cut (`gpu_walks.row_pieces`; padding rows are identity
+  steps), and slices the outputs back to T."""
+  (b, t), (hv, dv) = q.shape[:2], v.shape[2:]
+  pieces = gpu_walks.row_pieces(tuning, b, hv, dv, t, c)
   t_pad = -(-t // (c * pieces)) * c * pieces
   pad = functools.partial(chunked.pad_time, t_pad=t_pad)
   G = None
