@@ -109,6 +109,10 @@ _FORWARD = flags.DEFINE_enum("forward", "auto", ["auto", "split", "fused", "walk
                              "runs, else the split), the split (intra kernel, state pass), the "
                              "fused Triton kernels (needs the triton extra) or, pallas_gpu only, "
                              "the warp-specialised Mosaic walks.")
+_ROW_PIECES = flags.DEFINE_integer("row_pieces", 1, "pallas_gpu's walks (GpuTuning.row_pieces): "
+                                   "cut every row into this many pieces (1: whole rows, the "
+                                   "default; 0: the auto rule), e.g. for the T sweep's long "
+                                   "rows.")
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", "", "With --breakdown: also run each intra-chunk kernel once under Mosaic GPU's "
     "in-kernel profiler, write its traces here and log the time per named phase "
@@ -501,12 +505,14 @@ def main(argv):
                                 triton_intra=_TRITON_INTRA.value,
                                 channel_intra=_CHANNEL_INTRA.value,
                                 channel_grads=_CHANNEL_GRADS.value,
-                                intra_grads=_INTRA_GRADS.value, forward=_FORWARD.value)
+                                intra_grads=_INTRA_GRADS.value, forward=_FORWARD.value,
+                                row_pieces=_ROW_PIECES.value)
   if _CHANNEL_PAIR.value:
     tuning = dataclasses.replace(tuning, channel_pair=_CHANNEL_PAIR.value)
   dev = jax.devices()[0]
   meta = {"date": time.strftime("%Y-%m-%d"), "device": dev.device_kind, "jax": jax.__version__,
           "remat_intra": _REMAT_INTRA.value, "intra": _INTRA.value,
+          "row_pieces": _ROW_PIECES.value,
           "triton_intra": _TRITON_INTRA.value, "channel_intra": _CHANNEL_INTRA.value,
           "channel_grads": _CHANNEL_GRADS.value, "intra_grads": _INTRA_GRADS.value,
           "forward": _FORWARD.value}
