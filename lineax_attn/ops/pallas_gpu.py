@@ -78,6 +78,7 @@ import jax.numpy as jnp
 
 from lineax_attn.ops import api
 from lineax_attn.ops import chunked
+from lineax_attn.ops import gpu_walks
 from lineax_attn.ops import specs
 from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, segment_masks, to_chunks
 # Re-exported: `pallas_gpu.X` stays the public spelling of these (api, benchmarks, tests, docs).
@@ -86,7 +87,6 @@ from lineax_attn.ops.gpu_prepare import (channel_intra_kernel, channel_kernel_ap
 from lineax_attn.ops.gpu_tuning import (DEFAULT_TUNING, INTRA_CHOICES, PAIR_CHOICES,
                                         SOLVE_CHOICES, GpuTuning, check_tuning,
                                         fused_intra_grads)
-from lineax_attn.ops import gpu_walks
 from lineax_attn.ops.gpu_vjps import (interpret_params, intra_kernel, kernel_module, state_pass,
                                       vma)
 from pallas_kernels.gpu import state_passing as sp
@@ -208,7 +208,6 @@ def fused_forward_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int) 
   return ff.supported(chunk_size, dk, dv) is None
 
 
-
 # forward="fused": the chunk form in the fused kernels of `pallas_kernels.gpu.triton.
 # fused_forward`, forward (T0, then the walk) and reverse (the state cotangent walked back with the
 # same factors made on the fly), then the intra-chunk backward fed with M = T0 ⊙ Γ: with H = HV
@@ -246,10 +245,9 @@ def _fused_core_bwd(scale, c, interpret, kernels, res, cts):
   de, dh, ds0 = ff.fused_reverse(q, k, beta_rows, None if G is None else G.reshape(b, hv, t),
                                  segments, factors, do, de_ext, ds_final, scale=float(scale),
                                  gated=G is not None)
-  return gpu_walks.grads_after_reverse(q, k, v, beta, G, segidx, factors[0], h, e, de, dh,
-                                       do,
-                              scale=scale, c=c, interpret=interpret, kernels=kernels,
-                              from_states=True) + (ds0, None)
+  return gpu_walks.grads_after_reverse(
+      q, k, v, beta, G, segidx, factors[0], h, e, de, dh, do, scale=scale, c=c,
+      interpret=interpret, kernels=kernels, from_states=True) + (ds0, None)
 
 
 _fused_core.defvjp(_fused_core_fwd, _fused_core_bwd)
