@@ -166,7 +166,9 @@ def walk_inputs(b, t, h, hv, dk, dv, seed, gate_scale=1.0, floor_gates=False):
 # `residual_training_grads`' gradients.
 GRAD_NAMES = {"gated_delta_rule": ["q", "k", "v", "g", "beta", "s0"],
               "delta_rule": ["q", "k", "v", "beta", "s0"],
-              "linear_attention": ["q", "k", "v", "s0"]}
+              "linear_attention": ["q", "k", "v", "s0"],
+              "kda": ["q", "k", "v", "g", "beta", "s0"],
+              "gdn2": ["q", "k", "v", "g", "b", "w", "s0"]}
 
 
 def residual_training_grads(mixer, args, s0, implementation, tuning):

@@ -175,9 +175,20 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(dk, dv, monkeypatch):
   state = [sds((b, hv, nc, c, dk), bf), sds((b, hv, nc, c, dk), bf), sds((b, hv, nc, c, c), bf),
            sds((b, hv, nc, c, dv), f32), sds((b, hv, nc, c, dk), bf), sds((b, hv, nc, dk), f32),
            sds((b, hv, dk, dv), f32)]
+  # ny, qg, p, kg, gc, do, ds_final (two pieces)
+  state_bwd = state[:3] + state[4:6] + [sds((b, hv, nc, c, dv), bf), sds((2 * b, hv, dk, dv), f32)]
   cases = {
       "state pass": (lambda *a: sp._state_passing_fwd(*a, save_states=True, interpret=None),
                      state),
+      # rows in 2 pieces: the maps' pass ([I | 0], K columns more) and the pieces' reverse
+      "state pass maps": (lambda *a: sp._state_passing_fwd(*a, save_states=False,
+                                                           states_only=True, pieces=2,
+                                                           interpret=None),
+                          state[:6] + [sds((2 * b, hv, dk, dk + dv), f32)]),
+      "state pass reverse, pieces": (lambda *a: sp._state_passing_bwd(
+          *a[:6], None, a[6], pieces=2, interpret=None), state_bwd),
+      "state pass reverse, states only": (lambda *a: sp._state_passing_bwd(
+          *a[:6], None, a[6], states_only=True, pieces=2, interpret=None), state_bwd),
       "intra fwd": (lambda *a: ic._intra_chunk_fwd(*a, None, scale=0.1, with_inverse=False,
                                                    interpret=None), inputs),
       "intra fwd packed, with M": (lambda *a: ic._intra_chunk_fwd(

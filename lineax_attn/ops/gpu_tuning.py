@@ -171,18 +171,21 @@ class GpuTuning:
       H200 (2026-12-04, B4 T4096 H16 D128; docs/BENCHMARKS.md "nineteenth stage") the gated
       kernel took 370 µs a call against 493 and the ungated 332 against 486; GDN fwd+bwd
       0.778 ms against 0.902, DeltaNet 0.706 against 0.854 (`bench_ab` queued, 5 rounds).
-    row_pieces: on the walks (linear attention, DeltaNet, GDN), cut every row into this many
-      pieces that walk at once (1, the default: rows whole). For small B·HV and long T, where
-      the walks' B·HV·V/64 CTAs leave most SMs idle (B1 T65536 H16 V128: 32 of the H200's
-      132, and GDN's fwd+bwd took 1.85x its time at B4 T16384, docs/BENCHMARKS.md
-      "seventeenth stage"). Exact: a walk over [0 | v] from [I | 0] gives each piece's affine
-      map S_out = Φ S_in + Ψ, the entry states are composed from the maps, then every piece
-      walks from its own; the backward likewise (`gpu_walks.walk_pieces_core`). It costs one
-      more walk forward (K columns wider) and one more reverse walk. T is padded to a multiple
-      of 64·row_pieces with identity steps. 0 ("auto", `gpu_walks.auto_row_pieces`): pieces
-      only where the walks' CTAs fill at most half the SMs, as many (a power of two, ≤ 8) as
-      still fit one wave, each ≥ 8 chunks (B1 T65536 H16 V128 on an H200: 4). Tested in the
-      interpreter against the scan; untimed, so not a default yet.
+    row_pieces: cut every row into this many pieces that walk at once (1, the default: rows
+      whole), on the walks (linear attention, DeltaNet, GDN) and on the Mosaic state pass
+      (KDA, GDN-2, the split path; not on the Triton pass, with `channel_grads="states"` or
+      under `shard_map`). For small B·HV and long T, where the passes' B·HV·V/64 CTAs leave
+      most SMs idle (B1 T65536 H16 V128: 32 of the H200's 132, and GDN's fwd+bwd took 1.85x
+      its time at B4 T16384, docs/BENCHMARKS.md "seventeenth stage"). Exact: a pass over
+      [0 | v] from [I | 0] gives each piece's affine map S_out = Φ S_in + Ψ, the entry states
+      are composed from the maps, then every piece walks from its own; the backward likewise
+      (`gpu_pieces`). It costs one more forward pass (K columns wider, states only) and one
+      more reverse pass. The walks pad T to a multiple of 64·row_pieces with identity steps;
+      the state pass pads its chunks with identity chunks and keeps the pieces in place
+      (`gpu_vjps.state_pass`). 0 ("auto", `gpu_pieces.auto_row_pieces`): pieces only where the
+      CTAs fill at most half the SMs, as many (a power of two, ≤ 8) as still fit one wave,
+      each ≥ 8 chunks (B1 T65536 H16 V128 on an H200: 4). Tested in the interpreters against
+      the scan; untimed, so not a default yet.
   """
 
   intra: str = "kernel"

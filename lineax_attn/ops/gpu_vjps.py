@@ -3,7 +3,8 @@
 * `state_pass`: the state-passing kernels, forward and a reverse kernel for the state
   cotangent, either Mosaic GPU (`pallas_kernels.gpu.state_passing`, Hopper) or Triton
   (`pallas_kernels.gpu.triton.state_pass`, sm_80+; `kernels="triton"`), same contract; the
-  other gradients are batched matmuls here.
+  other gradients are batched matmuls here. With `pieces` (Mosaic only) every row's chunks are
+  passed as that many pieces at once (`gpu_pieces`).
 * `intra_kernel`: the intra-chunk kernels of DeltaNet / GDN (`pallas_kernels.gpu.intra_chunk`,
   or its Triton twin `pallas_kernels.gpu.triton.intra_chunk` with `kernels="triton"`); QG/KG
   cotangents, Gx's chain rule and GVA's head sum in XLA.
@@ -23,6 +24,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 import jax.numpy as jnp
 
 from lineax_attn.ops import chunked
+from lineax_attn.ops import gpu_pieces
 from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, to_chunks
 from pallas_kernels.gpu import channel_pair as cp
 from pallas_kernels.gpu import intra_chunk as ic
@@ -80,7 +82,25 @@ def interpret_kw(kernels, interpret):
   return {} if kernels == "triton" else {"interpret": interpret}
 
 
-def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic", products="xla"):
+def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic", products="xla",
+               pieces=1):
+  """(o, e, s_final) of the state pass on chunk-major inputs (`state_passing_fwd`'s), under
+  one custom VJP. pieces > 1 (the Mosaic kernels, outside shard_map): every row's chunks are
+  cut into that many pieces passed at once (`gpu_pieces`), the chunks padded to a multiple of
+  it with identity chunks (no decay, no write, zero output)."""
+  if pieces > 1:
+    if kernels != "mosaic" or vma(ny, qg, p, u, kg, gc, s0):
+      raise ValueError("state_pass: pieces > 1 needs the Mosaic state-pass kernels outside "
+                       f"shard_map (kernels={kernels!r}).")
+    nc = u.shape[2]
+    extra = -nc % pieces
+    if extra:
+      pad = lambda x, value=0.0: jnp.pad(x, [(0, 0), (0, 0), (0, extra)] +
+                                         [(0, 0)] * (x.ndim - 3), constant_values=value)
+      ny, qg, p, u, kg, gc = pad(ny), pad(qg), pad(p), pad(u), pad(kg), pad(gc, 1.0)
+    o, e, s_final = _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, (), kernels, products,
+                                    pieces)
+    return o[:, :, :nc], e[:, :, :nc], s_final
   # Under shard_map(check_vma=True) (context parallelism, lineax_attn.parallel) every input,
   # output and cotangent must carry the varying axes its values have; the kernels' outputs carry
   # none. So the inputs are all cast to the union here, and inside the custom VJP (where no
@@ -90,7 +110,7 @@ def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic", products="
   args = [vary(x, axes) for x in (ny, qg, p, u, kg, gc, s0)]
   kernel_module(kernels, "state")  # validates `kernels`
   # products: who makes the backward's products (`GpuTuning.state_products`).
-  return _state_pass_vjp(*args, interpret, tuple(sorted(axes)), kernels, products)
+  return _state_pass_vjp(*args, interpret, tuple(sorted(axes)), kernels, products, 1)
 
 
 def primal_values(*xs):
@@ -109,23 +129,43 @@ def given_cotangents(cts):
 # symbolic_zeros: E (the write residual) is rarely an output anyone reads; its cotangent then
 # reaches the reverse pass as None, which reads nothing in its place (no [B, T, HV, V] float32
 # zeros made and streamed: KDA fwd+bwd 4.050 -> 3.943 ms at B4 T4096 H16 D128 on the H200).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products, pieces):
   del products
   axes = frozenset(axes)
-  outs = kernel_module(kernels, "state").state_passing_fwd(ny, qg, p, u, kg, gc, s0,
-                                                          **interpret_kw(kernels, interpret))
+  outs, _ = _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces,
+                          save_states=False)
   return tuple(vary(x, axes) for x in outs)
 
 
-def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products):
+def _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces, *, save_states):
+  """(outputs, Φ): the state pass's (o, e, s_final[, h]) and, with pieces, every piece's
+  state map Φ `[P, B, HV, K, K]` (None otherwise)."""
+  fwd = functools.partial(kernel_module(kernels, "state").state_passing_fwd,
+                          **interpret_kw(kernels, interpret))
+  if pieces == 1:
+    return fwd(ny, qg, p, u, kg, gc, s0, save_states=save_states), None
+  (b, hv), dk, dv = u.shape[:2], ny.shape[-1], u.shape[-1]
+  # The maps [Φ | Ψ]: every piece from [I | 0], its first K columns walking with U = 0.
+  s_maps = jnp.concatenate([jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (b * pieces, hv, dk, dk)),
+                            jnp.zeros((b * pieces, hv, dk, dv), _F32)], axis=-1)
+  (maps,) = fwd(ny, qg, p, u, kg, gc, s_maps, states_only=True, pieces=pieces)
+  maps = gpu_pieces.by_piece(maps, b)                            # [P, B, HV, K, K + V]
+  phi = maps[..., :dk]
+  starts = gpu_pieces.entry_states(phi, maps[..., dk:], s0)
+  o, e, s_ends, *h = fwd(ny, qg, p, u, kg, gc, gpu_pieces.from_pieces(starts),
+                         save_states=save_states, pieces=pieces)
+  return (o, e, gpu_pieces.by_piece(s_ends, b)[-1], *h), phi
+
+
+def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products, pieces):
   del products
   ny, qg, p, u, kg, gc, s0 = primal_values(ny, qg, p, u, kg, gc, s0)
   axes = frozenset(axes)
-  outs = kernel_module(kernels, "state").state_passing_fwd(
-      ny, qg, p, u, kg, gc, s0, save_states=True, **interpret_kw(kernels, interpret))
+  outs, phi = _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces,
+                            save_states=True)
   o, e, s_final, h = (vary(x, axes) for x in outs)
-  return (o, e, s_final), (ny, qg, p, kg, gc, h, e)
+  return (o, e, s_final), (ny, qg, p, kg, gc, h, e, phi)
 
 
 def products_kernel(de, do, e, h, dh):
@@ -156,14 +196,23 @@ def state_pass_products(de, do, e, h, dh):
   return d_ny, d_qg, d_p, d_kg, d_gc
 
 
-def _state_pass_bwd(interpret, axes, kernels, products, res, cts):
-  ny, qg, p, kg, gc, h, e = res
+def _state_pass_bwd(interpret, axes, kernels, products, pieces, res, cts):
+  ny, qg, p, kg, gc, h, e, phi = res
   do, de_ext, ds_final = given_cotangents(cts)
   do = jnp.zeros(e.shape, _MM) if do is None else do
-  ds_final = jnp.zeros(h.shape[:2] + h.shape[3:], _F32) if ds_final is None else ds_final
-  de, dh, ds0 = kernel_module(kernels, "state").state_passing_bwd(
-      ny, qg, p, kg, gc, do.astype(_MM), None if de_ext is None else de_ext.astype(_F32),
-      ds_final.astype(_F32), **interpret_kw(kernels, interpret))
+  bwd = functools.partial(kernel_module(kernels, "state").state_passing_bwd, ny, qg, p, kg, gc,
+                          do.astype(_MM), None if de_ext is None else de_ext.astype(_F32),
+                          **interpret_kw(kernels, interpret))
+  if pieces == 1:
+    ds_final = jnp.zeros(h.shape[:2] + h.shape[3:], _F32) if ds_final is None else ds_final
+    de, dh, ds0 = bwd(ds_final.astype(_F32))
+  else:   # every piece's own entry cotangent, carried back to every piece's end (gpu_pieces)
+    b = h.shape[0]
+    (local,) = bwd(jnp.zeros((b * pieces,) + h.shape[1:2] + h.shape[3:], _F32),
+                   states_only=True, pieces=pieces)
+    ends = gpu_pieces.exit_cotangents(phi, gpu_pieces.by_piece(local, b), ds_final)
+    de, dh, ds0 = bwd(gpu_pieces.from_pieces(ends), pieces=pieces)
+    ds0 = gpu_pieces.by_piece(ds0, b)[0]
   c, (dk, dv) = e.shape[-2], h.shape[-2:]
   if products == "kernel" and _triton_blocks().supported(c, dk, dv) is None:
     d_ny, d_qg, d_p, d_kg, d_gc = products_kernel(de, do.astype(_MM), e, h, dh)

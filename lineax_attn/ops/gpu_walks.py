@@ -15,13 +15,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from lineax_attn.ops import gpu_pieces
 from lineax_attn.ops.gpu_chunks import kernel_segments, segment_masks, to_chunks
+from lineax_attn.ops.gpu_pieces import by_piece, from_pieces
 from lineax_attn.ops.gpu_tuning import GpuTuning
 from lineax_attn.ops.gpu_vjps import (given_cotangents, intra_kernel_backward, primal_values,
                                       state_pass_products)
 
 _F32 = jnp.float32
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 # `intra_chunk_bwd_from_states` runs only up to these head dims. Compiled on the H200
 # (2026-12-03) its products' V loop in two steps of 64 gave a wrong dk at K = V = 128 (a triton
@@ -210,52 +211,13 @@ walk_core.defvjp(walk_core_fwd, walk_core_bwd, symbolic_zeros=True)
 
 
 # ------------------------------------------------------------------ rows cut into pieces
-# `GpuTuning(row_pieces=P)`: at small B·HV the walks leave most SMs idle (B1 H16 V128: 32 CTAs
-# on the H200's 132, each walking every chunk of the row). Each row is cut into P pieces of
-# T/P tokens that walk at once as P rows of the batch. The state passes are affine in the state
-# entering a piece, S_out = Φ S_in + Ψ, so:
-#   forward: one walk of every piece over the values [0 | v] from [I | 0] (K more value
-#   columns) gives [Φ | Ψ]; P small products compose the true entry states from s0; then the
-#   ordinary walk of every piece from its entry state gives o, e and the chunk states exactly;
-#   backward: the reverse walk of every piece from a zero end cotangent gives its local entry
-#   cotangent D (dS_in = Φᵀ dS_out + D; `states_only`: nothing else stored); P small products
-#   carry the final state's cotangent back to every piece's end; then the ordinary backward of
-#   every piece from its end cotangent. The maps come from the walk itself (bf16 operands,
-#   float32 state), so forward and gradients are the unsplit op's up to that rounding.
-
-
-# `row_pieces=0` ("auto"): cut rows only where the walks' CTAs fill at most half the GPU, into
-# the most pieces (a power of two, at most MAX_ROW_PIECES) whose walks still fit one wave,
-# each at least MIN_PIECE_CHUNKS chunks long (shorter pieces spend more on their maps than
-# they win). Untimed: thresholds of the kind jla 0.1.0 uses, until the H200 times them.
-MAX_ROW_PIECES = 8
-MIN_PIECE_CHUNKS = 8
-
-
-def device_sms() -> int:
-  """Streaming multiprocessors of the default device; 132 (an H100 / H200) where JAX does not
-  say (CPU, the interpreter)."""
-  try:
-    return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
-  except RuntimeError:
-    return 132
-
-
-def auto_row_pieces(ctas: int, chunks: int, sms: int) -> int:
-  """Pieces per row for walks of `ctas` CTAs (B·HV·V/64) over `chunks` chunks on `sms` SMs."""
-  if ctas > sms // 2:
-    return 1
-  p = 1
-  while 2 * p <= MAX_ROW_PIECES and 2 * p * ctas <= sms and chunks // (2 * p) >= MIN_PIECE_CHUNKS:
-    p *= 2
-  return p
-
-
-def row_pieces(tuning: GpuTuning, b: int, hv: int, dv: int, t: int, c: int) -> int:
-  """The pieces a walked row is cut into: `tuning.row_pieces`, or the auto rule's for 0."""
-  if tuning.row_pieces:
-    return tuning.row_pieces
-  return auto_row_pieces(b * hv * (dv // 64), -(-t // c), device_sms())
+# `GpuTuning(row_pieces=P)` (the maths: `gpu_pieces`): each row is cut into P pieces of T/P
+# tokens that walk at once as P rows of the batch. Forward: the maps' walk over [0 | v] from
+# [I | 0], the entry states composed, then the ordinary walk of every piece; backward: the
+# reverse walk of every piece from a zero end cotangent (`states_only`: its entry cotangent
+# alone), the final state's cotangent carried back to every piece's end, then the ordinary
+# backward of every piece. The maps come from the walk itself (bf16 operands, float32 state),
+# so forward and gradients are the unsplit op's up to that rounding.
 
 
 def _pieces_time(x, p):
@@ -286,15 +248,6 @@ def _rows_heads(x, b):
   return x.reshape((b, hv, -1) + x.shape[4:])
 
 
-def _by_piece(x, b):
-  """`[B·P, ...]` -> `[P, B, ...]`, and back with `_from_pieces`."""
-  return jnp.moveaxis(x.reshape((b, -1) + x.shape[1:]), 1, 0)
-
-
-def _from_pieces(x):
-  return jnp.moveaxis(x, 0, 1).reshape((-1,) + x.shape[2:])
-
-
 def _piece_maps(q, k, v, t0, gate_rows, beta_rows, scale, gated, interpret):
   """The maps of every piece (inputs already in pieces): the walk over [0 | v] from [I | 0],
   whose transposed end state `[B·P, HV, K + V, K]` float32 holds Φᵀ in rows :K and Ψᵀ in
@@ -321,21 +274,19 @@ def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, *, s
   gate_rows, beta_rows = kernel_rows(beta_rows, g_rows, v)
   q_p, k_p, v_p = (_pieces_time(x, pieces) for x in (q, k, v))
   t0_p, gate_p, beta_p = (_pieces_heads(x, pieces) for x in (t0, gate_rows, beta_rows))
-  end_t = _by_piece(_piece_maps(q_p, k_p, v_p, t0_p, gate_p, beta_p, scale, G is not None,
+  end_t = by_piece(_piece_maps(q_p, k_p, v_p, t0_p, gate_p, beta_p, scale, G is not None,
                                 interpret), b)                   # [P, B, HV, K + V, K]
-  phi_t, psi_t = end_t[:, :, :, :dk], end_t[:, :, :, dk:]
-  starts, s_t = [], jnp.swapaxes(s0.astype(_F32), -1, -2)       # Sᵀ [B, HV, V, K]
-  for j in range(pieces):
-    starts.append(s_t)
-    if j + 1 < pieces:
-      s_t = jnp.einsum("bhvk,bhkj->bhvj", s_t, phi_t[j], precision=_HIGHEST) + psi_t[j]
+  # (The walks hold states transposed: end_t holds Φᵀ in rows :K, Ψᵀ in rows K:.)
+  phi_t = end_t[:, :, :, :dk]
+  starts = gpu_pieces.entry_states(jnp.swapaxes(phi_t, -1, -2),
+                                   jnp.swapaxes(end_t[:, :, :, dk:], -1, -2), s0)
   bf = lambda x: x.astype(jnp.bfloat16)
   outs = chunk_walk.chunk_walk(bf(q_p), bf(k_p), bf(v_p), t0_p, gate_p, beta_p,
-                               _from_pieces(jnp.stack(starts)), scale=float(scale),
+                               from_pieces(jnp.swapaxes(starts, -1, -2)), scale=float(scale),
                                gated=G is not None, save_states=save_states,
                                interpret=interpret)
   o, e = (_rows_time(x, b).astype(_F32) for x in outs[:2])
-  s_final = jnp.swapaxes(_by_piece(outs[2], b)[-1], -1, -2)
+  s_final = jnp.swapaxes(by_piece(outs[2], b)[-1], -1, -2)
   if not save_states:
     return o, e, s_final
   return o, e, s_final, (t0_p, outs[3], phi_t)
@@ -370,23 +321,19 @@ def _walk_pieces_core_bwd(scale, c, interpret, grads_opts, pieces, res, cts):
   gate_p, beta_rows_p = kernel_rows(*walk_rows(beta_p, G_p), v_p)
   bf = lambda x: x.astype(jnp.bfloat16)
   # Every piece's entry cotangent from its own outputs alone (a zero end cotangent).
-  local_t = _by_piece(chunk_walk_reverse.chunk_walk_reverse(
+  local_t = by_piece(chunk_walk_reverse.chunk_walk_reverse(
       bf(q_p), bf(k_p), t0_p, gate_p, beta_rows_p, bf(do_p), None if de_p is None else bf(de_p),
       jnp.zeros((b * pieces, hv, dv, dk), _F32), scale=float(scale), gated=G is not None,
       states_only=True, interpret=interpret)[0], b)              # [P, B, HV, V, K]
-  # dSᵀ_in = dSᵀ_out Φ + Dᵀ, from the final state's cotangent back to every piece's end.
-  g_t = (jnp.zeros((b, hv, dv, dk), _F32) if ds_final is None
-         else jnp.swapaxes(ds_final.astype(_F32), -1, -2))
-  ends = [None] * pieces
-  for j in reversed(range(pieces)):
-    ends[j] = g_t
-    if j:
-      g_t = jnp.einsum("bhvk,bhjk->bhvj", g_t, phi_t[j], precision=_HIGHEST) + local_t[j]
+  # dS_in = Φᵀ dS_out + D, from the final state's cotangent back to every piece's end.
+  ends = gpu_pieces.exit_cotangents(jnp.swapaxes(phi_t, -1, -2),
+                                    jnp.swapaxes(local_t, -1, -2), ds_final)
   dq, dk_, dv_, dbeta, dG, ds0_t = walk_grads(
-      q_p, k_p, v_p, beta_p, G_p, t0_p, h_t, e_p, do_p, de_p, _from_pieces(jnp.stack(ends)),
+      q_p, k_p, v_p, beta_p, G_p, t0_p, h_t, e_p, do_p, de_p,
+      from_pieces(jnp.swapaxes(ends, -1, -2)),
       scale=scale, c=c, interpret=interpret, grads_opts=grads_opts)
   return (_rows_time(dq, b), _rows_time(dk_, b), _rows_time(dv_, b), _rows_time(dbeta, b),
-          _rows_heads(dG, b), jnp.swapaxes(_by_piece(ds0_t, b)[0], -1, -2))
+          _rows_heads(dG, b), jnp.swapaxes(by_piece(ds0_t, b)[0], -1, -2))
 
 
 walk_pieces_core.defvjp(_walk_pieces_core_fwd, _walk_pieces_core_bwd, symbolic_zeros=True)

@@ -67,6 +67,8 @@ the others, so `pallas_gpu.GpuTuning`, `pallas_gpu.prepare_chunks` etc. stay val
 * `gpu_prepare`: `prepare_chunks`, the XLA intra-chunk preparation feeding the state pass.
 * `gpu_walks`: the walks as differentiable cores (`walk_core`; `walk_pieces_core`, rows cut
   into pieces by `GpuTuning(row_pieces=P)`).
+* `gpu_pieces`: how many pieces a row is cut into, and the composition of their entry states
+  and exit cotangents (walks and state pass alike).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ import jax.numpy as jnp
 
 from lineax_attn.ops import api
 from lineax_attn.ops import chunked
+from lineax_attn.ops import gpu_pieces
 from lineax_attn.ops import gpu_walks
 from lineax_attn.ops import specs
 from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, segment_masks, to_chunks
@@ -161,6 +164,16 @@ def state_products(tuning: GpuTuning) -> str:
   return "kernel"
 
 
+def _pass_pieces(tuning: GpuTuning, state: str, u, *xs) -> int:
+  """The pieces the state pass cuts rows into (`GpuTuning.row_pieces`): on the Mosaic pass
+  outside shard_map; 1 (rows whole) elsewhere. u: the chunk-major pseudo-values; xs: the other
+  inputs, for their varying axes."""
+  if state != "mosaic" or vma(u, *xs):
+    return 1
+  b, hv, nc, c, dv = u.shape
+  return gpu_pieces.row_pieces(tuning, b, hv, dv, nc * c, c)
+
+
 def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernels):
   """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
   if channel_kernel_applies(q, k_erase, v_write, g, c=c, tuning=tuning, kernels=kernels):
@@ -170,13 +183,14 @@ def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernel
   else:
     ny, qg, p, u, kg, gc = prepare_chunks(q, k, k_erase, v_write, g, segidx, c=c,
                                           tuning=tuning)
-  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state_kernels(tuning, kernels),
-                             state_products(tuning))
+  state = state_kernels(tuning, kernels)
+  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state, state_products(tuning),
+                             _pass_pieces(tuning, state, u, ny, s0))
   return from_chunks(o), from_chunks(e), s_final
 
 
 def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, kernels,
-                       fused_grads=False, state="mosaic"):
+                       fused_grads=False, state="mosaic", tuning=DEFAULT_TUNING):
   """`_core` for DeltaNet / GDN with the intra-chunk kernel; q, k unrepeated and unscaled.
   state: whose state-pass kernels run ("mosaic" or "triton": `state_kernels`)."""
   b, t, hv = v.shape[:3]
@@ -192,7 +206,8 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, ker
   if segidx is not None:   # a segment starting inside the chunk resets the entry state
     gc = gc * segment_masks(segidx, c)[1][..., -1:]
   gc = jnp.broadcast_to(gc, G.shape[:3] + (dk,))
-  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state)
+  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state,
+                             pieces=_pass_pieces(tuning, state, u, ny, s0))
   return from_chunks(o), from_chunks(e), s_final
 
 
@@ -281,10 +296,10 @@ def _linear_walk_applies(tuning: GpuTuning, dk: int, dv: int, chunk_size: int, k
 def _walk(q, k, v, beta, g, s0, *, scale, c, interpret, tuning: GpuTuning):
   """(o, e, s_final) of the walks (`gpu_walks`) on `[B, T, ...]` inputs: linear attention when
   beta is None; g the log gates or None. Pads T to a multiple of the chunk, or of the chunk
-  times the pieces when rows are cut (`gpu_walks.row_pieces`; padding rows are identity
+  times the pieces when rows are cut (`gpu_pieces.row_pieces`; padding rows are identity
   steps), and slices the outputs back to T."""
   (b, t), (hv, dv) = q.shape[:2], v.shape[2:]
-  pieces = gpu_walks.row_pieces(tuning, b, hv, dv, t, c)
+  pieces = gpu_pieces.row_pieces(tuning, b, hv, dv, t, c)
   t_pad = -(-t // (c * pieces)) * c * pieces
   pad = functools.partial(chunked.pad_time, t_pad=t_pad)
   G = None
@@ -377,7 +392,7 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
       o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                          scale=scale, c=c, interpret=interpret, kernels=kernels,
                                          fused_grads=fused_intra_grads(tuning, g is not None),
-                                         state=state_kernels(tuning, kernels))
+                                         state=state_kernels(tuning, kernels), tuning=tuning)
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
   if (tuning.channel_grads == "states" and erase is not None

@@ -23,6 +23,12 @@ The kernels also write, per chunk, the state entering it (forward, `save_states`
 cotangent leaving it (backward): the remaining gradients (dNY = dE·Sᵀ, dQG = dO·Sᵀ, dP = dO·Eᵀ,
 dKG = E·dSᵀ, dgc = Σ_v dS ⊙ S) are batched matmuls over all chunks at once, done in XLA.
 
+Rows in pieces (`pieces=P`): grid axis "b" runs over B·P, piece j of row b walking its own
+Nc/P chunks from its own entry state (the states in and out are `[B·P, HV, K, V]`; the
+per-chunk arrays keep their layout). `states_only` passes carry the state alone: forward from
+[I | 0] they give each piece's affine map, backward from a zero cotangent its own entry
+cotangent (the composition: `lineax_attn.ops.gpu_pieces`).
+
 Array layout: chunk-major `[B, HV, Nc, C, D]`; C = 64, K = 64 or 128, V a multiple of 64
 (V-tile 64). Shared memory at K = 128: ~200 KiB forward (two input slots), ~200 KiB backward.
 Operands NY, QG, KG, P and dO are bf16; U, dE_ext, gc and the states are float32.
@@ -104,9 +110,27 @@ def _store_tile(x, dst_gmem):
   pl.run_scoped(body, mc.smem(x.shape, dst_gmem.dtype))
 
 
-def _mesh_kwargs(b, hv, nc, dv):
+def _mesh_kwargs(b, hv, nc, dv, pieces=1):
   check_index_range(b, nc * CHUNK, hv, dv)
-  return dict(grid=(dv // BLOCK_V, hv, b), grid_names=("v", "h", "b"))
+  return dict(grid=(dv // BLOCK_V, hv, b * pieces), grid_names=("v", "h", "b"))
+
+
+def _piece(pieces: int, ncp: int):
+  """(row of the per-piece states, batch row, first chunk) of this CTA: grid axis "b" runs over
+  B·pieces, piece j of batch row b at b·pieces + j walking chunks [j·ncp, (j + 1)·ncp)."""
+  row = lax.axis_index("b")
+  if pieces == 1:
+    return row, row, 0
+  return row, lax.div(row, pieces), lax.rem(row, pieces) * ncp
+
+
+def _check_pieces(nc: int, pieces: int, states_shape, b: int, name: str):
+  if not isinstance(pieces, int) or pieces < 1 or nc % pieces:
+    raise ValueError(f"state pass: pieces={pieces!r} must be a positive int dividing the "
+                     f"{nc} chunks.")
+  if states_shape[0] != b * pieces:
+    raise ValueError(f"state pass: {name} needs one state per piece, [B·pieces = "
+                     f"{b * pieces}, HV, K, ·], got {tuple(states_shape)}.")
 
 
 def _issue(srcs, dsts, bars, slot):
@@ -114,7 +138,8 @@ def _issue(srcs, dsts, bars, slot):
     plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
 
 
-def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, interpret=None):
+def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, states_only=False,
+                      pieces=1, interpret=None):
   """Forward state pass.
 
   Args:
@@ -122,37 +147,65 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, interpret=
     p: `[B, HV, Nc, C, C]` bf16 masked intra-chunk attention.
     u: `[B, HV, Nc, C, V]` float32 pseudo-values.
     gc: `[B, HV, Nc, K]` float32 decay of the entry state across each chunk.
-    s0: `[B, HV, K, V]` float32 initial state.
+    s0: `[B·pieces, HV, K, V]` float32 state entering each piece (pieces 1: the initial state).
     save_states: also return the bf16 state entering every chunk (for the backward).
+    states_only: carry the state alone and return only the final state (the affine maps of
+      rows cut into pieces, `lineax_attn.ops.gpu_vjps.state_pass`): qg and p are not read, O is
+      not made, nothing is stored per chunk. s0 may then be wider than u, `[B·pieces, HV, K,
+      L + V]`: its first L columns (a multiple of 64) walk with U = 0, so that from s0 = [I | 0]
+      the final state is the map [Φ | Ψ] of S_out = Φ S_in + Ψ. Excludes save_states.
+    pieces: each row's Nc chunks are walked as `pieces` consecutive pieces at once (Nc a
+      multiple of it), piece j of row b from s0[b·pieces + j] (its own CTAs: small B·HV fill
+      the GPU); the per-chunk outputs keep the `[B, HV, Nc, ...]` layout.
   Returns:
-    (o, e, s_final[, h]): o, e `[B, HV, Nc, C, V]` float32, s_final `[B, HV, K, V]` float32,
-    h `[B, HV, Nc, K, V]` bf16.
+    (o, e, s_final[, h]): o, e `[B, HV, Nc, C, V]` float32, s_final `[B·pieces, HV, K, V]`
+    float32 (the state leaving each piece), h `[B, HV, Nc, K, V]` bf16; with states_only
+    `(s_final,)`, as wide as s0.
   """
+  if states_only and save_states:
+    raise ValueError("state_passing_fwd: states_only stores no chunk states; save_states must "
+                     "be False with it.")
+  b, _, nc = u.shape[:3]
+  _check_pieces(nc, pieces, s0.shape, b, "s0")
+  lead = s0.shape[-1] - u.shape[-1]
+  if lead and not (states_only and lead > 0 and lead % BLOCK_V == 0):
+    raise ValueError(f"state_passing_fwd: s0 {tuple(s0.shape)} must be as wide as u "
+                     f"{tuple(u.shape)}, or (states_only) wider by a multiple of {BLOCK_V}.")
   outs = _state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=save_states,
-                            interpret=interpret)
+                            states_only=states_only, pieces=pieces, interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("save_states", "interpret"))
-def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret):
+@functools.partial(jax.jit, static_argnames=("save_states", "states_only", "pieces",
+                                             "interpret"))
+def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret, states_only=False,
+                       pieces=1):
   b, hv, nc, c, dk = qg.shape
   dv = u.shape[-1]
+  ncp = nc // pieces
   bv = BLOCK_V
   f32 = jnp.float32
   out_type = [jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
               jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
-              jax.ShapeDtypeStruct((b, hv, dk, dv), f32)]
+              jax.ShapeDtypeStruct((b * pieces, hv, dk, dv), f32)]
   if save_states:
     out_type.append(jax.ShapeDtypeStruct((b, hv, nc, dk, dv), MM_DTYPE))
+  if states_only:
+    out_type = [jax.ShapeDtypeStruct(s0.shape, f32)]
 
-  def kernel(ny_ref, qg_ref, p_ref, u_ref, kg_ref, gc_ref, s0_ref, o_ref, e_ref, sf_ref,
-             *maybe_h):
+  def kernel(ny_ref, qg_ref, p_ref, u_ref, kg_ref, gc_ref, s0_ref, *out_refs):
+    if states_only:
+      return _states_only_kernel(ny_ref, u_ref, kg_ref, gc_ref, s0_ref, *out_refs,
+                                 pieces=pieces, ncp=ncp)
+    o_ref, e_ref, sf_ref, *maybe_h = out_refs
     h_ref = maybe_h[0] if save_states else None
-    bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+    row, bi, c0 = _piece(pieces, ncp)
+    hi, vi = lax.axis_index("h"), lax.axis_index("v")
     vs = pl.ds(vi * bv, bv)
-    state = _load_tile(s0_ref.at[bi, hi, :, vs], (dk, bv), f32)
+    state = _load_tile(s0_ref.at[row, hi, :, vs], (dk, bv), f32)
 
     def chunk_srcs(ci):
+      ci = c0 + ci
       return (ny_ref.at[bi, hi, ci], qg_ref.at[bi, hi, ci], p_ref.at[bi, hi, ci],
               u_ref.at[bi, hi, ci, :, vs], kg_ref.at[bi, hi, ci], gc_ref.at[bi, hi, ci])
 
@@ -165,14 +218,14 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret):
       def step(ci, s):
         slot = lax.rem(ci, 2)
 
-        @pl.when(ci + 1 < nc)
+        @pl.when(ci + 1 < ncp)
         def _prefetch():
           _issue(chunk_srcs(ci + 1), dsts, bars, 1 - slot)
 
         for bar in bars:
           plgpu.barrier_wait(bar.at[slot])
         if save_states:  # the state entering chunk ci, exactly the operand used below
-          plgpu.copy_smem_to_gmem(s_mm, h_ref.at[bi, hi, ci, :, vs])
+          plgpu.copy_smem_to_gmem(s_mm, h_ref.at[bi, hi, c0 + ci, :, vs])
         u = u_s.at[slot][...]
 
         e, o = mc.matmuls((c, bv, [(ny_s.at[slot], s_mm)]), (c, bv, [(qg_s.at[slot], s_mm)]))
@@ -194,12 +247,12 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # h copy done reading s_mm
         s_mm[...] = s.astype(MM_DTYPE)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_out, o_ref.at[bi, hi, ci, :, vs], commit_group=False)
-        plgpu.copy_smem_to_gmem(e_out, e_ref.at[bi, hi, ci, :, vs], commit_group=False)
+        plgpu.copy_smem_to_gmem(o_out, o_ref.at[bi, hi, c0 + ci, :, vs], commit_group=False)
+        plgpu.copy_smem_to_gmem(e_out, e_ref.at[bi, hi, c0 + ci, :, vs], commit_group=False)
         plgpu.commit_smem_to_gmem_group()
         return s
 
-      s = lax.fori_loop(0, nc, step, state)
+      s = lax.fori_loop(0, ncp, step, state)
       plgpu.wait_smem_to_gmem(0)
       return s
 
@@ -210,13 +263,72 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret):
         mc.smem((2, c, bv), f32), mc.smem((2, c, dk), MM_DTYPE), plgpu.SMEM((2, dk), f32),
         mc.smem((dk, bv), MM_DTYPE), mc.smem((c, bv), MM_DTYPE),
         mc.smem((c, bv), f32), mc.smem((c, bv), f32), barriers)
-    _store_tile(state, sf_ref.at[bi, hi, :, vs])
+    _store_tile(state, sf_ref.at[row, hi, :, vs])
 
+  grid_v = s0.shape[-1] if states_only else dv
   return plgpu.kernel(kernel, out_type=tuple(out_type), interpret=interpret,
-                      **_mesh_kwargs(b, hv, nc, dv))(ny, qg, p, u, kg, gc, s0)
+                      **_mesh_kwargs(b, hv, nc, grid_v, pieces))(ny, qg, p, u, kg, gc, s0)
 
 
-def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret=None):
+def _states_only_kernel(ny_ref, u_ref, kg_ref, gc_ref, s0_ref, sf_ref, *, pieces, ncp):
+  """The forward's state chain alone, E = U + NY·S, S' = gc⊙S + KGᵀ·E, from s0 to the final
+  state: half the forward's products (no QG·S, no P·E) and nothing stored per chunk. State
+  columns before u's (s0 wider than u by L) walk with U = 0: their CTAs read u's first tile
+  and scale it by 0 (one copy pattern for every CTA; the walk is latency-bound)."""
+  c, dk = ny_ref.shape[-2:]
+  lead = (s0_ref.shape[-1] - u_ref.shape[-1]) // BLOCK_V
+  bv = BLOCK_V
+  f32 = jnp.float32
+  row, bi, c0 = _piece(pieces, ncp)
+  hi, vi = lax.axis_index("h"), lax.axis_index("v")
+  vs = pl.ds(vi * bv, bv)
+  state = _load_tile(s0_ref.at[row, hi, :, vs], (dk, bv), f32)
+  us = pl.ds(jnp.maximum(vi - lead, 0) * bv, bv) if lead else vs
+  u_scale = jnp.where(vi >= lead, 1.0, 0.0).astype(f32) if lead else None
+
+  def chunk_srcs(ci):
+    ci = c0 + ci
+    return (ny_ref.at[bi, hi, ci], u_ref.at[bi, hi, ci, :, us], kg_ref.at[bi, hi, ci],
+            gc_ref.at[bi, hi, ci])
+
+  def loop(ny_s, u_s, kg_s, gc_s, s_mm, e_mm, bars):
+    dsts = (ny_s, u_s, kg_s, gc_s)
+    _issue(chunk_srcs(0), dsts, bars, 0)
+    s_mm[...] = state.astype(MM_DTYPE)
+    plgpu.commit_smem()
+
+    def step(ci, s):
+      slot = lax.rem(ci, 2)
+
+      @pl.when(ci + 1 < ncp)
+      def _prefetch():
+        _issue(chunk_srcs(ci + 1), dsts, bars, 1 - slot)
+
+      for bar in bars:
+        plgpu.barrier_wait(bar.at[slot])
+      (e,) = mc.matmuls((c, bv, [(ny_s.at[slot], s_mm)]))
+      u = u_s.at[slot][...]
+      e_mm[...] = (e + (u if u_scale is None else u * u_scale)).astype(MM_DTYPE)
+      plgpu.commit_smem()
+      (ke,) = mc.matmuls((dk, bv, [(kg_s.at[slot].transpose((1, 0)), e_mm)]))
+      gcv = plgpu.load(gc_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+      s = s * mc.rows(gcv, s.shape) + ke
+      s_mm[...] = s.astype(MM_DTYPE)
+      plgpu.commit_smem()
+      return s
+
+    return lax.fori_loop(0, ncp, step, state)
+
+  barriers = tuple(plgpu.Barrier(num_barriers=2) for _ in range(4))
+  state = pl.run_scoped(
+      loop, mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, bv), f32), mc.smem((2, c, dk), MM_DTYPE),
+      plgpu.SMEM((2, dk), f32), mc.smem((dk, bv), MM_DTYPE), mc.smem((c, bv), MM_DTYPE),
+      barriers)
+  _store_tile(state, sf_ref.at[row, hi, :, vs])
+
+
+def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, states_only=False,
+                      pieces=1, interpret=None):
   """Reverse state pass (docs/MATH.md §3.6 steps 1-2).
 
   Args:
@@ -224,34 +336,49 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret=None
     do: `[B, HV, Nc, C, V]` bf16 output cotangent.
     de_ext: `[B, HV, Nc, C, V]` float32 cotangent of E as an output (routing), or None where
       E is not used (the kernel then reads nothing in its place: no zeros made and streamed).
-    ds_final: `[B, HV, K, V]` float32 cotangent of the final state, or zeros.
+    ds_final: `[B·pieces, HV, K, V]` float32 cotangent of the state leaving each piece (pieces
+      1: of the final state), or zeros.
+    states_only: return only ds0 (nothing stored per chunk): from a zero ds_final, each
+      piece's own entry cotangent, for rows cut into pieces (`gpu_vjps.state_pass`).
+    pieces: as in `state_passing_fwd`: piece j of row b walks back from ds_final[b·pieces + j].
   Returns:
     (de, dh, ds0): de `[B, HV, Nc, C, V]` float32 total cotangent of E; dh `[B, HV, Nc, K, V]`
-    bf16 cotangent of the state leaving each chunk; ds0 `[B, HV, K, V]` float32.
+    bf16 cotangent of the state leaving each chunk; ds0 `[B·pieces, HV, K, V]` float32, the
+    cotangent of the state entering each piece; with states_only `(ds0,)`.
   """
-  outs = _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, interpret=interpret)
+  _check_pieces(do.shape[2], pieces, ds_final.shape, do.shape[0], "ds_final")
+  outs = _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, states_only=states_only,
+                            pieces=pieces, interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
+@functools.partial(jax.jit, static_argnames=("states_only", "pieces", "interpret"))
+def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, states_only=False,
+                       pieces=1):
   b, hv, nc, c, dk = qg.shape
   dv = do.shape[-1]
+  ncp = nc // pieces
   bv = BLOCK_V
   f32 = jnp.float32
   out_type = (jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
               jax.ShapeDtypeStruct((b, hv, nc, dk, dv), MM_DTYPE),
-              jax.ShapeDtypeStruct((b, hv, dk, dv), f32))
+              jax.ShapeDtypeStruct((b * pieces, hv, dk, dv), f32))
+  if states_only:
+    out_type = out_type[2:]
 
   has_dx = de_ext is not None
 
   def kernel(*refs):
     ny_ref, qg_ref, p_ref, kg_ref, gc_ref, do_ref, *refs = refs
     dx_ref = refs.pop(0) if has_dx else None
-    dsf_ref, de_ref, dh_ref, ds0_ref = refs
-    bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
+    if states_only:
+      (dsf_ref, ds0_ref), de_ref, dh_ref = refs, None, None
+    else:
+      dsf_ref, de_ref, dh_ref, ds0_ref = refs
+    row, bi, c0 = _piece(pieces, ncp)
+    hi, vi = lax.axis_index("h"), lax.axis_index("v")
     vs = pl.ds(vi * bv, bv)
-    dstate = _load_tile(dsf_ref.at[bi, hi, :, vs], (dk, bv), f32)
+    dstate = _load_tile(dsf_ref.at[row, hi, :, vs], (dk, bv), f32)
 
     def chunk_srcs(ci):
       return (ny_ref.at[bi, hi, ci], qg_ref.at[bi, hi, ci], p_ref.at[bi, hi, ci],
@@ -259,23 +386,27 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
                   (dx_ref.at[bi, hi, ci, :, vs],) if has_dx else ())
 
     def loop(ny_s, qg_s, p_s, kg_s, gc_s, do_s, *scratch):
-      dx_s, ds_mm, de_mm, de_out, bars = scratch if has_dx else (None, *scratch)
+      scratch = list(scratch)
+      dx_s = scratch.pop(0) if has_dx else None
+      de_out = scratch.pop(2) if not states_only else None
+      ds_mm, de_mm, bars = scratch
       dsts = (ny_s, qg_s, p_s, kg_s, gc_s, do_s) + ((dx_s,) if has_dx else ())
-      _issue(chunk_srcs(nc - 1), dsts, bars, 0)
+      _issue(chunk_srcs(c0 + ncp - 1), dsts, bars, 0)
       ds_mm[...] = dstate.astype(MM_DTYPE)
       plgpu.commit_smem()
 
       def step(j, ds):
-        ci = nc - 1 - j
+        ci = c0 + ncp - 1 - j
         slot = lax.rem(j, 2)
 
-        @pl.when(j + 1 < nc)
+        @pl.when(j + 1 < ncp)
         def _prefetch():
           _issue(chunk_srcs(ci - 1), dsts, bars, 1 - slot)
 
         for bar in bars:
           plgpu.barrier_wait(bar.at[slot])
-        plgpu.copy_smem_to_gmem(ds_mm, dh_ref.at[bi, hi, ci, :, vs])  # dS leaving chunk ci
+        if not states_only:
+          plgpu.copy_smem_to_gmem(ds_mm, dh_ref.at[bi, hi, ci, :, vs])  # dS leaving chunk ci
         gcv = plgpu.load(gc_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
 
         de, qdo = mc.matmuls(
@@ -285,21 +416,24 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
           de = de + dx_s.at[slot][...]
         ds = ds * mc.rows(gcv, ds.shape) + qdo
 
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # previous de copy done reading
-        de_out[...] = de
+        if not states_only:
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # previous de copy done reading
+          de_out[...] = de
         de_mm[...] = de.astype(MM_DTYPE)
         plgpu.commit_smem()
 
         (yde,) = mc.matmuls((dk, bv, [(ny_s.at[slot].transpose((1, 0)), de_mm)]))
         ds = ds + yde
 
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dh copy done reading ds_mm
+        if not states_only:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dh copy done reading ds_mm
         ds_mm[...] = ds.astype(MM_DTYPE)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(de_out, de_ref.at[bi, hi, ci, :, vs])
+        if not states_only:
+          plgpu.copy_smem_to_gmem(de_out, de_ref.at[bi, hi, ci, :, vs])
         return ds
 
-      ds = lax.fori_loop(0, nc, step, dstate)
+      ds = lax.fori_loop(0, ncp, step, dstate)
       plgpu.wait_smem_to_gmem(0)
       return ds
 
@@ -309,12 +443,13 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret):
         mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, c), MM_DTYPE),
         mc.smem((2, c, dk), MM_DTYPE), plgpu.SMEM((2, dk), f32), mc.smem((2, c, bv), MM_DTYPE),
         *([mc.smem((2, c, bv), f32)] if has_dx else []), mc.smem((dk, bv), MM_DTYPE),
-        mc.smem((c, bv), MM_DTYPE), mc.smem((c, bv), f32), barriers)
-    _store_tile(dstate, ds0_ref.at[bi, hi, :, vs])
+        mc.smem((c, bv), MM_DTYPE), *([] if states_only else [mc.smem((c, bv), f32)]),
+        barriers)
+    _store_tile(dstate, ds0_ref.at[row, hi, :, vs])
 
   args = (ny, qg, p, kg, gc, do) + ((de_ext,) if has_dx else ()) + (ds_final,)
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
-                      **_mesh_kwargs(b, hv, nc, dv))(*args)
+                      **_mesh_kwargs(b, hv, nc, dv, pieces))(*args)
 
 
 def state_passing_reference(ny, qg, p, u, kg, gc, s0, *, round_operands=False):

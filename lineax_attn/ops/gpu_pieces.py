@@ -1,0 +1,96 @@
+"""Rows cut into pieces on the `pallas_gpu` kernels (`GpuTuning(row_pieces=P)`): how many
+pieces a row gets, and the two short serial steps that join them.
+
+A walk or state pass runs one CTA per (batch row, value head, 64 value columns) through all
+of a row's chunks, so small B·HV leave most of the GPU idle however long T is (B1 H16 V128:
+32 CTAs on the H200's 132 SMs). Every chunkwise state pass is affine in the state entering a
+stretch of chunks,
+
+    S_out = Φ S_in + Ψ        (Φ [K, K] from the decays and erases, Ψ [K, V] from the writes),
+
+each value column on its own. So a row cut into P pieces walks all of them at once: first
+every piece from [I | 0] with the values [0 | v] (K more value columns, states only) gives
+[Φ | Ψ]; `entry_states` composes the true entry states from the initial state; then every
+piece walks from its own. The backward mirrors it: every piece walked back from a zero exit
+cotangent gives its own entry cotangent D (dS_in = Φᵀ dS_out + D), `exit_cotangents` carries
+the final state's cotangent back to every piece's end, then every piece walks back from its
+own. Users: `gpu_walks.walk_pieces_core` (linear attention, DeltaNet, GDN on the walks) and
+`gpu_vjps.state_pass` (the state pass of KDA, GDN-2 and the split path).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lineax_attn.ops.gpu_tuning import GpuTuning
+
+_F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+# `row_pieces=0` ("auto"): cut rows only where the CTAs (B·HV·V/64) fill at most half the GPU,
+# into the most pieces (a power of two, at most MAX_ROW_PIECES) that still fit one wave, each
+# at least MIN_PIECE_CHUNKS chunks long (shorter pieces spend more on their maps than they
+# win). Untimed: thresholds of the kind jla 0.1.0 uses, until the H200 times them.
+MAX_ROW_PIECES = 8
+MIN_PIECE_CHUNKS = 8
+
+
+def device_sms() -> int:
+  """Streaming multiprocessors of the default device; 132 (an H100 / H200) where JAX does not
+  say (CPU, the interpreter)."""
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
+  except RuntimeError:
+    return 132
+
+
+def auto_row_pieces(ctas: int, chunks: int, sms: int) -> int:
+  """Pieces per row for passes of `ctas` CTAs (B·HV·V/64) over `chunks` chunks on `sms` SMs."""
+  if ctas > sms // 2:
+    return 1
+  p = 1
+  while 2 * p <= MAX_ROW_PIECES and 2 * p * ctas <= sms and chunks // (2 * p) >= MIN_PIECE_CHUNKS:
+    p *= 2
+  return p
+
+
+def row_pieces(tuning: GpuTuning, b: int, hv: int, dv: int, t: int, c: int) -> int:
+  """The pieces a row of T tokens is cut into: `tuning.row_pieces`, or the auto rule's for 0."""
+  if tuning.row_pieces:
+    return tuning.row_pieces
+  return auto_row_pieces(b * hv * (dv // 64), -(-t // c), device_sms())
+
+
+def by_piece(x, b: int):
+  """`[B·P, ...]` (piece j of row b at b·P + j) -> `[P, B, ...]`; back with `from_pieces`."""
+  return jnp.moveaxis(x.reshape((b, -1) + x.shape[1:]), 1, 0)
+
+
+def from_pieces(x):
+  return jnp.moveaxis(x, 0, 1).reshape((-1,) + x.shape[2:])
+
+
+def entry_states(phi, psi, s0):
+  """The state entering every piece, `[P, B, HV, K, V]` float32: S_0 = s0, S_{j+1} = Φ_j S_j +
+  Ψ_j. phi `[P, B, HV, K, K]`, psi `[P, B, HV, K, V]`, s0 `[B, HV, K, V]` (the last piece's map
+  is not read)."""
+  starts, s = [], s0.astype(_F32)
+  for j in range(phi.shape[0]):
+    starts.append(s)
+    if j + 1 < phi.shape[0]:
+      s = jnp.einsum("bhij,bhjv->bhiv", phi[j], s, precision=_HIGHEST) + psi[j]
+  return jnp.stack(starts)
+
+
+def exit_cotangents(phi, local, ds_final):
+  """The cotangent of the state leaving every piece, `[P, B, HV, K, V]` float32: the final
+  state's for the last, then dS_out(j − 1) = dS_in(j) = Φ_jᵀ dS_out(j) + D_j. local: D, every
+  piece's entry cotangent from its own outputs (`[P, B, HV, K, V]`); ds_final `[B, HV, K, V]`
+  or None (zero). The first piece's D is not read."""
+  g = jnp.zeros(local.shape[1:], _F32) if ds_final is None else ds_final.astype(_F32)
+  ends = [g]
+  for j in range(phi.shape[0] - 1, 0, -1):
+    g = jnp.einsum("bhji,bhjv->bhiv", phi[j], g, precision=_HIGHEST) + local[j]
+    ends.append(g)
+  return jnp.stack(ends[::-1])
