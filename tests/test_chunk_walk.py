@@ -326,11 +326,14 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
           sds((b, hv, t // 64, 64, 64), bf), sds((b, hv, t), f32), sds((b, hv, t), f32),
           sds((b, hv, dv, dk), f32))
   # (gated, save_states, states_only): the walks of the op and the maps' walk of row pieces
+  # (its state K columns wider than v: the leading columns read v scaled by 0)
+  maps_args = args[:6] + (sds((b, hv, dk + dv, dk), f32),)
   for gated, save, alone in ((True, False, False), (False, False, False), (True, True, False),
                              (True, False, True), (False, False, True)):
     fn = lambda *a, gated=gated, save=save, alone=alone: cw._chunk_walk(
         *a, scale=0.1, gated=gated, save_states=save, states_only=alone, interpret=None)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(fn).trace(*(maps_args if alone else args)).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, save, alone, estimates[-1])
   assert cw.ring_stages(dk) == (4 if dk == 64 else 2)

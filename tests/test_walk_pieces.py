@@ -36,13 +36,14 @@ def _pieces(p):
 
 
 def _count_walk_widths(monkeypatch):
-  """Records the value width of every forward walk traced (the maps' walk is K columns wider)."""
+  """Records the state width (value columns) of every forward walk traced (the maps' walk is K
+  columns wider)."""
   widths = []
   real = cw.chunk_walk
 
-  def spy(q, k, v, *a, **kw):
-    widths.append(v.shape[-1])
-    return real(q, k, v, *a, **kw)
+  def spy(q, k, v, t0, g, beta, s0t, **kw):
+    widths.append(s0t.shape[-2])
+    return real(q, k, v, t0, g, beta, s0t, **kw)
   monkeypatch.setattr(cw, "chunk_walk", spy)
   return widths
 
@@ -116,15 +117,22 @@ def test_pieces_carry_the_cotangent_back(mixer, t, pieces):
 
 @pytest.mark.parametrize("delta,gated", [(True, True), (True, False), (False, False)])
 def test_states_only_walk_gives_the_whole_walks_final_state(delta, gated):
-  # GDN, DeltaNet, linear attention; K 64, V 128 (two value tiles), a ring that wraps.
+  # GDN, DeltaNet, linear attention; K 64, V 128 (two value tiles), a ring that wraps. The
+  # states-only walk gets a state 64 columns wider than v, [A | S0]: its last V columns must
+  # end as the whole walk's from S0, and its first 64 as a whole walk's from A with v = 0
+  # (the maps' Φ columns).
   q, k, v, t0, g, beta, s0t = kernel_cases.walk_inputs(1, 320, 1, 2, 64, 128, seed=9)
   t0 = t0 if delta else None
   kw = dict(scale=0.125, gated=gated, interpret=INTERPRET)
-  whole = jax.jit(lambda *a: cw.chunk_walk(*a, **kw))(q, k, v, t0, g, beta, s0t)
-  (alone,) = jax.jit(lambda *a: cw.chunk_walk(*a, **kw, states_only=True))(q, k, v, t0, g, beta,
-                                                                            s0t)
-  assert alone.shape == whole[2].shape and bool(jnp.any(alone != 0))
-  assert_close(alone, whole[2], 1e-5, "final state, states_only against the whole walk")
+  walk = jax.jit(lambda *a: cw.chunk_walk(*a, **kw))
+  lead = s0t[:, :, 64:] * 0.5                                     # A: [B, HV, 64, K]
+  (alone,) = jax.jit(lambda *a: cw.chunk_walk(*a, **kw, states_only=True))(
+      q, k, v, t0, g, beta, jnp.concatenate([lead, s0t], axis=2))
+  assert alone.shape == (1, 2, 192, 64) and bool(jnp.any(alone != 0))
+  assert_close(alone[:, :, 64:], walk(q, k, v, t0, g, beta, s0t)[2], 1e-5,
+               "final state, states_only against the whole walk")
+  assert_close(alone[:, :, :64], walk(q, k, jnp.zeros_like(v[..., :64]), t0, g, beta, lead)[2],
+               1e-5, "the leading columns (v = 0), states_only against the whole walk")
 
 
 @pytest.mark.parametrize("delta,gated", [(True, True), (False, False)])
@@ -141,10 +149,13 @@ def test_states_only_reverse_walk_gives_the_whole_walks_entry_cotangent(delta, g
   assert_close(alone, whole[2], 1e-5, "entry cotangent, states_only against the whole walk")
 
 
-def test_states_only_refuses_save_states():
+def test_states_only_refuses_save_states_and_a_wider_state_elsewhere():
   args = kernel_cases.walk_inputs(1, 64, 1, 1, 64, 64, seed=0)
   with pytest.raises(ValueError, match="states_only"):
     cw.chunk_walk(*args, scale=0.125, states_only=True, save_states=True, interpret=INTERPRET)
+  wide = args[:6] + (jnp.zeros((1, 1, 128, 64)),)
+  with pytest.raises(ValueError, match="state columns"):
+    cw.chunk_walk(*wide, scale=0.125, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("ctas,chunks,sms,want", [

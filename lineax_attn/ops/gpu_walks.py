@@ -249,17 +249,16 @@ def _rows_heads(x, b):
 
 
 def _piece_maps(q, k, v, t0, gate_rows, beta_rows, scale, gated, interpret):
-  """The maps of every piece (inputs already in pieces): the walk over [0 | v] from [I | 0],
-  whose transposed end state `[B·P, HV, K + V, K]` float32 holds Φᵀ in rows :K and Ψᵀ in
-  rows K: (`states_only`: the walk makes no o or e)."""
+  """The maps of every piece (inputs already in pieces): the walk from [I | 0] whose first K
+  state columns walk with v = 0 (`chunk_walk(states_only=True)` with a wider state), its
+  transposed end state `[B·P, HV, K + V, K]` float32 holding Φᵀ in rows :K and Ψᵀ in rows K:."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
-  bp, tp, hv, dv = v.shape
+  bp, _, hv, dv = v.shape
   dk = k.shape[-1]
   bf = lambda x: x.astype(jnp.bfloat16)
-  v_aug = jnp.concatenate([jnp.zeros((bp, tp, hv, dk), jnp.bfloat16), bf(v)], axis=-1)
   s_aug_t = jnp.concatenate([jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (bp, hv, dk, dk)),
                              jnp.zeros((bp, hv, dv, dk), _F32)], axis=-2)
-  return chunk_walk.chunk_walk(bf(q), bf(k), v_aug, t0, gate_rows, beta_rows, s_aug_t,
+  return chunk_walk.chunk_walk(bf(q), bf(k), bf(v), t0, gate_rows, beta_rows, s_aug_t,
                                scale=float(scale), gated=gated, states_only=True,
                                interpret=interpret)[0]
 
@@ -269,13 +268,13 @@ def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, *, s
   `walk_core`'s (T a multiple of 64·pieces)."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   b, hv, dk = q.shape[0], v.shape[2], q.shape[-1]
-  beta_rows, g_rows = walk_rows(beta, G)
-  t0 = None if beta_rows is None else gate_free_inverse(k, beta_rows, hv, c)
-  gate_rows, beta_rows = kernel_rows(beta_rows, g_rows, v)
-  q_p, k_p, v_p = (_pieces_time(x, pieces) for x in (q, k, v))
-  t0_p, gate_p, beta_p = (_pieces_heads(x, pieces) for x in (t0, gate_rows, beta_rows))
+  q_p, k_p, v_p, beta_p = (_pieces_time(x, pieces) for x in (q, k, v, beta))
+  # T0 made in the pieces' layout (k_p is a free reshape of k), not relaid out after.
+  beta_rows, g_rows = walk_rows(beta_p, _pieces_heads(G, pieces))
+  t0_p = None if beta_rows is None else gate_free_inverse(k_p, beta_rows, hv, c)
+  gate_p, beta_p = kernel_rows(beta_rows, g_rows, v_p)
   end_t = by_piece(_piece_maps(q_p, k_p, v_p, t0_p, gate_p, beta_p, scale, G is not None,
-                                interpret), b)                   # [P, B, HV, K + V, K]
+                               interpret), b)                    # [P, B, HV, K + V, K]
   # (The walks hold states transposed: end_t holds Φᵀ in rows :K, Ψᵀ in rows K:.)
   phi_t = end_t[:, :, :, :dk]
   starts = gpu_pieces.entry_states(jnp.swapaxes(phi_t, -1, -2),

@@ -177,7 +177,9 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
       the operand the chunk used): the backward's residual.
     states_only: return only (s_final_t,): the output warpgroup makes M̃ and nothing else, and
       the state warpgroup publishes no tiles (the maps' walk of rows cut into pieces reads the
-      final state alone). Not with save_states.
+      final state alone). Not with save_states. s0t may then be wider than v, `[B, HV, L + V,
+      K]`: its first L state columns (a multiple of 64) walk with v = 0, so that from
+      s0t = [I | 0] the final state is the map [Φ | Ψ]ᵀ (no [0 | v] array made).
   Returns:
     o `[B, T, HV, V]` bf16 (its products' operands are bf16 already; rounding it here saves
     the float32 round trip through HBM), e `[B, T, HV, V]` bf16 (the pseudo-values, the write
@@ -187,6 +189,10 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
   if states_only and save_states:
     raise ValueError("chunk_walk: states_only returns the final state alone; save_states "
                      "cannot be asked with it.")
+  lead = s0t.shape[2] - v.shape[3]
+  if lead and not (states_only and lead > 0 and lead % BLOCK_V == 0):
+    raise ValueError(f"chunk_walk: s0t {tuple(s0t.shape)} must hold V = {v.shape[3]} state "
+                     f"columns, or (states_only) more by a multiple of {BLOCK_V}.")
   outs = _chunk_walk(q, k, v, t0, g, beta, s0t, scale=float(scale), gated=bool(gated),
                      save_states=bool(save_states), states_only=bool(states_only),
                      interpret=interpret)
@@ -220,12 +226,14 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
     raise ValueError(f"chunk_walk: {why}.")
   check_index_range(b, t, hv, dv)
   nc, n_rep = t // c, hv // h
+  # states_only: the state's leading columns without values (v read there is scaled by 0)
+  lead = (s0t.shape[2] - dv) // bv
   stages = ring_stages(dk, bv)
   out_type = [jax.ShapeDtypeStruct((b, t, hv, dv), MM_DTYPE),
               jax.ShapeDtypeStruct((b, t, hv, dv), MM_DTYPE),
               jax.ShapeDtypeStruct((b, hv, dv, dk), f32)]
   if states_only:
-    out_type = out_type[2:]
+    out_type = [jax.ShapeDtypeStruct(s0t.shape, f32)]
   if save_states:
     out_type.append(jax.ShapeDtypeStruct((b, hv, nc, dv, dk), MM_DTYPE))
   vec = plgpu.SMEM((stages, c), f32)
@@ -239,7 +247,8 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
              stage_p=None):
     bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
     ki = lax.div(hi, n_rep)
-    vs = pl.ds(vi * bv, bv)
+    vs = pl.ds(vi * bv, bv)                                   # state columns
+    v_cols = pl.ds(jnp.maximum(vi - lead, 0) * bv, bv) if lead else vs
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 2)
@@ -252,7 +261,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
         copy_chunk_keys((q_ref, k_ref, t0_ref, g_ref, beta_ref),
                         (q_s, k_s, m_s, (g_state, g_rows, g_cols), b_cols), bi, ki, hi, n, slot,
                         bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi, vs], v_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi, v_cols], v_s.at[slot], bar)
 
       stream_ring(issue, nc, stages, in_free)
 
@@ -287,6 +296,8 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
         # Rᵀ = vᵀ − (Sᵀ kᵀ) ⊙ eᵀ, then Eᵀ = Rᵀ M̃ᵀ once the output warpgroup has made M̃;
         # linear attention writes v itself.
         v_t = plgpu.load(v_s.at[slot].T, layout=_WG).astype(f32)
+        if lead:   # the map's Φ columns walk with v = 0
+          v_t = v_t * jnp.where(vi >= lead, 1.0, 0.0).astype(f32)
         if delta:
           ks_t = _product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
           r_t = v_t - (ks_t * entry if gated else ks_t)
@@ -377,7 +388,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
     return kernel(*with_absent(refs[:len(ins)]), *outs, **dict(zip(names, refs[n_in:])))
 
   return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch.values()),
-                      grid=(b, hv, dv // bv), grid_names=("b", "h", "v"), num_threads=3,
+                      grid=(b, hv, s0t.shape[2] // bv), grid_names=("b", "h", "v"), num_threads=3,
                       thread_name="wg", interpret=interpret)(*ins)
 
 
