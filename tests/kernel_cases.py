@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from helpers import make_inputs, run_jit
+from helpers import assert_close, make_inputs, run_jit
 from lineax_attn.ops import gpu_chunks
 from pallas_kernels.gpu import intra_chunk as ic
 
@@ -162,7 +162,7 @@ def walk_inputs(b, t, h, hv, dk, dv, seed, gate_scale=1.0, floor_gates=False):
   return (bf(q), bf(k), bf(v), bf(t0), f32(cum), f32(beta), f32(0.1 * n(b, hv, dv, dk)))
 
 
-# The positional inputs of the walked mixers, then the initial state: the names of
+# The positional inputs of the mixers, then the initial state: the names of
 # `residual_training_grads`' gradients.
 GRAD_NAMES = {"gated_delta_rule": ["q", "k", "v", "g", "beta", "s0"],
               "delta_rule": ["q", "k", "v", "beta", "s0"],
@@ -182,3 +182,14 @@ def residual_training_grads(mixer, args, s0, implementation, tuning):
                       return_residual=True, implementation=implementation, tuning=tuning)
     return jnp.sum(o * o) + jnp.sum(s * s) + jnp.sum(r * w_r)
   return jax.jit(jax.grad(f, argnums=tuple(range(len(args) + 1))))(*args, s0)
+
+
+def assert_training_grads_match_scan(mixer, args, s0, tuning, tol, label):
+  """`residual_training_grads` of `pallas_gpu` with `tuning` against the scan's, every
+  gradient (named by GRAD_NAMES) within the relative tolerance `tol`."""
+  grads = [residual_training_grads(mixer, args, s0, impl, tun)
+           for impl, tun in (("pallas_gpu", tuning), ("scan", None))]
+  names = GRAD_NAMES[mixer]
+  assert len(names) == len(args) + 1
+  for name, g, w in zip(names, *grads):
+    assert_close(g, w, tol, f"{label}: d{name}")

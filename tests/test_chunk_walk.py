@@ -205,12 +205,8 @@ def test_training_through_both_walks_matches_scan(mixer, t, hv):
   # makes dE and the state cotangents, then the intra-chunk backward. Every gradient (and the
   # residual's, through return_residual) against the scan's.
   args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=hv, dk=64, dv=64, seed=t + hv)
-  grads = [kernel_cases.residual_training_grads(mixer, args, kw["initial_state"], impl, tuning)
-           for impl, tuning in (("pallas_gpu", WALK), ("scan", None))]
-  names = kernel_cases.GRAD_NAMES[mixer]
-  assert len(names) == len(args) + 1
-  for name, g, w in zip(names, *grads):
-    assert_close(g, w, GRAD_TOL, f"{mixer} T={t} HV={hv}: d{name}")
+  kernel_cases.assert_training_grads_match_scan(mixer, args, kw["initial_state"], WALK, GRAD_TOL,
+                                                f"{mixer} T={t} HV={hv}")
 
 
 @pytest.mark.parametrize("used", ["o", "residual"])

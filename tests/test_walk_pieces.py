@@ -80,12 +80,8 @@ def test_pieces_gradients_match_scan(mixer, b, t, pieces):
   # Every gradient, the initial state's and the residual's included, against the scan's: the
   # entry cotangents carried back across the pieces (D and the maps) are what this checks.
   args, kw = make_inputs(mixer, b=b, t=t, h=1, hv=2, dk=64, dv=64, seed=3 * t + pieces)
-  grads = [kernel_cases.residual_training_grads(mixer, args, kw["initial_state"], impl, tuning)
-           for impl, tuning in (("pallas_gpu", _pieces(pieces)), ("scan", None))]
-  names = kernel_cases.GRAD_NAMES[mixer]
-  assert len(names) == len(args) + 1
-  for name, g, w in zip(names, *grads):
-    assert_close(g, w, GRAD_TOL, f"{mixer} B={b} T={t} P={pieces}: d{name}")
+  kernel_cases.assert_training_grads_match_scan(mixer, args, kw["initial_state"], _pieces(pieces),
+                                                GRAD_TOL, f"{mixer} B={b} T={t} P={pieces}")
 
 
 # (DeltaNet's only compiled: the carry's code is the same, and it costs the CPU suite 10 s.)

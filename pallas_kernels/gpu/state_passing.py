@@ -138,6 +138,26 @@ def _issue(srcs, dsts, bars, slot):
     plgpu.copy_gmem_to_smem(src, dst.at[slot], bar.at[slot])
 
 
+def _chunk_loop(n, step_srcs, dsts, bars, body, init):
+  """`lax.fori_loop` of body(j, slot, carry) over n steps, step j's inputs (the HBM refs
+  `step_srcs(j)`) waited for in `slot` of the two-slot buffers `dsts` while step j + 1's are
+  copied by TMA into the other."""
+  _issue(step_srcs(0), dsts, bars, 0)
+
+  def step(j, carry):
+    slot = lax.rem(j, 2)
+
+    @pl.when(j + 1 < n)
+    def _prefetch():
+      _issue(step_srcs(j + 1), dsts, bars, 1 - slot)
+
+    for bar in bars:
+      plgpu.barrier_wait(bar.at[slot])
+    return body(j, slot, carry)
+
+  return lax.fori_loop(0, n, step, init)
+
+
 def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, states_only=False,
                       pieces=1, interpret=None):
   """Forward state pass.
@@ -210,20 +230,10 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret, stat
               u_ref.at[bi, hi, ci, :, vs], kg_ref.at[bi, hi, ci], gc_ref.at[bi, hi, ci])
 
     def loop(ny_s, qg_s, p_s, u_s, kg_s, gc_s, s_mm, e_mm, o_out, e_out, bars):
-      dsts = (ny_s, qg_s, p_s, u_s, kg_s, gc_s)
-      _issue(chunk_srcs(0), dsts, bars, 0)
       s_mm[...] = state.astype(MM_DTYPE)
       plgpu.commit_smem()
 
-      def step(ci, s):
-        slot = lax.rem(ci, 2)
-
-        @pl.when(ci + 1 < ncp)
-        def _prefetch():
-          _issue(chunk_srcs(ci + 1), dsts, bars, 1 - slot)
-
-        for bar in bars:
-          plgpu.barrier_wait(bar.at[slot])
+      def step(ci, slot, s):
         if save_states:  # the state entering chunk ci, exactly the operand used below
           plgpu.copy_smem_to_gmem(s_mm, h_ref.at[bi, hi, c0 + ci, :, vs])
         u = u_s.at[slot][...]
@@ -252,7 +262,7 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret, stat
         plgpu.commit_smem_to_gmem_group()
         return s
 
-      s = lax.fori_loop(0, ncp, step, state)
+      s = _chunk_loop(ncp, chunk_srcs, (ny_s, qg_s, p_s, u_s, kg_s, gc_s), bars, step, state)
       plgpu.wait_smem_to_gmem(0)
       return s
 
@@ -292,20 +302,10 @@ def _states_only_kernel(ny_ref, u_ref, kg_ref, gc_ref, s0_ref, sf_ref, *, pieces
             gc_ref.at[bi, hi, ci])
 
   def loop(ny_s, u_s, kg_s, gc_s, s_mm, e_mm, bars):
-    dsts = (ny_s, u_s, kg_s, gc_s)
-    _issue(chunk_srcs(0), dsts, bars, 0)
     s_mm[...] = state.astype(MM_DTYPE)
     plgpu.commit_smem()
 
-    def step(ci, s):
-      slot = lax.rem(ci, 2)
-
-      @pl.when(ci + 1 < ncp)
-      def _prefetch():
-        _issue(chunk_srcs(ci + 1), dsts, bars, 1 - slot)
-
-      for bar in bars:
-        plgpu.barrier_wait(bar.at[slot])
+    def step(_, slot, s):
       (e,) = mc.matmuls((c, bv, [(ny_s.at[slot], s_mm)]))
       u = u_s.at[slot][...]
       e_mm[...] = (e + (u if u_scale is None else u * u_scale)).astype(MM_DTYPE)
@@ -317,7 +317,7 @@ def _states_only_kernel(ny_ref, u_ref, kg_ref, gc_ref, s0_ref, sf_ref, *, pieces
       plgpu.commit_smem()
       return s
 
-    return lax.fori_loop(0, ncp, step, state)
+    return _chunk_loop(ncp, chunk_srcs, (ny_s, u_s, kg_s, gc_s), bars, step, state)
 
   barriers = tuple(plgpu.Barrier(num_barriers=2) for _ in range(4))
   state = pl.run_scoped(
@@ -380,7 +380,10 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
     vs = pl.ds(vi * bv, bv)
     dstate = _load_tile(dsf_ref.at[row, hi, :, vs], (dk, bv), f32)
 
-    def chunk_srcs(ci):
+    last = c0 + ncp - 1   # step j walks chunk last − j
+
+    def step_srcs(j):
+      ci = last - j
       return (ny_ref.at[bi, hi, ci], qg_ref.at[bi, hi, ci], p_ref.at[bi, hi, ci],
               kg_ref.at[bi, hi, ci], gc_ref.at[bi, hi, ci], do_ref.at[bi, hi, ci, :, vs]) + (
                   (dx_ref.at[bi, hi, ci, :, vs],) if has_dx else ())
@@ -390,21 +393,11 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
       dx_s = scratch.pop(0) if has_dx else None
       de_out = scratch.pop(2) if not states_only else None
       ds_mm, de_mm, bars = scratch
-      dsts = (ny_s, qg_s, p_s, kg_s, gc_s, do_s) + ((dx_s,) if has_dx else ())
-      _issue(chunk_srcs(c0 + ncp - 1), dsts, bars, 0)
       ds_mm[...] = dstate.astype(MM_DTYPE)
       plgpu.commit_smem()
 
-      def step(j, ds):
-        ci = c0 + ncp - 1 - j
-        slot = lax.rem(j, 2)
-
-        @pl.when(j + 1 < ncp)
-        def _prefetch():
-          _issue(chunk_srcs(ci - 1), dsts, bars, 1 - slot)
-
-        for bar in bars:
-          plgpu.barrier_wait(bar.at[slot])
+      def step(j, slot, ds):
+        ci = last - j
         if not states_only:
           plgpu.copy_smem_to_gmem(ds_mm, dh_ref.at[bi, hi, ci, :, vs])  # dS leaving chunk ci
         gcv = plgpu.load(gc_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -433,7 +426,8 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
           plgpu.copy_smem_to_gmem(de_out, de_ref.at[bi, hi, ci, :, vs])
         return ds
 
-      ds = lax.fori_loop(0, ncp, step, dstate)
+      dsts = (ny_s, qg_s, p_s, kg_s, gc_s, do_s) + ((dx_s,) if has_dx else ())
+      ds = _chunk_loop(ncp, step_srcs, dsts, bars, step, dstate)
       plgpu.wait_smem_to_gmem(0)
       return ds
 
