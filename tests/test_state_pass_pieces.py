@@ -155,17 +155,22 @@ def test_pieces_carry_the_cotangent_back():
 
 
 def test_auto_row_pieces_reach_the_state_pass(monkeypatch):
-  # row_pieces=0 asks `gpu_pieces.auto_row_pieces` at trace time: with 4 SMs and pieces of one
-  # chunk allowed, KDA at B1 HV2 V64 (2 CTAs) over 2 chunks passes 2 pieces, and still
-  # matches the scan.
+  # row_pieces=0 asks `gpu_pieces.auto_row_pieces` at trace time with the pass's sizes (KDA at
+  # B1 HV2 K=V=64: 2 CTAs, 2 chunks, the maps' pass twice as wide); a rule answering 2 makes
+  # the pass run in 2 pieces, and the op still matches the scan.
   from lineax_attn.ops import gpu_pieces  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(gpu_pieces, "device_sms", lambda: 4)
-  monkeypatch.setattr(gpu_pieces, "MIN_PIECE_CHUNKS", 1)
+  asked = []
+
+  def rule(ctas, chunks, sms, widen):
+    asked.append((ctas, chunks, sms, widen))
+    return 2
+  monkeypatch.setattr(gpu_pieces, "auto_row_pieces", rule)
   calls = _spy_state_passes(monkeypatch)
   args, kw = make_inputs("kda", b=1, t=128, h=1, hv=2, dk=64, dv=64, seed=12)
   got = run_jit("kda", args, **kw, output_final_state=True, implementation="pallas_gpu",
                 tuning=_pieces(0))
   want = run_jit("kda", args, **kw, output_final_state=True, implementation="scan")
+  assert asked == [(2, 2, gpu_pieces.device_sms(), 2.0)], asked
   assert sorted(calls) == [(False, 2), (True, 2)], calls
   for name, g, w in zip(("o", "final state"), got, want):
     assert_close(g, w, FWD_TOL, f"auto pieces: {name}")

@@ -154,34 +154,49 @@ def test_states_only_refuses_save_states_and_a_wider_state_elsewhere():
     cw.chunk_walk(*wide, scale=0.125, interpret=INTERPRET)
 
 
-@pytest.mark.parametrize("ctas,chunks,sms,want", [
-    (32, 1024, 132, 4),     # B1 T65536 H16 V128 on an H200: 4 x 32 CTAs fill one wave
-    (16, 1024, 132, 8),     # at most 8 pieces
-    (128, 1024, 132, 1),    # the walks fill the GPU already (B4 H16 V128)
-    (66, 1024, 132, 2),     # exactly half: 2 x 66 = 132
-    (32, 16, 132, 2),       # 16 chunks: 2 pieces of 8, not 4 of 4
-    (32, 8, 132, 1),        # 8 chunks: no piece would reach 8
-    (1, 1024, 4, 4),        # 4 SMs, 1 CTA: 4 pieces fill them
+# Chunk steps by `predicted_steps`: whole rows 2·waves·N; P pieces (maps' waves + 3 main
+# waves)·N/P, the maps' pass `widen` times as many CTAs.
+@pytest.mark.parametrize("ctas,chunks,sms,widen,want", [
+    (32, 1024, 132, 2.0, 4),    # B1 T65536 H16 K=V=128: whole 2048, P2 2048, P4 5·256 = 1280,
+                                # P8 (4 + 6)·128 = 1280 (the tie goes to fewer pieces)
+    (16, 1024, 132, 2.0, 8),    # P4 (1 + 3)·256 = 1024, P8 (2 + 3)·128 = 640
+    (32, 1024, 132, 1.5, 8),    # K 64, V 128: P4 (2 + 3)·256 = 1280, P8 (3 + 6)·128 = 1152
+    (128, 1024, 132, 2.0, 1),   # B4 H16: the passes fill the GPU already
+    (64, 512, 132, 2.0, 1),     # B2 T32768: P2 (2 + 3)·256 = 1280 against whole rows' 1024
+    (32, 16, 132, 2.0, 1),      # 16 chunks: P2 (1 + 3)·8 = 32, a tie with whole rows
+    (32, 8, 132, 2.0, 1),       # 8 chunks: no piece would reach 8
+    (1, 1024, 4, 2.0, 4),       # 4 SMs, 1 CTA: P4 (2 + 3)·256 = 1280 against 2048
 ])
-def test_auto_row_pieces_by_hand(ctas, chunks, sms, want):
-  assert gpu_pieces.auto_row_pieces(ctas, chunks, sms) == want
+def test_auto_row_pieces_by_hand(ctas, chunks, sms, widen, want):
+  assert gpu_pieces.auto_row_pieces(ctas, chunks, sms, widen) == want
+
+
+def test_predicted_steps_by_hand():
+  assert gpu_pieces.predicted_steps(1, 32, 1024, 132, 2.0) == 2048
+  assert gpu_pieces.predicted_steps(4, 32, 1024, 132, 2.0) == 1280
+  assert gpu_pieces.predicted_steps(3, 32, 1000, 132, 2.0) == (2 + 3) * 334   # 192 maps CTAs
 
 
 def test_auto_row_pieces_reach_the_op(monkeypatch):
-  # row_pieces=0 asks the rule at trace time. With 4 SMs and pieces of one chunk allowed, B1
-  # HV2 V64 (2 CTAs) over 2 chunks takes 2 pieces: the maps' walk runs, and the op still
-  # matches the scan.
-  monkeypatch.setattr(gpu_pieces, "device_sms", lambda: 4)
-  monkeypatch.setattr(gpu_pieces, "MIN_PIECE_CHUNKS", 1)
-  assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(row_pieces=0), 1, 2, 64, 128, 64) == 2
-  assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(row_pieces=3), 1, 2, 64, 128, 64) == 3
-  assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(), 1, 2, 64, 128, 64) == 1
+  # row_pieces=0 asks the rule at trace time with the call's sizes (B1 HV2 K=V=64: 2 CTAs,
+  # the maps' pass twice as wide, 2 chunks); a rule answering 2 makes the maps' walk run, and
+  # the op still matches the scan.
+  asked = []
+
+  def rule(ctas, chunks, sms, widen):
+    asked.append((ctas, chunks, sms, widen))
+    return 2
+  monkeypatch.setattr(gpu_pieces, "auto_row_pieces", rule)
+  assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(row_pieces=3), 1, 2, 64, 64, 128, 64) == 3
+  assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(), 1, 2, 64, 64, 128, 64) == 1
+  assert not asked
   widths = _count_walk_widths(monkeypatch)
   args, kw = make_inputs("gated_delta_rule", b=1, t=128, h=1, hv=2, dk=64, dv=64, seed=12)
   got = run_jit("gated_delta_rule", args, **kw, output_final_state=True,
                 implementation="pallas_gpu", tuning=_pieces(0))
   want = run_jit("gated_delta_rule", args, **kw, output_final_state=True,
                  implementation="scan")
+  assert asked == [(2, 2, gpu_pieces.device_sms(), 2.0)], asked
   assert sorted(widths) == [64, 128], widths
   for name, g, w in zip(("o", "final state"), got, want):
     assert_close(g, w, FWD_TOL, f"auto pieces: {name}")

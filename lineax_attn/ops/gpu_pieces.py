@@ -28,12 +28,15 @@ from lineax_attn.ops.gpu_tuning import GpuTuning
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 
-# `row_pieces=0` ("auto"): cut rows only where the CTAs (B·HV·V/64) fill at most half the GPU,
-# into the most pieces (a power of two, at most MAX_ROW_PIECES) that still fit one wave, each
-# at least MIN_PIECE_CHUNKS chunks long (shorter pieces spend more on their maps than they
-# win). Untimed: thresholds of the kind jla 0.1.0 uses, until the H200 times them.
+# `row_pieces=0` ("auto"): the count that a model of the passes' time says is fastest, among 1
+# and the powers of two up to MAX_ROW_PIECES that leave every piece at least MIN_PIECE_CHUNKS
+# chunks (ties: fewer pieces). The model (`predicted_steps`): every pass is latency-bound, one
+# CTA per SM, each chunk step as long as any other (the maps' pass's too: MAPS_STEP_COST), so
+# a pass of n CTAs over m chunks takes ⌈n / SMs⌉ waves of m steps. Untimed: the H200 has yet
+# to say whether the maps' steps are as long as the main pass's.
 MAX_ROW_PIECES = 8
 MIN_PIECE_CHUNKS = 8
+MAPS_STEP_COST = 1.0
 
 
 def device_sms() -> int:
@@ -45,21 +48,39 @@ def device_sms() -> int:
     return 132
 
 
-def auto_row_pieces(ctas: int, chunks: int, sms: int) -> int:
-  """Pieces per row for passes of `ctas` CTAs (B·HV·V/64) over `chunks` chunks on `sms` SMs."""
-  if ctas > sms // 2:
-    return 1
-  p = 1
-  while 2 * p <= MAX_ROW_PIECES and 2 * p * ctas <= sms and chunks // (2 * p) >= MIN_PIECE_CHUNKS:
+def predicted_steps(pieces: int, ctas: int, chunks: int, sms: int, widen: float) -> float:
+  """Chunk steps, in sequence on the busiest SM, of a forward and backward pass over rows cut
+  into `pieces` (1: whole rows): `ctas` CTAs walk a whole row (B·HV·V/64), the maps' pass has
+  `widen` times as many per piece ((K + V) / V: its state is K columns wider). Whole rows: one
+  pass each way. Pieces: the maps' pass and the main pass forward, the entry cotangents' and
+  the main reverse pass backward."""
+  waves = lambda n: -(-int(n) // sms)
+  steps = -(-chunks // pieces)
+  if pieces == 1:
+    return 2 * waves(ctas) * steps
+  maps = MAPS_STEP_COST * waves(pieces * ctas * widen)
+  return (maps + 3 * waves(pieces * ctas)) * steps
+
+
+def auto_row_pieces(ctas: int, chunks: int, sms: int, widen: float = 2.0) -> int:
+  """Pieces per row for passes of `ctas` CTAs over `chunks` chunks on `sms` SMs, the maps'
+  pass `widen` times wider: the fastest count by `predicted_steps` (ties: fewer pieces)."""
+  best = 1
+  p = 2
+  while p <= MAX_ROW_PIECES and chunks // p >= MIN_PIECE_CHUNKS:
+    if predicted_steps(p, ctas, chunks, sms, widen) < predicted_steps(best, ctas, chunks, sms,
+                                                                      widen):
+      best = p
     p *= 2
-  return p
+  return best
 
 
-def row_pieces(tuning: GpuTuning, b: int, hv: int, dv: int, t: int, c: int) -> int:
-  """The pieces a row of T tokens is cut into: `tuning.row_pieces`, or the auto rule's for 0."""
+def row_pieces(tuning: GpuTuning, b: int, hv: int, dk: int, dv: int, t: int, c: int) -> int:
+  """The pieces a row of T tokens is cut into: `tuning.row_pieces`, or the auto rule's for 0
+  (passes of B·HV·V/64 CTAs, the maps' pass (K + V) / V times as wide)."""
   if tuning.row_pieces:
     return tuning.row_pieces
-  return auto_row_pieces(b * hv * (dv // 64), -(-t // c), device_sms())
+  return auto_row_pieces(b * hv * (dv // 64), -(-t // c), device_sms(), (dk + dv) / dv)
 
 
 def by_piece(x, b: int):

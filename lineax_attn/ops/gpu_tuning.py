@@ -182,10 +182,11 @@ class GpuTuning:
       (`gpu_pieces`). It costs one more forward pass (K columns wider, states only) and one
       more reverse pass. The walks pad T to a multiple of 64·row_pieces with identity steps;
       the state pass pads its chunks with identity chunks and keeps the pieces in place
-      (`gpu_vjps.state_pass`). 0 ("auto", `gpu_pieces.auto_row_pieces`): pieces only where the
-      CTAs fill at most half the SMs, as many (a power of two, ≤ 8) as still fit one wave,
-      each ≥ 8 chunks (B1 T65536 H16 V128 on an H200: 4). Tested in the interpreters against
-      the scan; untimed, so not a default yet.
+      (`gpu_vjps.state_pass`). 0 ("auto", `gpu_pieces.auto_row_pieces`): the count (1, 2, 4
+      or 8, each piece ≥ 8 chunks) with the fewest chunk steps by a model of latency-bound
+      passes in waves of one CTA per SM (`gpu_pieces.predicted_steps`; B1 T65536 H16 V128 on
+      an H200: 4; B2 T32768: 1). Tested in the interpreters against the scan; untimed, so not
+      a default yet.
   """
 
   intra: str = "kernel"

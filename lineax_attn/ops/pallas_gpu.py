@@ -164,14 +164,14 @@ def state_products(tuning: GpuTuning) -> str:
   return "kernel"
 
 
-def _pass_pieces(tuning: GpuTuning, state: str, u, *xs) -> int:
+def _pass_pieces(tuning: GpuTuning, state: str, ny, u, s0) -> int:
   """The pieces the state pass cuts rows into (`GpuTuning.row_pieces`): on the Mosaic pass
-  outside shard_map; 1 (rows whole) elsewhere. u: the chunk-major pseudo-values; xs: the other
-  inputs, for their varying axes."""
-  if state != "mosaic" or vma(u, *xs):
+  outside shard_map; 1 (rows whole) elsewhere. ny, u, s0: the pass's chunk-major −Y
+  `[B, HV, Nc, C, K]`, pseudo-values `[B, HV, Nc, C, V]` and initial state."""
+  if state != "mosaic" or vma(ny, u, s0):
     return 1
   b, hv, nc, c, dv = u.shape
-  return gpu_pieces.row_pieces(tuning, b, hv, dv, nc * c, c)
+  return gpu_pieces.row_pieces(tuning, b, hv, ny.shape[-1], dv, nc * c, c)
 
 
 def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernels):
@@ -185,7 +185,7 @@ def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernel
                                           tuning=tuning)
   state = state_kernels(tuning, kernels)
   o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state, state_products(tuning),
-                             _pass_pieces(tuning, state, u, ny, s0))
+                             _pass_pieces(tuning, state, ny, u, s0))
   return from_chunks(o), from_chunks(e), s_final
 
 
@@ -207,7 +207,7 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, ker
     gc = gc * segment_masks(segidx, c)[1][..., -1:]
   gc = jnp.broadcast_to(gc, G.shape[:3] + (dk,))
   o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state,
-                             pieces=_pass_pieces(tuning, state, u, ny, s0))
+                             pieces=_pass_pieces(tuning, state, ny, u, s0))
   return from_chunks(o), from_chunks(e), s_final
 
 
@@ -299,7 +299,7 @@ def _walk(q, k, v, beta, g, s0, *, scale, c, interpret, tuning: GpuTuning):
   times the pieces when rows are cut (`gpu_pieces.row_pieces`; padding rows are identity
   steps), and slices the outputs back to T."""
   (b, t), (hv, dv) = q.shape[:2], v.shape[2:]
-  pieces = gpu_pieces.row_pieces(tuning, b, hv, dv, t, c)
+  pieces = gpu_pieces.row_pieces(tuning, b, hv, q.shape[-1], dv, t, c)
   t_pad = -(-t // (c * pieces)) * c * pieces
   pad = functools.partial(chunked.pad_time, t_pad=t_pad)
   G = None
