@@ -63,7 +63,8 @@ def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces):
   kwargs = dict(kw, output_final_state=True, return_residual=True)
   got = run_jit(mixer, args, **kwargs, implementation="pallas_gpu", tuning=_pieces(pieces))
   want = run_jit(mixer, args, **kwargs, implementation="scan")
-  assert sorted(widths) == [64, 128], widths   # the pieces' walk and the maps' walk
+  # the pieces' walk and the maps' walk (linear attention: its maps are products, no walk)
+  assert sorted(widths) == ([64] if mixer == "linear_attention" else [64, 128]), widths
   for name, g, w in zip(("o", "final state", "residual"), got, want):
     assert_close(g, w, FWD_TOL, f"{mixer} B={b} T={t} P={pieces}: {name}")
 
@@ -84,8 +85,10 @@ def test_pieces_gradients_match_scan(mixer, b, t, pieces):
                                                 GRAD_TOL, f"{mixer} B={b} T={t} P={pieces}")
 
 
-# (DeltaNet's only compiled: the carry's code is the same, and it costs the CPU suite 10 s.)
-@pytest.mark.parametrize("mixer,t,pieces", [("gated_delta_rule", 150, 2)]
+# (DeltaNet's only compiled: the carry's code is GDN's, and it costs the CPU suite 10 s. Linear
+# attention's entry cotangents are products, not walks: its own case.)
+@pytest.mark.parametrize("mixer,t,pieces", [("gated_delta_rule", 150, 2),
+                                            ("linear_attention", 150, 2)]
                          + ([("delta_rule", 192, 3)] if ON_GPU else []))
 def test_pieces_carry_the_cotangent_back(mixer, t, pieces):
   # A loss on the outputs of the last piece only, with slow gates (τ = 8): the earlier pieces'
@@ -103,7 +106,7 @@ def test_pieces_carry_the_cotangent_back(mixer, t, pieces):
       return jnp.sum(o * w)
     return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
 
-  names = ["q", "k", "v", "g", "beta"] if mixer == "gated_delta_rule" else ["q", "k", "v", "beta"]
+  names = kernel_cases.GRAD_NAMES[mixer][:len(args)]
   for name, g, want in zip(names, loss("pallas_gpu", _pieces(pieces)), loss("scan", None)):
     early = slice(0, last)   # the earlier pieces' gradients: the carry's alone
     assert_close(g[:, early], want[:, early], GRAD_TOL,
@@ -166,6 +169,8 @@ def test_states_only_refuses_save_states_and_a_wider_state_elsewhere():
     (32, 16, 132, 2.0, 1),      # 16 chunks: P2 (1 + 3)·8 = 32, a tie with whole rows
     (32, 8, 132, 2.0, 1),       # 8 chunks: no piece would reach 8
     (1, 1024, 4, 2.0, 4),       # 4 SMs, 1 CTA: P4 (2 + 3)·256 = 1280 against 2048
+    (32, 1024, 132, 0.0, 4),    # linear attention (no maps' pass): P4 2·256, P8 2·2·128, a tie
+    (64, 512, 132, 0.0, 2),     # linear attention at B2 T32768: P2 2·256 = 512 against 1024
 ])
 def test_auto_row_pieces_by_hand(ctas, chunks, sms, widen, want):
   assert gpu_pieces.auto_row_pieces(ctas, chunks, sms, widen) == want
@@ -175,6 +180,7 @@ def test_predicted_steps_by_hand():
   assert gpu_pieces.predicted_steps(1, 32, 1024, 132, 2.0) == 2048
   assert gpu_pieces.predicted_steps(4, 32, 1024, 132, 2.0) == 1280
   assert gpu_pieces.predicted_steps(3, 32, 1000, 132, 2.0) == (2 + 3) * 334   # 192 maps CTAs
+  assert gpu_pieces.predicted_steps(4, 32, 1024, 132, 0.0) == 2 * 256         # no maps' pass
 
 
 def test_auto_row_pieces_reach_the_op(monkeypatch):

@@ -53,11 +53,12 @@ def predicted_steps(pieces: int, ctas: int, chunks: int, sms: int, widen: float)
   into `pieces` (1: whole rows): `ctas` CTAs walk a whole row (B·HV·V/64), the maps' pass has
   `widen` times as many per piece ((K + V) / V: its state is K columns wider). Whole rows: one
   pass each way. Pieces: the maps' pass and the main pass forward, the entry cotangents' and
-  the main reverse pass backward."""
+  the main reverse pass backward; with widen 0 (linear attention, whose maps and entry
+  cotangents are plain products) the main passes alone."""
   waves = lambda n: -(-int(n) // sms)
   steps = -(-chunks // pieces)
-  if pieces == 1:
-    return 2 * waves(ctas) * steps
+  if pieces == 1 or not widen:
+    return 2 * waves(pieces * ctas) * steps
   maps = MAPS_STEP_COST * waves(pieces * ctas * widen)
   return (maps + 3 * waves(pieces * ctas)) * steps
 
@@ -75,12 +76,15 @@ def auto_row_pieces(ctas: int, chunks: int, sms: int, widen: float = 2.0) -> int
   return best
 
 
-def row_pieces(tuning: GpuTuning, b: int, hv: int, dk: int, dv: int, t: int, c: int) -> int:
+def row_pieces(tuning: GpuTuning, b: int, hv: int, dk: int, dv: int, t: int, c: int, *,
+               maps: bool = True) -> int:
   """The pieces a row of T tokens is cut into: `tuning.row_pieces`, or the auto rule's for 0
-  (passes of B·HV·V/64 CTAs, the maps' pass (K + V) / V times as wide)."""
+  (passes of B·HV·V/64 CTAs, the maps' pass (K + V) / V times as wide; maps False: none,
+  linear attention's walks)."""
   if tuning.row_pieces:
     return tuning.row_pieces
-  return auto_row_pieces(b * hv * (dv // 64), -(-t // c), device_sms(), (dk + dv) / dv)
+  return auto_row_pieces(b * hv * (dv // 64), -(-t // c), device_sms(),
+                         (dk + dv) / dv if maps else 0.0)
 
 
 def by_piece(x, b: int):

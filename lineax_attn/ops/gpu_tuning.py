@@ -180,7 +180,8 @@ class GpuTuning:
       [0 | v] from [I | 0] gives each piece's affine map S_out = Φ S_in + Ψ, the entry states
       are composed from the maps, then every piece walks from its own; the backward likewise
       (`gpu_pieces`). It costs one more forward pass (K columns wider, states only) and one
-      more reverse pass. The walks pad T to a multiple of 64·row_pieces with identity steps;
+      more reverse pass; linear attention none (Φ = I, and Ψ and the entry cotangents are
+      plain products). The walks pad T to a multiple of 64·row_pieces with identity steps;
       the state pass pads its chunks with identity chunks and keeps the pieces in place
       (`gpu_vjps.state_pass`). 0 ("auto", `gpu_pieces.auto_row_pieces`): the count (1, 2, 4
       or 8, each piece ≥ 8 chunks) with the fewest chunk steps by a model of latency-bound

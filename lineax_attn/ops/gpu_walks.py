@@ -263,6 +263,17 @@ def _piece_maps(q, k, v, t0, gate_rows, beta_rows, scale, gated, interpret):
                                interpret=interpret)[0]
 
 
+def _piece_products(x, y):
+  """Σ_t x_tᵀ y_t over every piece's tokens, `[B·P, HV, K, V]` float32 from x `[B·P, T/P, H,
+  K]` (its key head read by each value head) and y `[B·P, T/P, HV, V]`, bf16 operands as the
+  walks read them: linear attention's Ψ (x = k, y = v) and its entry cotangent D (x = q,
+  y = dO, times the scale), since without decay or erase S_t = S_in + Σ_{s<t} k_sᵀ v_s."""
+  hv, h = y.shape[2], x.shape[2]
+  x = jnp.repeat(x.astype(jnp.bfloat16), hv // h, axis=2)
+  return jnp.einsum("bthk,bthv->bhkv", x, y.astype(jnp.bfloat16),
+                    preferred_element_type=_F32)
+
+
 def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, *, save_states):
   """(o, e, s_final[, residuals]) of the walks with every row in `pieces` pieces; arguments as
   `walk_core`'s (T a multiple of 64·pieces)."""
@@ -273,12 +284,17 @@ def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, *, s
   beta_rows, g_rows = walk_rows(beta_p, _pieces_heads(G, pieces))
   t0_p = None if beta_rows is None else gate_free_inverse(k_p, beta_rows, hv, c)
   gate_p, beta_p = kernel_rows(beta_rows, g_rows, v_p)
-  end_t = by_piece(_piece_maps(q_p, k_p, v_p, t0_p, gate_p, beta_p, scale, G is not None,
-                               interpret), b)                    # [P, B, HV, K + V, K]
-  # (The walks hold states transposed: end_t holds Φᵀ in rows :K, Ψᵀ in rows K:.)
-  phi_t = end_t[:, :, :, :dk]
-  starts = gpu_pieces.entry_states(jnp.swapaxes(phi_t, -1, -2),
-                                   jnp.swapaxes(end_t[:, :, :, dk:], -1, -2), s0)
+  if t0_p is None:   # linear attention: Φ = I and Ψ = Σ kᵀ v over the piece, no maps' walk
+    psi = by_piece(_piece_products(k_p, v_p), b)                 # [P, B, HV, K, V]
+    phi_t = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), psi.shape[:3] + (dk, dk))
+    starts = gpu_pieces.entry_states(phi_t, psi, s0)
+  else:
+    end_t = by_piece(_piece_maps(q_p, k_p, v_p, t0_p, gate_p, beta_p, scale, G is not None,
+                                 interpret), b)                  # [P, B, HV, K + V, K]
+    # (The walks hold states transposed: end_t holds Φᵀ in rows :K, Ψᵀ in rows K:.)
+    phi_t = end_t[:, :, :, :dk]
+    starts = gpu_pieces.entry_states(jnp.swapaxes(phi_t, -1, -2),
+                                     jnp.swapaxes(end_t[:, :, :, dk:], -1, -2), s0)
   bf = lambda x: x.astype(jnp.bfloat16)
   outs = chunk_walk.chunk_walk(bf(q_p), bf(k_p), bf(v_p), t0_p, gate_p, beta_p,
                                from_pieces(jnp.swapaxes(starts, -1, -2)), scale=float(scale),
@@ -319,11 +335,16 @@ def _walk_pieces_core_bwd(scale, c, interpret, grads_opts, pieces, res, cts):
   G_p = _pieces_heads(G, pieces)
   gate_p, beta_rows_p = kernel_rows(*walk_rows(beta_p, G_p), v_p)
   bf = lambda x: x.astype(jnp.bfloat16)
-  # Every piece's entry cotangent from its own outputs alone (a zero end cotangent).
-  local_t = by_piece(chunk_walk_reverse.chunk_walk_reverse(
-      bf(q_p), bf(k_p), t0_p, gate_p, beta_rows_p, bf(do_p), None if de_p is None else bf(de_p),
-      jnp.zeros((b * pieces, hv, dv, dk), _F32), scale=float(scale), gated=G is not None,
-      states_only=True, interpret=interpret)[0], b)              # [P, B, HV, V, K]
+  # Every piece's entry cotangent from its own outputs alone (a zero end cotangent): for linear
+  # attention s Σ qᵀ dO over the piece, else the states-only reverse walk.
+  if t0_p is None:
+    local_t = jnp.swapaxes(by_piece(_piece_products(q_p, do_p), b) * scale, -1, -2)
+  else:
+    local_t = by_piece(chunk_walk_reverse.chunk_walk_reverse(
+        bf(q_p), bf(k_p), t0_p, gate_p, beta_rows_p, bf(do_p),
+        None if de_p is None else bf(de_p), jnp.zeros((b * pieces, hv, dv, dk), _F32),
+        scale=float(scale), gated=G is not None, states_only=True,
+        interpret=interpret)[0], b)                              # [P, B, HV, V, K]
   # dS_in = Φᵀ dS_out + D, from the final state's cotangent back to every piece's end.
   ends = gpu_pieces.exit_cotangents(jnp.swapaxes(phi_t, -1, -2),
                                     jnp.swapaxes(local_t, -1, -2), ds_final)

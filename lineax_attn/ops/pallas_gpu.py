@@ -299,7 +299,7 @@ def _walk(q, k, v, beta, g, s0, *, scale, c, interpret, tuning: GpuTuning):
   times the pieces when rows are cut (`gpu_pieces.row_pieces`; padding rows are identity
   steps), and slices the outputs back to T."""
   (b, t), (hv, dv) = q.shape[:2], v.shape[2:]
-  pieces = gpu_pieces.row_pieces(tuning, b, hv, q.shape[-1], dv, t, c)
+  pieces = gpu_pieces.row_pieces(tuning, b, hv, q.shape[-1], dv, t, c, maps=beta is not None)
   t_pad = -(-t // (c * pieces)) * c * pieces
   pad = functools.partial(chunked.pad_time, t_pad=t_pad)
   G = None
