@@ -9,12 +9,13 @@ stretch of chunks,
     S_out = Φ S_in + Ψ        (Φ [K, K] from the decays and erases, Ψ [K, V] from the writes),
 
 each value column on its own. So a row cut into P pieces walks all of them at once: first
-every piece from [I | 0] with the values [0 | v] (K more value columns, states only) gives
-[Φ | Ψ]; `entry_states` composes the true entry states from the initial state; then every
-piece walks from its own. The backward mirrors it: every piece walked back from a zero exit
-cotangent gives its own entry cotangent D (dS_in = Φᵀ dS_out + D), `exit_cotangents` carries
-the final state's cotangent back to every piece's end, then every piece walks back from its
-own. Users: `gpu_walks.walk_pieces_core` (linear attention, DeltaNet, GDN on the walks) and
+every piece from [I | 0], its first K state columns walking with v = 0 (K more columns, states
+only), gives [Φ | Ψ]; `entry_states` composes the true entry states from the initial state;
+then every piece walks from its own. The backward mirrors it: every piece walked back from a
+zero exit cotangent gives its own entry cotangent D (dS_in = Φᵀ dS_out + D), `exit_cotangents`
+carries the final state's cotangent back to every piece's end, then every piece walks back
+from its own. (Linear attention, without decay or erase: Φ = I, and Ψ and D are sums over the
+piece, plain products instead of walks.) Users: `gpu_walks.walk_pieces_core` (linear attention, DeltaNet, GDN on the walks) and
 `gpu_vjps.state_pass` (the state pass of KDA, GDN-2 and the split path).
 """
 
