@@ -418,6 +418,7 @@ def to_markdown(results, meta):
             f"{_fmt(peak('pallas_gpu'))} | {_fmt(peak('chunk'))} | {_fmt(peak('jla'))} | "
             f"{_err_cell(err)} | {floor:.3f} | {_ratio(ours, floor)} | {_fmt(tr)} | "
             f"{_ratio(tr, ms('fla'))} | {_ratio(tr, ms('chunk'))} | {_err_cell(err_tr)} |")
+  lines += sweep_lines(results)
   if meta.get("breakdown"):
     bd = meta["breakdown"]
     lines += ["", f"pallas_gpu GDN parts at B,T,H,D = {','.join(map(str, bd['shape']))} "
@@ -450,6 +451,27 @@ def sweep_shapes() -> list[tuple]:
   if bad:
     raise ValueError(f"--sweep_lengths {bad} do not divide --sweep_tokens={_SWEEP_TOKENS.value}")
   return [(_SWEEP_TOKENS.value // t, t, h, d) for t in lengths]
+
+
+def sweep_lines(results) -> list[str]:
+  """The T sweep as a table (markdown lines; none without a sweep): per mixer, implementation
+  and mode the time at each T and the rise, slowest over fastest, that issue #17 asks to stay
+  flat."""
+  shapes = sweep_shapes()
+  by = {(r.shape, r.mixer, r.impl, r.mode): r.ms for r in results if r.ms is not None}
+  lines = sorted({key[1:] for key in by if key[0] in shapes})
+  if not lines:
+    return []
+  out = ["", f"T sweep at {_SWEEP_TOKENS.value:,} tokens (ms; rise = slowest / fastest):", "",
+         "| mixer | impl | mode | " + " | ".join(f"B{b} T{t}" for b, t, _, _ in shapes)
+         + " | rise |", "|" + "---|" * (len(shapes) + 4)]
+  for mixer, impl, mode in lines:
+    times = [by.get((shape, mixer, impl, mode)) for shape in shapes]
+    known = [x for x in times if x is not None]
+    rise = max(known) / min(known) if len(known) > 1 else None
+    out.append(f"| {mixer} | {impl} | {mode} | " + " | ".join(_fmt(x, 3) for x in times)
+               + f" | {'–' if rise is None else f'{rise:.2f}x'} |")
+  return out
 
 
 def plot_sweep(results, path, meta):

@@ -147,6 +147,12 @@ def test_bench_kernels_sweep_writes_table_json_and_plot(tmp_path):
   text = open(md).read()
   assert "| 4,64,2,32 | gated_delta_rule | fwd |" in text
   assert "| 1,256,2,32 | gated_delta_rule | fwd |" in text
+  # the sweep's own table: the time at each T and the rise, slowest over fastest
+  ms = {tuple(r["shape"])[1]: r["ms"] for r in rows}
+  row = next(line for line in text.splitlines() if line.startswith("| gated_delta_rule | chunk |"))
+  assert row == (f"| gated_delta_rule | chunk | fwd | {ms[64]:.3f} | {ms[256]:.3f} | "
+                 f"{max(ms.values()) / min(ms.values()):.2f}x |")
+  assert "| mixer | impl | mode | B4 T64 | B1 T256 | rise |" in text
   assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
