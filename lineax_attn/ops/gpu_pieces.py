@@ -15,7 +15,9 @@ then every piece walks from its own. The backward mirrors it: every piece walked
 zero exit cotangent gives its own entry cotangent D (dS_in = Φᵀ dS_out + D), `exit_cotangents`
 carries the final state's cotangent back to every piece's end, then every piece walks back
 from its own. (Linear attention, without decay or erase: Φ = I, and Ψ and D are sums over the
-piece, plain products instead of walks.) Users: `gpu_walks.walk_pieces_core` (linear attention, DeltaNet, GDN on the walks) and
+piece, plain products instead of walks.)
+
+Users: `gpu_walks.walk_pieces_core` (linear attention, DeltaNet, GDN on the walks) and
 `gpu_vjps.state_pass` (the state pass of KDA, GDN-2 and the split path).
 """
 

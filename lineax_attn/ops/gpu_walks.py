@@ -212,12 +212,13 @@ walk_core.defvjp(walk_core_fwd, walk_core_bwd, symbolic_zeros=True)
 
 # ------------------------------------------------------------------ rows cut into pieces
 # `GpuTuning(row_pieces=P)` (the maths: `gpu_pieces`): each row is cut into P pieces of T/P
-# tokens that walk at once as P rows of the batch. Forward: the maps' walk over [0 | v] from
-# [I | 0], the entry states composed, then the ordinary walk of every piece; backward: the
-# reverse walk of every piece from a zero end cotangent (`states_only`: its entry cotangent
-# alone), the final state's cotangent carried back to every piece's end, then the ordinary
-# backward of every piece. The maps come from the walk itself (bf16 operands, float32 state),
-# so forward and gradients are the unsplit op's up to that rounding.
+# tokens that walk at once as P rows of the batch. Forward: the maps' walk from [I | 0] (its
+# first K state columns with v = 0), the entry states composed, then the ordinary walk of every
+# piece; backward: the reverse walk of every piece from a zero end cotangent (`states_only`: its
+# entry cotangent alone), the final state's cotangent carried back to every piece's end, then
+# the ordinary backward of every piece. Linear attention makes its maps and entry cotangents
+# by products instead (`_piece_products`). The maps come from the walk itself (bf16 operands,
+# float32 state), so forward and gradients are the unsplit op's up to that rounding.
 
 
 def _pieces_time(x, p):
@@ -283,20 +284,20 @@ def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, *, s
   # T0 made in the pieces' layout (k_p is a free reshape of k), not relaid out after.
   beta_rows, g_rows = walk_rows(beta_p, _pieces_heads(G, pieces))
   t0_p = None if beta_rows is None else gate_free_inverse(k_p, beta_rows, hv, c)
-  gate_p, beta_p = kernel_rows(beta_rows, g_rows, v_p)
+  gate_rows, beta_rows = kernel_rows(beta_rows, g_rows, v_p)      # `[B·P, HV, T/P]`
   if t0_p is None:   # linear attention: Φ = I and Ψ = Σ kᵀ v over the piece, no maps' walk
     psi = by_piece(_piece_products(k_p, v_p), b)                 # [P, B, HV, K, V]
     phi_t = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), psi.shape[:3] + (dk, dk))
     starts = gpu_pieces.entry_states(phi_t, psi, s0)
   else:
-    end_t = by_piece(_piece_maps(q_p, k_p, v_p, t0_p, gate_p, beta_p, scale, G is not None,
-                                 interpret), b)                  # [P, B, HV, K + V, K]
+    end_t = by_piece(_piece_maps(q_p, k_p, v_p, t0_p, gate_rows, beta_rows, scale,
+                                 G is not None, interpret), b)   # [P, B, HV, K + V, K]
     # (The walks hold states transposed: end_t holds Φᵀ in rows :K, Ψᵀ in rows K:.)
     phi_t = end_t[:, :, :, :dk]
     starts = gpu_pieces.entry_states(jnp.swapaxes(phi_t, -1, -2),
                                      jnp.swapaxes(end_t[:, :, :, dk:], -1, -2), s0)
   bf = lambda x: x.astype(jnp.bfloat16)
-  outs = chunk_walk.chunk_walk(bf(q_p), bf(k_p), bf(v_p), t0_p, gate_p, beta_p,
+  outs = chunk_walk.chunk_walk(bf(q_p), bf(k_p), bf(v_p), t0_p, gate_rows, beta_rows,
                                from_pieces(jnp.swapaxes(starts, -1, -2)), scale=float(scale),
                                gated=G is not None, save_states=save_states,
                                interpret=interpret)
