@@ -193,3 +193,41 @@ def assert_training_grads_match_scan(mixer, args, s0, tuning, tol, label):
   assert len(names) == len(args) + 1
   for name, g, w in zip(names, *grads):
     assert_close(g, w, tol, f"{label}: d{name}")
+
+
+def answer_auto_rule(monkeypatch, pieces):
+  """Replaces `gpu_pieces.auto_row_pieces` by a rule answering `pieces`; returns the list of
+  the (ctas, chunks, sms, widen) it is asked."""
+  from lineax_attn.ops import gpu_pieces  # pylint: disable=g-import-not-at-top
+  asked = []
+
+  def rule(ctas, chunks, sms, widen):
+    asked.append((ctas, chunks, sms, widen))
+    return pieces
+  monkeypatch.setattr(gpu_pieces, "auto_row_pieces", rule)
+  return asked
+
+
+def assert_auto_pieces_match_scan(mixer, tuning, tol):
+  """`mixer` through `pallas_gpu` with `tuning` at B1 T128 HV2 K=V=64 against the scan: the
+  output and the final state within the relative tolerance `tol`."""
+  args, kw = make_inputs(mixer, b=1, t=128, h=1, hv=2, dk=64, dv=64, seed=12)
+  got = run_jit(mixer, args, **kw, output_final_state=True, implementation="pallas_gpu",
+                tuning=tuning)
+  want = run_jit(mixer, args, **kw, output_final_state=True, implementation="scan")
+  for name, g, w in zip(("o", "final state"), got, want):
+    assert_close(g, w, tol, f"auto pieces: {name}")
+
+
+def late_output_grads(mixer, args, kw, last, implementation, tuning):
+  """Gradients with respect to the positional inputs of <o, W> with W fixed random on the
+  tokens from `last` on and zero before: a loss on a row's last piece alone, whose earlier
+  inputs get gradients only through the state carried across. kw: the op's other arrays."""
+  t = args[2].shape[1]
+  w = jax.random.normal(jax.random.key(4), args[2].shape) * (jnp.arange(t) >= last)[
+      None, :, None, None]
+
+  def f(*a):
+    o, _ = run_jit(mixer, a, **kw, implementation=implementation, tuning=tuning)
+    return jnp.sum(o * w)
+  return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)

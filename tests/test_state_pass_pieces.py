@@ -140,15 +140,8 @@ def test_pieces_carry_the_cotangent_back():
   mixer, t, pieces = "gdn2", 192, 3
   args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=2, dk=64, dv=64, tau=8.0, seed=t)
   last = 128
-  w = jax.random.normal(jax.random.key(4), args[2].shape) * (jnp.arange(t) >= last)[
-      None, :, None, None]
-
-  def grads(impl, tuning):
-    def f(*a):
-      o, _ = run_jit(mixer, a, **kw, implementation=impl, tuning=tuning)
-      return jnp.sum(o * w)
-    return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
-
+  grads = lambda impl, tuning: kernel_cases.late_output_grads(mixer, args, kw, last, impl,
+                                                              tuning)
   names = kernel_cases.GRAD_NAMES[mixer][:len(args)]
   for name, g, want in zip(names, grads("pallas_gpu", _pieces(pieces)), grads("scan", None)):
     assert_close(g[:, :last], want[:, :last], GRAD_TOL, f"d{name}, earlier pieces")
@@ -159,18 +152,8 @@ def test_auto_row_pieces_reach_the_state_pass(monkeypatch):
   # B1 HV2 K=V=64: 2 CTAs, 2 chunks, the maps' pass twice as wide); a rule answering 2 makes
   # the pass run in 2 pieces, and the op still matches the scan.
   from lineax_attn.ops import gpu_pieces  # pylint: disable=g-import-not-at-top
-  asked = []
-
-  def rule(ctas, chunks, sms, widen):
-    asked.append((ctas, chunks, sms, widen))
-    return 2
-  monkeypatch.setattr(gpu_pieces, "auto_row_pieces", rule)
+  asked = kernel_cases.answer_auto_rule(monkeypatch, 2)
   calls = _spy_state_passes(monkeypatch)
-  args, kw = make_inputs("kda", b=1, t=128, h=1, hv=2, dk=64, dv=64, seed=12)
-  got = run_jit("kda", args, **kw, output_final_state=True, implementation="pallas_gpu",
-                tuning=_pieces(0))
-  want = run_jit("kda", args, **kw, output_final_state=True, implementation="scan")
+  kernel_cases.assert_auto_pieces_match_scan("kda", _pieces(0), FWD_TOL)
   assert asked == [(2, 2, gpu_pieces.device_sms(), 2.0)], asked
   assert sorted(calls) == [(False, 2), (True, 2)], calls
-  for name, g, w in zip(("o", "final state"), got, want):
-    assert_close(g, w, FWD_TOL, f"auto pieces: {name}")

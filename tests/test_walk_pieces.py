@@ -97,15 +97,7 @@ def test_pieces_carry_the_cotangent_back(mixer, t, pieces):
   # alone, so the final state's and the residual's cotangents come as symbolic zeros.
   args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=2, dk=64, dv=64, tau=8.0, seed=t)
   last = -(-t // (64 * pieces)) * 64 * (pieces - 1)     # where the last piece starts
-  late = (jnp.arange(t) >= last)[None, :, None, None]
-  w = jax.random.normal(jax.random.key(4), args[2].shape) * late
-
-  def loss(impl, tuning):
-    def f(*a):
-      o, _ = run_jit(mixer, a, **kw, implementation=impl, tuning=tuning)
-      return jnp.sum(o * w)
-    return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
-
+  loss = lambda impl, tuning: kernel_cases.late_output_grads(mixer, args, kw, last, impl, tuning)
   names = kernel_cases.GRAD_NAMES[mixer][:len(args)]
   for name, g, want in zip(names, loss("pallas_gpu", _pieces(pieces)), loss("scan", None)):
     early = slice(0, last)   # the earlier pieces' gradients: the carry's alone
@@ -187,25 +179,14 @@ def test_auto_row_pieces_reach_the_op(monkeypatch):
   # row_pieces=0 asks the rule at trace time with the call's sizes (B1 HV2 K=V=64: 2 CTAs,
   # the maps' pass twice as wide, 2 chunks); a rule answering 2 makes the maps' walk run, and
   # the op still matches the scan.
-  asked = []
-
-  def rule(ctas, chunks, sms, widen):
-    asked.append((ctas, chunks, sms, widen))
-    return 2
-  monkeypatch.setattr(gpu_pieces, "auto_row_pieces", rule)
+  asked = kernel_cases.answer_auto_rule(monkeypatch, 2)
   assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(row_pieces=3), 1, 2, 64, 64, 128, 64) == 3
   assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(), 1, 2, 64, 64, 128, 64) == 1
   assert not asked
   widths = _count_walk_widths(monkeypatch)
-  args, kw = make_inputs("gated_delta_rule", b=1, t=128, h=1, hv=2, dk=64, dv=64, seed=12)
-  got = run_jit("gated_delta_rule", args, **kw, output_final_state=True,
-                implementation="pallas_gpu", tuning=_pieces(0))
-  want = run_jit("gated_delta_rule", args, **kw, output_final_state=True,
-                 implementation="scan")
+  kernel_cases.assert_auto_pieces_match_scan("gated_delta_rule", _pieces(0), FWD_TOL)
   assert asked == [(2, 2, gpu_pieces.device_sms(), 2.0)], asked
   assert sorted(widths) == [64, 128], widths
-  for name, g, w in zip(("o", "final state"), got, want):
-    assert_close(g, w, FWD_TOL, f"auto pieces: {name}")
 
 
 @pytest.mark.parametrize("bad", [-1, 65, True, 2.0, "4"])
