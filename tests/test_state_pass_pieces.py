@@ -8,7 +8,8 @@ Hopper GPU the same tests run them compiled. Oracles:
   cotangent (the same products: 1e-6), the maps' pass from [I | 0] against the float32 scan's
   state at the piece boundary (Φ S_in + Ψ; bf16 operands: 2e-2), and the pieces' pass from the
   scan's entry states against the scan with the kernel's bf16 rounding (1e-4);
-* the op: output, final state and write residual against the `scan` implementation (2e-2) and
+* the op: output, final state and write residual against the `scan` implementation (2e-2; T = 1
+  among them) and
   every gradient (3e-2) under jit, with GVA, an initial state and chunks no piece count
   divides; a loss on the last piece alone (the carried cotangents); that the maps' pass ran.
 """
@@ -103,8 +104,9 @@ def _pieces(p):
 
 
 # (mixer, B, T, pieces): T = 200 pads to 4 chunks, 2 pieces; T = 130 is 3 chunks in 2 pieces
-# (one identity chunk of padding); GDN on the split path (forward="split").
-FWD_CASES = [("kda", 1, 200, 2), ("gdn2", 2, 130, 2)]
+# (one identity chunk of padding); T = 1 is one chunk, the second piece all identity; GDN on
+# the split path (forward="split").
+FWD_CASES = [("kda", 1, 200, 2), ("gdn2", 2, 130, 2), ("kda", 1, 1, 2)]
 if ON_GPU:
   FWD_CASES += [("kda", 1, 4096, 8), ("gdn2", 1, 1000, 4), ("gated_delta_rule", 1, 700, 3)]
 
