@@ -8,10 +8,10 @@ Hopper GPU the same tests run them compiled. Oracles:
   cotangent (the same products: 1e-6), the maps' pass from [I | 0] against the float32 scan's
   state at the piece boundary (Φ S_in + Ψ; bf16 operands: 2e-2), and the pieces' pass from the
   scan's entry states against the scan with the kernel's bf16 rounding (1e-4);
-* the op: output, final state and write residual against the `scan` implementation (2e-2; T = 1
-  among them) and
-  every gradient (3e-2) under jit, with GVA, an initial state and chunks no piece count
-  divides; a loss on the last piece alone (the carried cotangents); that the maps' pass ran.
+* the op: output, final state and write residual against the `scan` implementation (2e-2,
+  T = 1 among the cases) and every gradient (3e-2) under jit, with GVA, an initial state and
+  chunks no piece count divides; a loss on the last piece alone (the carried cotangents);
+  that the maps' pass ran.
 """
 
 from __future__ import annotations
