@@ -197,12 +197,12 @@ def assert_training_grads_match_scan(mixer, args, s0, tuning, tol, label):
 
 def answer_auto_rule(monkeypatch, pieces):
   """Replaces `gpu_pieces.auto_row_pieces` by a rule answering `pieces`; returns the list of
-  the (ctas, chunks, sms, widen) it is asked."""
+  the (heads, k_blocks, v_blocks, chunks, sms, max_chains) it is asked."""
   from lineax_attn.ops import gpu_pieces  # pylint: disable=g-import-not-at-top
   asked = []
 
-  def rule(ctas, chunks, sms, widen):
-    asked.append((ctas, chunks, sms, widen))
+  def rule(*args):
+    asked.append(args)
     return pieces
   monkeypatch.setattr(gpu_pieces, "auto_row_pieces", rule)
   return asked

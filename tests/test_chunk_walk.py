@@ -31,6 +31,7 @@ ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 from lineax_attn.ops import pallas_gpu  # noqa: E402
 from pallas_kernels.gpu import chunk_walk as cw  # noqa: E402
 from pallas_kernels.gpu import chunk_walk_reverse as cwr  # noqa: E402
+from pallas_kernels.gpu import maps_walk as mw  # noqa: E402
 
 WALK = pallas_gpu.GpuTuning(forward="walk")
 FWD_TOL = 2e-2
@@ -321,18 +322,25 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
   args = (sds((b, t, h, dk), bf), sds((b, t, h, dk), bf), sds((b, t, hv, dv), bf),
           sds((b, hv, t // 64, 64, 64), bf), sds((b, hv, t), f32), sds((b, hv, t), f32),
           sds((b, hv, dv, dk), f32))
-  # (gated, save_states, states_only): the walks of the op and the maps' walk of row pieces
-  # (its state K columns wider than v: the leading columns read v scaled by 0)
-  maps_args = args[:6] + (sds((b, hv, dk + dv, dk), f32),)
-  for gated, save, alone in ((True, False, False), (False, False, False), (True, True, False),
-                             (True, False, True), (False, False, True)):
-    fn = lambda *a, gated=gated, save=save, alone=alone: cw._chunk_walk(
-        *a, scale=0.1, gated=gated, save_states=save, states_only=alone, interpret=None)
-    text = jax.jit(fn).trace(*(maps_args if alone else args)).lower(
-        lowering_platforms=("cuda",)).as_text()
+  for gated, save in ((True, False), (False, False), (True, True)):
+    fn = lambda *a, gated=gated, save=save: cw._chunk_walk(
+        *a, scale=0.1, gated=gated, save_states=save, interpret=None)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, save, alone, estimates[-1])
+    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, save, estimates[-1])
   assert cw.ring_stages(dk) == (4 if dk == 64 else 2)
+  # The maps' walk of row pieces: k, v, T0, g, β and a state K columns wider than v (the
+  # leading columns read v scaled by 0), one chain per CTA or two (4 and 3 warpgroups' worth
+  # of registers; 3 blocks at K 64 leave a spare chain).
+  maps_args = args[1:6] + (sds((b, hv, dk + dv, dk), f32),)
+  for gated, chains in ((True, 1), (True, 2), (False, 2)):
+    fn = lambda *a, gated=gated, chains=chains: mw._maps_walk(*a, gated=gated, chains=chains,
+                                                              interpret=None)
+    text = jax.jit(fn).trace(*maps_args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, ("maps", dk, gated, chains, estimates[-1])
+  assert mw.ring_stages(dk, 1) == 4
+  assert mw.ring_stages(dk, 2) == (4 if dk == 64 else 3)
   # The reverse walk: q, k, T0, g, β, dO, dE_ext, dS_T.
   rev_args = args[:2] + args[3:6] + (sds((b, t, hv, dv), bf),) * 2 + (args[6],)
   for gated, alone in ((True, False), (False, False), (True, True)):

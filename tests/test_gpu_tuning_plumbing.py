@@ -31,6 +31,8 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
   assert ops.GpuTuning().join_exit is True             # timed faster on the H200: the default
   assert ops.GpuTuning.parse("grads_warpgroups=1").grads_warpgroups == 1
   assert ops.GpuTuning().grads_warpgroups == 2         # timed faster on the H200: the default
+  assert ops.GpuTuning.parse("maps_chains=2").maps_chains == 2
+  assert ops.GpuTuning().maps_chains == 0              # the waves decide (`gpu_pieces`)
 
 
 @pytest.mark.parametrize("text, match", [
@@ -45,10 +47,19 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
     ("join_exit=1", "true or false"),
     ("grads_warpgroups=two", "an integer"),
     ("grads_warpgroups=3", "1 or 2"),
+    ("maps_chains=3", "0 \\(auto\\), 1 or 2"),
 ])
 def test_parse_rejects_bad_text(text, match):
   with pytest.raises(ValueError, match=match):
     ops.GpuTuning.parse(text)
+
+
+def test_int_fields_refuse_floats_and_bools():
+  # 2.0 == 2 would pass a membership test alone.
+  for name in ("grads_warpgroups", "maps_chains", "row_pieces"):
+    for bad in (2.0, True):
+      with pytest.raises(ValueError, match=name):
+        ops.GpuTuning(**{name: bad})
 
 
 def test_model_config_stores_a_tuning_and_names_the_field_on_error():

@@ -59,6 +59,7 @@ def _gpu_kernel_cases(b, t, h, d):
   from pallas_kernels.gpu import chunk_walk as cw  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import chunk_walk_reverse as cwr  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import intra_chunk as ic  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.gpu import maps_walk as mw  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import state_passing as sp  # pylint: disable=g-import-not-at-top
   c = 64
   nc = t // c
@@ -77,8 +78,11 @@ def _gpu_kernel_cases(b, t, h, d):
       "intra fwd packed, with M": (lambda *a: ic._intra_chunk_fwd(
           *a[:6], a[6:], scale=0.1, with_inverse=True, interpret=None), inputs + segments),
       "chunk walk, saving states": (lambda *a: cw._chunk_walk(
-          *a, scale=0.1, gated=True, save_states=True, states_only=False, interpret=None),
+          *a, scale=0.1, gated=True, save_states=True, interpret=None),
           inputs[:3] + [cc] + rows[:2] + [SDS((b, h, d, d), F32)]),
+      "maps' walk, two chains": (lambda *a: mw._maps_walk(
+          *a, gated=True, chains=2, interpret=None),
+          inputs[1:3] + [cc] + rows[:2] + [SDS((b, h, 2 * d, d), F32)]),
       "reverse chunk walk": (lambda *a: cwr._chunk_walk_reverse(
           *a, scale=0.1, gated=True, states_only=False, interpret=None),
           inputs[:2] + [cc] + rows[:2] + inputs[2:3] * 2 + [SDS((b, h, d, d), F32)]),

@@ -151,11 +151,12 @@ def test_pieces_carry_the_cotangent_back():
 
 def test_auto_row_pieces_reach_the_state_pass(monkeypatch):
   # row_pieces=0 asks `gpu_pieces.auto_row_pieces` at trace time with the pass's sizes (KDA at
-  # B1 HV2 K=V=64: 2 CTAs, 2 chunks, the maps' pass twice as wide); a rule answering 2 makes
+  # B1 HV2 K=V=64: 2 heads of one 64-column block each, 2 chunks); a rule answering 2 makes
   # the pass run in 2 pieces, and the op still matches the scan.
   from lineax_attn.ops import gpu_pieces  # pylint: disable=g-import-not-at-top
   asked = kernel_cases.answer_auto_rule(monkeypatch, 2)
   calls = _spy_state_passes(monkeypatch)
   kernel_cases.assert_auto_pieces_match_scan("kda", _pieces(0), FWD_TOL)
-  assert asked == [(2, 2, gpu_pieces.device_sms(), 2.0)], asked
+  # (B·HV, K/64, V/64, chunks, SMs, one chain per CTA: the state pass's)
+  assert asked == [(2, 1, 1, 2, gpu_pieces.device_sms(), 1)], asked
   assert sorted(calls) == [(False, 2), (True, 2)], calls

@@ -6,9 +6,11 @@ Hopper GPU the same tests run them compiled. Oracles: the op's `scan` (the recur
 token, float32 at HIGHEST) for the output, the final state and the write residual (2e-2: the
 walks' bf16 operands) and for every gradient (3e-2), under jit, with GVA, an initial state,
 T that no piece length divides, and pieces of one chunk; and that the maps' walk ran (the
-pieces path taken, not the whole-row walk). The maps' walks (`chunk_walk` and `chunk_walk_reverse`
-with `states_only=True`) against the whole walks' final state and entry cotangent: the same
-products (1e-5).
+pieces path taken, not the whole-row walk), with the maps' walk on one chain per CTA or two.
+The maps' walk (`maps_walk`, one chain per CTA or two) and the reverse walk with
+`states_only=True` against the whole walks' final state and entry cotangent: the same products
+(1e-5); the two chains under the interpreter's race detector. The auto rule and its model by
+hand.
 """
 
 from __future__ import annotations
@@ -26,45 +28,58 @@ from lineax_attn.ops import gpu_pieces  # noqa: E402
 from lineax_attn.ops import pallas_gpu  # noqa: E402
 from pallas_kernels.gpu import chunk_walk as cw  # noqa: E402
 from pallas_kernels.gpu import chunk_walk_reverse as cwr  # noqa: E402
+from pallas_kernels.gpu import maps_walk as mw  # noqa: E402
 
 FWD_TOL = 2e-2
 GRAD_TOL = 3e-2
 
 
-def _pieces(p):
-  return pallas_gpu.GpuTuning(forward="walk", row_pieces=p)
+def _pieces(p, chains=0):
+  return pallas_gpu.GpuTuning(forward="walk", row_pieces=p, maps_chains=chains)
 
 
-def _count_walk_widths(monkeypatch):
-  """Records the state width (value columns) of every forward walk traced (the maps' walk is K
-  columns wider)."""
+def _count_walk_widths(monkeypatch, chains=None):
+  """Records the state width (value columns) of every forward walk traced: the pieces' walk
+  (`chunk_walk`) and the maps' walk (`maps_walk`, K columns wider); its chains per CTA go to
+  `chains` (a list) if given."""
   widths = []
-  real = cw.chunk_walk
+  real_walk, real_maps = cw.chunk_walk, mw.maps_walk
 
-  def spy(q, k, v, t0, g, beta, s0t, **kw):
-    widths.append(s0t.shape[-2])
-    return real(q, k, v, t0, g, beta, s0t, **kw)
-  monkeypatch.setattr(cw, "chunk_walk", spy)
+  def walk(*a, **kw):
+    widths.append(a[6].shape[-2])
+    return real_walk(*a, **kw)
+
+  def maps(*a, **kw):
+    widths.append(a[5].shape[-2])
+    if chains is not None:
+      chains.append(kw["chains"])
+    return real_maps(*a, **kw)
+  monkeypatch.setattr(cw, "chunk_walk", walk)
+  monkeypatch.setattr(mw, "maps_walk", maps)
   return widths
 
 
-# (mixer, B, T, pieces): T = 200 in 2 pieces pads to 256 (two chunks each); 130 in 3 pads to
-# 192 (one chunk each, the last mostly padding); T = 1 leaves the second piece all padding.
-FWD_CASES = [("gated_delta_rule", 1, 200, 2), ("delta_rule", 2, 130, 3),
-             ("linear_attention", 1, 100, 2), ("gated_delta_rule", 1, 1, 2)]
+# (mixer, B, T, pieces, maps' chains per CTA; 0: the rule's, one at these sizes): T = 200 in 2
+# pieces pads to 256 (two chunks each); 130 in 3 pads to 192 (one chunk each, the last mostly
+# padding); T = 1 leaves the second piece all padding.
+FWD_CASES = [("gated_delta_rule", 1, 200, 2, 0), ("delta_rule", 2, 130, 3, 2),
+             ("linear_attention", 1, 100, 2, 0), ("gated_delta_rule", 1, 1, 2, 2)]
 if ON_GPU:
-  FWD_CASES += [("gated_delta_rule", 1, 4096, 8), ("delta_rule", 1, 1000, 4)]
+  FWD_CASES += [("gated_delta_rule", 1, 4096, 8, 2), ("delta_rule", 1, 1000, 4, 0)]
 
 
-@pytest.mark.parametrize("mixer,b,t,pieces", FWD_CASES)
-def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces):
-  widths = _count_walk_widths(monkeypatch)
+@pytest.mark.parametrize("mixer,b,t,pieces,chains", FWD_CASES)
+def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces, chains):
+  ran = []
+  widths = _count_walk_widths(monkeypatch, ran)
   args, kw = make_inputs(mixer, b=b, t=t, h=1, hv=2, dk=64, dv=64, seed=t + pieces)
   kwargs = dict(kw, output_final_state=True, return_residual=True)
-  got = run_jit(mixer, args, **kwargs, implementation="pallas_gpu", tuning=_pieces(pieces))
+  got = run_jit(mixer, args, **kwargs, implementation="pallas_gpu",
+                tuning=_pieces(pieces, chains))
   want = run_jit(mixer, args, **kwargs, implementation="scan")
   # the pieces' walk and the maps' walk (linear attention: its maps are products, no walk)
   assert sorted(widths) == ([64] if mixer == "linear_attention" else [64, 128]), widths
+  assert ran == ([] if mixer == "linear_attention" else [chains or 1]), ran
   for name, g, w in zip(("o", "final state", "residual"), got, want):
     assert_close(g, w, FWD_TOL, f"{mixer} B={b} T={t} P={pieces}: {name}")
 
@@ -87,10 +102,10 @@ def test_pieces_gradients_match_scan(mixer, b, t, pieces):
 
 # (DeltaNet's only compiled: the carry's code is GDN's, and it costs the CPU suite 10 s. Linear
 # attention's entry cotangents are products, not walks: its own case.)
-@pytest.mark.parametrize("mixer,t,pieces", [("gated_delta_rule", 150, 2),
-                                            ("linear_attention", 150, 2)]
-                         + ([("delta_rule", 192, 3)] if ON_GPU else []))
-def test_pieces_carry_the_cotangent_back(mixer, t, pieces):
+@pytest.mark.parametrize("mixer,t,pieces,chains", [("gated_delta_rule", 150, 2, 2),
+                                                   ("linear_attention", 150, 2, 0)]
+                         + ([("delta_rule", 192, 3, 1)] if ON_GPU else []))
+def test_pieces_carry_the_cotangent_back(mixer, t, pieces, chains):
   # A loss on the outputs of the last piece only, with slow gates (τ = 8): the earlier pieces'
   # inputs get their gradients only through the entry cotangents carried back across the
   # pieces (without the carried local terms D, their dk was off by 1.0). The loss reads o
@@ -99,31 +114,44 @@ def test_pieces_carry_the_cotangent_back(mixer, t, pieces):
   last = -(-t // (64 * pieces)) * 64 * (pieces - 1)     # where the last piece starts
   loss = lambda impl, tuning: kernel_cases.late_output_grads(mixer, args, kw, last, impl, tuning)
   names = kernel_cases.GRAD_NAMES[mixer][:len(args)]
-  for name, g, want in zip(names, loss("pallas_gpu", _pieces(pieces)), loss("scan", None)):
+  for name, g, want in zip(names, loss("pallas_gpu", _pieces(pieces, chains)),
+                           loss("scan", None)):
     early = slice(0, last)   # the earlier pieces' gradients: the carry's alone
     assert_close(g[:, early], want[:, early], GRAD_TOL,
                  f"{mixer} P={pieces}: d{name}, earlier pieces")
     assert_close(g, want, GRAD_TOL, f"{mixer} P={pieces}: d{name}")
 
 
-@pytest.mark.parametrize("delta,gated", [(True, True), (True, False), (False, False)])
-def test_states_only_walk_gives_the_whole_walks_final_state(delta, gated):
-  # GDN, DeltaNet, linear attention; K 64, V 128 (two value tiles), a ring that wraps. The
-  # states-only walk gets a state 64 columns wider than v, [A | S0]: its last V columns must
-  # end as the whole walk's from S0, and its first 64 as a whole walk's from A with v = 0
-  # (the maps' Φ columns).
-  q, k, v, t0, g, beta, s0t = kernel_cases.walk_inputs(1, 320, 1, 2, 64, 128, seed=9)
-  t0 = t0 if delta else None
-  kw = dict(scale=0.125, gated=gated, interpret=INTERPRET)
-  walk = jax.jit(lambda *a: cw.chunk_walk(*a, **kw))
-  lead = s0t[:, :, 64:] * 0.5                                     # A: [B, HV, 64, K]
-  (alone,) = jax.jit(lambda *a: cw.chunk_walk(*a, **kw, states_only=True))(
-      q, k, v, t0, g, beta, jnp.concatenate([lead, s0t], axis=2))
-  assert alone.shape == (1, 2, 192, 64) and bool(jnp.any(alone != 0))
-  assert_close(alone[:, :, 64:], walk(q, k, v, t0, g, beta, s0t)[2], 1e-5,
-               "final state, states_only against the whole walk")
-  assert_close(alone[:, :, :64], walk(q, k, jnp.zeros_like(v[..., :64]), t0, g, beta, lead)[2],
-               1e-5, "the leading columns (v = 0), states_only against the whole walk")
+@pytest.mark.parametrize("gated,chains,dk,dv", [(True, 1, 64, 128), (True, 2, 64, 128),
+                                                (False, 2, 64, 128), (True, 2, 128, 128)])
+def test_maps_walk_gives_the_whole_walks_final_states(gated, chains, dk, dv):
+  # GDN and DeltaNet, a ring that wraps. The maps' walk gets a state 64 columns wider than v,
+  # [A | S0]: its last V columns must end as the whole walk's from S0, and its first 64 as a
+  # whole walk's from A with v = 0 (the maps' Φ columns). K 64 / V 128 is 3 blocks: with two
+  # chains the second CTA's spare chain must store nothing over them.
+  q, k, v, t0, g, beta, s0t = kernel_cases.walk_inputs(1, 320, 1, 2, dk, dv, seed=9)
+  walk = jax.jit(lambda *a: cw.chunk_walk(*a, scale=0.125, gated=gated, interpret=INTERPRET))
+  lead = s0t[:, :, :64] * 0.5                                      # A: [B, HV, 64, K]
+  (maps,) = jax.jit(lambda *a: mw.maps_walk(*a, gated=gated, chains=chains,
+                                            interpret=INTERPRET))(
+      k, v, t0, g, beta, jnp.concatenate([lead, s0t], axis=2))
+  assert maps.shape == (1, 2, 64 + dv, dk) and bool(jnp.any(maps != 0))
+  assert_close(maps[:, :, 64:], walk(q, k, v, t0, g, beta, s0t)[2], 1e-5,
+               "the value columns, maps' walk against the whole walk")
+  assert_close(maps[:, :, :64], walk(q, k, jnp.zeros_like(v[..., :64]), t0, g, beta, lead)[2],
+               1e-5, "the leading columns (v = 0), maps' walk against the whole walk")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the race detector is the interpreter's")
+def test_maps_walk_chains_share_the_ring_without_races():
+  # Two chains and the factors' warpgroup read one ring; each chain stages its own register
+  # operands (interpreter only). The detector sees register loads and stores of shared memory.
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  _, k, v, t0, g, beta, s0t = kernel_cases.walk_inputs(1, 192, 1, 1, 64, 64, seed=4)
+  mw.maps_walk(k, v, t0, g, beta, jnp.concatenate([s0t, s0t], axis=2), chains=2,
+               interpret=plgpu.InterpretGPUParams(detect_races=True))
+  assert gpu_callbacks.get_races().races_found is False
 
 
 @pytest.mark.parametrize("delta,gated", [(True, True), (False, False)])
@@ -140,44 +168,61 @@ def test_states_only_reverse_walk_gives_the_whole_walks_entry_cotangent(delta, g
   assert_close(alone, whole[2], 1e-5, "entry cotangent, states_only against the whole walk")
 
 
-def test_states_only_refuses_save_states_and_a_wider_state_elsewhere():
-  args = kernel_cases.walk_inputs(1, 64, 1, 1, 64, 64, seed=0)
-  with pytest.raises(ValueError, match="states_only"):
-    cw.chunk_walk(*args, scale=0.125, states_only=True, save_states=True, interpret=INTERPRET)
-  wide = args[:6] + (jnp.zeros((1, 1, 128, 64)),)
+def test_walks_refuse_states_they_do_not_take():
+  q, k, v, t0, g, beta, s0t = kernel_cases.walk_inputs(1, 64, 1, 1, 64, 64, seed=0)
+  wide = jnp.zeros((1, 1, 128, 64))
+  with pytest.raises(ValueError, match="state columns"):   # wider states: the maps' walk's
+    cw.chunk_walk(q, k, v, t0, g, beta, wide, scale=0.125, interpret=INTERPRET)
   with pytest.raises(ValueError, match="state columns"):
-    cw.chunk_walk(*wide, scale=0.125, interpret=INTERPRET)
+    mw.maps_walk(k, v, t0, g, beta, wide[:, :, :96], interpret=INTERPRET)
+  with pytest.raises(ValueError, match="chains"):
+    mw.maps_walk(k, v, t0, g, beta, wide, chains=3, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="linear attention"):
+    mw.maps_walk(k, v, None, g, beta, wide, interpret=INTERPRET)
 
 
 # Chunk steps by `predicted_steps`: whole rows 2·waves·N; P pieces (maps' waves + 3 main
-# waves)·N/P, the maps' pass `widen` times as many CTAs.
-@pytest.mark.parametrize("ctas,chunks,sms,widen,want", [
-    (32, 1024, 132, 2.0, 4),    # B1 T65536 H16 K=V=128: whole 2048, P2 2048, P4 5·256 = 1280,
-                                # P8 (4 + 6)·128 = 1280 (the tie goes to fewer pieces)
-    (16, 1024, 132, 2.0, 8),    # P4 (1 + 3)·256 = 1024, P8 (2 + 3)·128 = 640
-    (32, 1024, 132, 1.5, 8),    # K 64, V 128: P4 (2 + 3)·256 = 1280, P8 (3 + 6)·128 = 1152
-    (128, 1024, 132, 2.0, 1),   # B4 H16: the passes fill the GPU already
-    (64, 512, 132, 2.0, 1),     # B2 T32768: P2 (2 + 3)·256 = 1280 against whole rows' 1024
-    (32, 16, 132, 2.0, 1),      # 16 chunks: P2 (1 + 3)·8 = 32, a tie with whole rows
-    (32, 8, 132, 2.0, 1),       # 8 chunks: no piece would reach 8
-    (1, 1024, 4, 2.0, 4),       # 4 SMs, 1 CTA: P4 (2 + 3)·256 = 1280 against 2048
-    (32, 1024, 132, 0.0, 4),    # linear attention (no maps' pass): P4 2·256, P8 2·2·128, a tie
-    (64, 512, 132, 0.0, 2),     # linear attention at B2 T32768: P2 2·256 = 512 against 1024
+# waves)·N/P. Arguments: B·HV, K/64, V/64, chunks, SMs, the maps' pass's chains per CTA at most
+# (2: the walks' `maps_walk`; 1: the state pass).
+@pytest.mark.parametrize("heads,kb,vb,chunks,sms,chains,want", [
+    # B1 T65536 H16 K=V=128: whole 2048; P2 (1 + 3)·512 = 2048 (128 chains, one wave
+    # already); P4 4·256 = 1024 (256 chains, two a CTA); P8 (2 + 6)·128 = 1024 (a tie: fewer)
+    (16, 2, 2, 1024, 132, 2, 4),
+    (16, 2, 2, 1024, 132, 1, 4),     # one chain a CTA: P4 (2 + 3)·256 = 1280 = P8's (4 + 6)·128
+    (8, 2, 2, 1024, 132, 2, 8),      # H8: P4 4·256 = 1024, P8 (1 + 3)·128 = 512
+    (16, 1, 2, 1024, 132, 2, 4),     # K 64, V 128 (3 blocks, two a CTA): P4 4·256, P8 8·128
+    (16, 1, 2, 1024, 132, 1, 8),     # ... one a CTA: P4 (2 + 3)·256 = 1280, P8 (3 + 6)·128 = 1152
+    (64, 2, 2, 1024, 132, 2, 1),     # B4 H16: the passes fill the GPU already
+    (32, 2, 2, 512, 132, 2, 1),      # B2 T32768: P2 4·256 and P4 8·128 tie whole rows' 1024
+    (32, 2, 2, 512, 132, 1, 1),      # ... one chain a CTA: P2 (2 + 3)·256 = 1280
+    (16, 2, 2, 16, 132, 2, 1),       # 16 chunks: P2 (1 + 3)·8 = 32, a tie with whole rows
+    (16, 2, 2, 8, 132, 2, 1),        # 8 chunks: no piece would reach 8
+    (1, 1, 1, 1024, 4, 1, 4),        # 4 SMs, 1 CTA: P4 (2 + 3)·256 = 1280 against 2048
+    (16, 0, 2, 1024, 132, 2, 4),     # linear attention (no maps' pass): P4 2·256, P8 2·2·128
+    (32, 0, 2, 512, 132, 2, 2),      # linear attention at B2 T32768: P2 2·256 = 512 against 1024
 ])
-def test_auto_row_pieces_by_hand(ctas, chunks, sms, widen, want):
-  assert gpu_pieces.auto_row_pieces(ctas, chunks, sms, widen) == want
+def test_auto_row_pieces_by_hand(heads, kb, vb, chunks, sms, chains, want):
+  assert gpu_pieces.auto_row_pieces(heads, kb, vb, chunks, sms, chains) == want
 
 
-def test_predicted_steps_by_hand():
-  assert gpu_pieces.predicted_steps(1, 32, 1024, 132, 2.0) == 2048
-  assert gpu_pieces.predicted_steps(4, 32, 1024, 132, 2.0) == 1280
-  assert gpu_pieces.predicted_steps(3, 32, 1000, 132, 2.0) == (2 + 3) * 334   # 192 maps CTAs
-  assert gpu_pieces.predicted_steps(4, 32, 1024, 132, 0.0) == 2 * 256         # no maps' pass
+def test_predicted_steps_and_chains_by_hand():
+  steps = gpu_pieces.predicted_steps
+  assert steps(1, 16, 2, 2, 1024, 132) == 2048
+  assert steps(4, 16, 2, 2, 1024, 132) == (2 + 3) * 256        # 256 maps CTAs: two waves
+  assert steps(4, 16, 2, 2, 1024, 132, 2) == (1 + 3) * 256     # 128 CTAs of two chains
+  assert steps(3, 16, 2, 2, 1000, 132) == (2 + 3) * 334        # 192 maps CTAs
+  assert steps(4, 16, 0, 2, 1024, 132) == 2 * 256              # no maps' pass
+  chains = gpu_pieces.maps_chains
+  assert chains(64, 2, 2, 132) == 2        # 256 chains: one wave of two-chain CTAs, not two
+  assert chains(32, 2, 2, 132) == 1        # 128 chains fit one wave alone
+  assert chains(64, 2, 2, 132, max_chains=1) == 1
+  assert chains(64, 1, 2, 132) == 2        # 3 blocks a head: 192 chains, 128 CTAs of two
+  assert chains(128, 2, 2, 132) == 2       # 512 chains: two waves of two-chain CTAs, not four
 
 
 def test_auto_row_pieces_reach_the_op(monkeypatch):
-  # row_pieces=0 asks the rule at trace time with the call's sizes (B1 HV2 K=V=64: 2 CTAs,
-  # the maps' pass twice as wide, 2 chunks); a rule answering 2 makes the maps' walk run, and
+  # row_pieces=0 asks the rule at trace time with the call's sizes (B1 HV2 K=V=64: 2 heads
+  # of one 64-column block each, 2 chunks, up to two chains per maps' CTA); a rule answering 2 makes the maps' walk run, and
   # the op still matches the scan.
   asked = kernel_cases.answer_auto_rule(monkeypatch, 2)
   assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(row_pieces=3), 1, 2, 64, 64, 128, 64) == 3
@@ -185,7 +230,8 @@ def test_auto_row_pieces_reach_the_op(monkeypatch):
   assert not asked
   widths = _count_walk_widths(monkeypatch)
   kernel_cases.assert_auto_pieces_match_scan("gated_delta_rule", _pieces(0), FWD_TOL)
-  assert asked == [(2, 2, gpu_pieces.device_sms(), 2.0)], asked
+  # (B·HV, K/64, V/64, chunks, SMs, the walks' chains)
+  assert asked == [(2, 1, 1, 2, gpu_pieces.device_sms(), 2)], asked
   assert sorted(widths) == [64, 128], widths
 
 

@@ -33,13 +33,17 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 # `row_pieces=0` ("auto"): the count that a model of the passes' time says is fastest, among 1
 # and the powers of two up to MAX_ROW_PIECES that leave every piece at least MIN_PIECE_CHUNKS
-# chunks (ties: fewer pieces). The model (`predicted_steps`): every pass is latency-bound, one
-# CTA per SM, each chunk step as long as any other (the maps' pass's too: MAPS_STEP_COST), so
-# a pass of n CTAs over m chunks takes ⌈n / SMs⌉ waves of m steps. Untimed: the H200 has yet
-# to say whether the maps' steps are as long as the main pass's.
+# chunks (ties: fewer pieces). The model (`predicted_steps`): every pass is latency-bound, its
+# CTAs one per SM, each chunk step as long as any other (the maps' pass's too:
+# MAPS_STEP_COST), so a pass of n CTAs over m chunks takes ⌈n / SMs⌉ waves of m steps. The
+# walks' maps' pass (`pallas_kernels.gpu.maps_walk`) may carry WALK_MAPS_CHAINS chains of 64
+# state columns per CTA, which the model counts as one CTA (two chains in flight per SM, each
+# step no longer). Untimed: the H200 has yet to say whether either guess holds.
 MAX_ROW_PIECES = 8
 MIN_PIECE_CHUNKS = 8
 MAPS_STEP_COST = 1.0
+WALK_MAPS_CHAINS = 2
+BLOCK = 64   # state columns a chain carries (the kernels' BLOCK_V)
 
 
 def device_sms() -> int:
@@ -51,43 +55,63 @@ def device_sms() -> int:
     return 132
 
 
-def predicted_steps(pieces: int, ctas: int, chunks: int, sms: int, widen: float) -> float:
+def _waves(ctas: int, sms: int) -> int:
+  return -(-int(ctas) // sms)
+
+
+def maps_chains(head_pieces: int, k_blocks: int, v_blocks: int, sms: int,
+                max_chains: int = WALK_MAPS_CHAINS) -> int:
+  """Chains per CTA of the maps' walk over `head_pieces` (pieces · B · HV) states of
+  `k_blocks + v_blocks` 64-column blocks: 2 (up to `max_chains`) where that saves a wave,
+  else 1 (one chain a CTA has an SM's tensor cores to itself)."""
+  blocks = k_blocks + v_blocks
+  if max_chains < 2 or _waves(head_pieces * -(-blocks // 2), sms) >= _waves(head_pieces * blocks,
+                                                                            sms):
+    return 1
+  return 2
+
+
+def predicted_steps(pieces: int, heads: int, k_blocks: int, v_blocks: int, chunks: int,
+                    sms: int, max_chains: int = 1) -> float:
   """Chunk steps, in sequence on the busiest SM, of a forward and backward pass over rows cut
-  into `pieces` (1: whole rows): `ctas` CTAs walk a whole row (B·HV·V/64), the maps' pass has
-  `widen` times as many per piece ((K + V) / V: its state is K columns wider). Whole rows: one
-  pass each way. Pieces: the maps' pass and the main pass forward, the entry cotangents' and
-  the main reverse pass backward; with widen 0 (linear attention, whose maps and entry
-  cotangents are plain products) the main passes alone."""
-  waves = lambda n: -(-int(n) // sms)
+  into `pieces` (1: whole rows). heads: B·HV; a whole row's pass runs `v_blocks` CTAs per head
+  (V / 64), the maps' pass `k_blocks + v_blocks` chains per piece and head ((K + V) / 64, up
+  to `max_chains` per CTA: `maps_chains`). Whole rows: one pass each way. Pieces: the maps'
+  pass and the main pass forward, the entry cotangents' and the main reverse pass backward;
+  with k_blocks 0 (linear attention, whose maps and entry cotangents are plain products) the
+  main passes alone."""
   steps = -(-chunks // pieces)
-  if pieces == 1 or not widen:
-    return 2 * waves(pieces * ctas) * steps
-  maps = MAPS_STEP_COST * waves(pieces * ctas * widen)
-  return (maps + 3 * waves(pieces * ctas)) * steps
+  main = _waves(pieces * heads * v_blocks, sms)
+  if pieces == 1 or not k_blocks:
+    return 2 * main * steps
+  chains = maps_chains(pieces * heads, k_blocks, v_blocks, sms, max_chains)
+  maps = MAPS_STEP_COST * _waves(pieces * heads * -(-(k_blocks + v_blocks) // chains), sms)
+  return (maps + 3 * main) * steps
 
 
-def auto_row_pieces(ctas: int, chunks: int, sms: int, widen: float = 2.0) -> int:
-  """Pieces per row for passes of `ctas` CTAs over `chunks` chunks on `sms` SMs, the maps'
-  pass `widen` times wider: the fastest count by `predicted_steps` (ties: fewer pieces)."""
+def auto_row_pieces(heads: int, k_blocks: int, v_blocks: int, chunks: int, sms: int,
+                    max_chains: int = 1) -> int:
+  """Pieces per row for passes over `chunks` chunks on `sms` SMs (the other arguments:
+  `predicted_steps`'): the fastest count by `predicted_steps` (ties: fewer pieces)."""
+  cost = lambda p: predicted_steps(p, heads, k_blocks, v_blocks, chunks, sms, max_chains)
   best = 1
   p = 2
   while p <= MAX_ROW_PIECES and chunks // p >= MIN_PIECE_CHUNKS:
-    if predicted_steps(p, ctas, chunks, sms, widen) < predicted_steps(best, ctas, chunks, sms,
-                                                                      widen):
+    if cost(p) < cost(best):
       best = p
     p *= 2
   return best
 
 
 def row_pieces(tuning: GpuTuning, b: int, hv: int, dk: int, dv: int, t: int, c: int, *,
-               maps: bool = True) -> int:
+               maps: bool = True, max_chains: int = 1) -> int:
   """The pieces a row of T tokens is cut into: `tuning.row_pieces`, or the auto rule's for 0
-  (passes of B·HV·V/64 CTAs, the maps' pass (K + V) / V times as wide; maps False: none,
-  linear attention's walks)."""
+  (maps False: no maps' pass, linear attention's walks; max_chains: the maps' pass's chains
+  per CTA, WALK_MAPS_CHAINS on the walks, 1 on the state pass)."""
   if tuning.row_pieces:
     return tuning.row_pieces
-  return auto_row_pieces(b * hv * (dv // 64), -(-t // c), device_sms(),
-                         (dk + dv) / dv if maps else 0.0)
+  return auto_row_pieces(b * hv, -(-dk // BLOCK) if maps else 0, -(-dv // BLOCK),
+                         -(-t // c), device_sms(), max_chains)
 
 
 def by_piece(x, b: int):

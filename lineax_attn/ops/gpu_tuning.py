@@ -188,6 +188,11 @@ class GpuTuning:
       passes in waves of one CTA per SM (`gpu_pieces.predicted_steps`; B1 T65536 H16 V128 on
       an H200: 4; B2 T32768: 1). Tested in the interpreters against the scan; untimed, so not
       a default yet.
+    maps_chains: chains of 64 state columns per CTA in the walks' maps' pass when rows are cut
+      (`pallas_kernels.gpu.maps_walk`): 1, 2 (two state warpgroups share one CTA's ring and
+      factors, so two latency-bound chains are in flight per SM), or 0 ("auto",
+      `gpu_pieces.maps_chains`: 2 where that saves a wave of CTAs, e.g. B1 T65536 H16 K = V =
+      128 in 4 pieces, 256 chains on 132 SMs). Untimed.
   """
 
   intra: str = "kernel"
@@ -208,6 +213,7 @@ class GpuTuning:
   join_exit: bool = True
   grads_warpgroups: int = 2
   row_pieces: int = 1
+  maps_chains: int = 0
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
@@ -234,8 +240,11 @@ class GpuTuning:
     if isinstance(pieces, bool) or not isinstance(pieces, int) or not 0 <= pieces <= 64:
       raise ValueError(f"GpuTuning.row_pieces must be an int in [0, 64] (1: rows whole, 0: "
                        f"auto), got {pieces!r}.")
+    chains = self.maps_chains
+    if isinstance(chains, bool) or not isinstance(chains, int) or chains not in (0, 1, 2):
+      raise ValueError(f"GpuTuning.maps_chains must be 0 (auto), 1 or 2, got {chains!r}.")
     wgs = self.grads_warpgroups
-    if isinstance(wgs, bool) or wgs not in (1, 2):
+    if isinstance(wgs, bool) or not isinstance(wgs, int) or wgs not in (1, 2):
       raise ValueError(f"GpuTuning.grads_warpgroups must be 1 or 2, got {wgs!r}.")
     span = self.channel_span
     if isinstance(span, bool) or not isinstance(span, (int, float)) or not 0 <= span <= 80:

@@ -213,8 +213,8 @@ walk_core.defvjp(walk_core_fwd, walk_core_bwd, symbolic_zeros=True)
 # ------------------------------------------------------------------ rows cut into pieces
 # `GpuTuning(row_pieces=P)` (the maths: `gpu_pieces`): each row is cut into P pieces of T/P
 # tokens that walk at once as P rows of the batch. Forward: the maps' walk from [I | 0] (its
-# first K state columns with v = 0), the entry states composed, then the ordinary walk of every
-# piece; backward: the reverse walk of every piece from a zero end cotangent (`states_only`: its
+# first K state columns with v = 0; `maps_walk`, one or two chains per CTA), the entry states
+# composed, then the ordinary walk of every piece; backward: the reverse walk of every piece from a zero end cotangent (`states_only`: its
 # entry cotangent alone), the final state's cotangent carried back to every piece's end, then
 # the ordinary backward of every piece. Linear attention makes its maps and entry cotangents
 # by products instead (`_piece_products`). The maps come from the walk itself (bf16 operands,
@@ -249,19 +249,18 @@ def _rows_heads(x, b):
   return x.reshape((b, hv, -1) + x.shape[4:])
 
 
-def _piece_maps(q, k, v, t0, gate_rows, beta_rows, scale, gated, interpret):
+def _piece_maps(k, v, t0, gate_rows, beta_rows, gated, interpret, chains):
   """The maps of every piece (inputs already in pieces): the walk from [I | 0] whose first K
-  state columns walk with v = 0 (`chunk_walk(states_only=True)` with a wider state), its
+  state columns walk with v = 0 (`maps_walk`, `chains` 64-column chains per CTA), its
   transposed end state `[B·P, HV, K + V, K]` float32 holding Φᵀ in rows :K and Ψᵀ in rows K:."""
-  from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.gpu import maps_walk  # pylint: disable=g-import-not-at-top
   bp, _, hv, dv = v.shape
   dk = k.shape[-1]
   bf = lambda x: x.astype(jnp.bfloat16)
   s_aug_t = jnp.concatenate([jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (bp, hv, dk, dk)),
                              jnp.zeros((bp, hv, dv, dk), _F32)], axis=-2)
-  return chunk_walk.chunk_walk(bf(q), bf(k), bf(v), t0, gate_rows, beta_rows, s_aug_t,
-                               scale=float(scale), gated=gated, states_only=True,
-                               interpret=interpret)[0]
+  return maps_walk.maps_walk(bf(k), bf(v), t0, gate_rows, beta_rows, s_aug_t, gated=gated,
+                             chains=chains, interpret=interpret)[0]
 
 
 def _piece_products(x, y):
@@ -275,9 +274,10 @@ def _piece_products(x, y):
                     preferred_element_type=_F32)
 
 
-def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, *, save_states):
-  """(o, e, s_final[, residuals]) of the walks with every row in `pieces` pieces; arguments as
-  `walk_core`'s (T a multiple of 64·pieces)."""
+def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, chains, *,
+                         save_states):
+  """(o, e, s_final[, residuals]) of the walks with every row in `pieces` pieces, the maps'
+  walk with `chains` chains per CTA; arguments as `walk_core`'s (T a multiple of 64·pieces)."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   b, hv, dk = q.shape[0], v.shape[2], q.shape[-1]
   q_p, k_p, v_p, beta_p = (_pieces_time(x, pieces) for x in (q, k, v, beta))
@@ -290,8 +290,8 @@ def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, *, s
     phi_t = jnp.broadcast_to(jnp.eye(dk, dtype=_F32), psi.shape[:3] + (dk, dk))
     starts = gpu_pieces.entry_states(phi_t, psi, s0)
   else:
-    end_t = by_piece(_piece_maps(q_p, k_p, v_p, t0_p, gate_rows, beta_rows, scale,
-                                 G is not None, interpret), b)   # [P, B, HV, K + V, K]
+    end_t = by_piece(_piece_maps(k_p, v_p, t0_p, gate_rows, beta_rows, G is not None,
+                                 interpret, chains), b)          # [P, B, HV, K + V, K]
     # (The walks hold states transposed: end_t holds Φᵀ in rows :K, Ψᵀ in rows K:.)
     phi_t = end_t[:, :, :, :dk]
     starts = gpu_pieces.entry_states(jnp.swapaxes(phi_t, -1, -2),
@@ -308,23 +308,26 @@ def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, *, s
   return o, e, s_final, (t0_p, outs[3], phi_t)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def walk_pieces_core(q, k, v, beta, G, s0, scale, c, interpret, grads_opts, pieces):
-  """`walk_core` with every row cut into `pieces` pieces (T a multiple of 64·pieces)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def walk_pieces_core(q, k, v, beta, G, s0, scale, c, interpret, grads_opts, pieces, chains):
+  """`walk_core` with every row cut into `pieces` pieces (T a multiple of 64·pieces), the
+  maps' walk with `chains` (1 or 2) chains per CTA."""
   del grads_opts
-  return _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces,
+  return _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, chains,
                               save_states=False)
 
 
-def _walk_pieces_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, grads_opts, pieces):
+def _walk_pieces_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, grads_opts, pieces,
+                          chains):
   del grads_opts
   q, k, v, beta, G, s0 = primal_values(q, k, v, beta, G, s0)   # (symbolic_zeros)
-  o, e, s_final, (t0_p, h_t, phi_t) = _walk_pieces_forward(q, k, v, beta, G, s0, scale, c,
-                                                           interpret, pieces, save_states=True)
+  o, e, s_final, (t0_p, h_t, phi_t) = _walk_pieces_forward(
+      q, k, v, beta, G, s0, scale, c, interpret, pieces, chains, save_states=True)
   return (o, e, s_final), (q, k, v, beta, G, t0_p, h_t, phi_t, e.astype(jnp.bfloat16))
 
 
-def _walk_pieces_core_bwd(scale, c, interpret, grads_opts, pieces, res, cts):
+def _walk_pieces_core_bwd(scale, c, interpret, grads_opts, pieces, chains, res, cts):
+  del chains   # (the maps' walk is forward only)
   from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
   q, k, v, beta, G, t0_p, h_t, phi_t, e = res
   do, de_ext, ds_final = given_cotangents(cts)

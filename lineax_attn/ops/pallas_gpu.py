@@ -299,7 +299,8 @@ def _walk(q, k, v, beta, g, s0, *, scale, c, interpret, tuning: GpuTuning):
   times the pieces when rows are cut (`gpu_pieces.row_pieces`; padding rows are identity
   steps), and slices the outputs back to T."""
   (b, t), (hv, dv) = q.shape[:2], v.shape[2:]
-  pieces = gpu_pieces.row_pieces(tuning, b, hv, q.shape[-1], dv, t, c, maps=beta is not None)
+  pieces = gpu_pieces.row_pieces(tuning, b, hv, q.shape[-1], dv, t, c, maps=beta is not None,
+                                 max_chains=gpu_pieces.WALK_MAPS_CHAINS)
   t_pad = -(-t // (c * pieces)) * c * pieces
   pad = functools.partial(chunked.pad_time, t_pad=t_pad)
   G = None
@@ -310,7 +311,9 @@ def _walk(q, k, v, beta, g, s0, *, scale, c, interpret, tuning: GpuTuning):
   if pieces == 1:
     o, e, s_final = gpu_walks.walk_core(*args)
   else:
-    o, e, s_final = gpu_walks.walk_pieces_core(*args, pieces)
+    chains = tuning.maps_chains or gpu_pieces.maps_chains(
+        pieces * b * hv, -(-q.shape[-1] // 64), dv // 64, gpu_pieces.device_sms())
+    o, e, s_final = gpu_walks.walk_pieces_core(*args, pieces, chains)
   return o[:, :t], e[:, :t], s_final
 
 

@@ -163,7 +163,7 @@ def _product(a, b, shape, stage=None):
 
 
 def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
-               save_states: bool = False, states_only: bool = False, interpret=None):
+               save_states: bool = False, interpret=None):
   """(o, e, s_final_t[, h_t]) of the delta rule's chunk form, or of linear attention.
 
   Args:
@@ -175,27 +175,17 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
     s0t: `[B, HV, V, K]` float32, the initial state transposed.
     save_states: also return h_t, the bf16 state entering every chunk (transposed, exactly
       the operand the chunk used): the backward's residual.
-    states_only: return only (s_final_t,): the output warpgroup makes M̃ and nothing else, and
-      the state warpgroup publishes no tiles (the maps' walk of rows cut into pieces reads the
-      final state alone). Not with save_states. s0t may then be wider than v, `[B, HV, L + V,
-      K]`: its first L state columns (a multiple of 64) walk with v = 0, so that from
-      s0t = [I | 0] the final state is the map [Φ | Ψ]ᵀ (no [0 | v] array made).
   Returns:
     o `[B, T, HV, V]` bf16 (its products' operands are bf16 already; rounding it here saves
     the float32 round trip through HBM), e `[B, T, HV, V]` bf16 (the pseudo-values, the write
     residual), s_final_t `[B, HV, V, K]` float32 (the final state transposed), and with
     save_states h_t `[B, HV, Nc, V, K]` bf16.
   """
-  if states_only and save_states:
-    raise ValueError("chunk_walk: states_only returns the final state alone; save_states "
-                     "cannot be asked with it.")
-  lead = s0t.shape[2] - v.shape[3]
-  if lead and not (states_only and lead > 0 and lead % BLOCK_V == 0):
+  if s0t.shape[2] != v.shape[3]:
     raise ValueError(f"chunk_walk: s0t {tuple(s0t.shape)} must hold V = {v.shape[3]} state "
-                     f"columns, or (states_only) more by a multiple of {BLOCK_V}.")
+                     "columns (a wider state with leading v = 0 columns: maps_walk).")
   outs = _chunk_walk(q, k, v, t0, g, beta, s0t, scale=float(scale), gated=bool(gated),
-                     save_states=bool(save_states), states_only=bool(states_only),
-                     interpret=interpret)
+                     save_states=bool(save_states), interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
@@ -213,10 +203,8 @@ def kernel_args(args):
   return tuple(x for x in args if x is not None), with_absent
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "states_only",
-                                             "interpret"))
-def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_only,
-                interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "interpret"))
+def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpret):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
@@ -226,14 +214,10 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
     raise ValueError(f"chunk_walk: {why}.")
   check_index_range(b, t, hv, dv)
   nc, n_rep = t // c, hv // h
-  # states_only: the state's leading columns without values (v read there is scaled by 0)
-  lead = (s0t.shape[2] - dv) // bv
   stages = ring_stages(dk, bv)
   out_type = [jax.ShapeDtypeStruct((b, t, hv, dv), MM_DTYPE),
               jax.ShapeDtypeStruct((b, t, hv, dv), MM_DTYPE),
               jax.ShapeDtypeStruct((b, hv, dv, dk), f32)]
-  if states_only:
-    out_type = [jax.ShapeDtypeStruct(s0t.shape, f32)]
   if save_states:
     out_type.append(jax.ShapeDtypeStruct((b, hv, nc, dv, dk), MM_DTYPE))
   vec = plgpu.SMEM((stages, c), f32)
@@ -247,8 +231,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
              stage_p=None):
     bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
     ki = lax.div(hi, n_rep)
-    vs = pl.ds(vi * bv, bv)                                   # state columns
-    v_cols = pl.ds(jnp.maximum(vi - lead, 0) * bv, bv) if lead else vs
+    vs = pl.ds(vi * bv, bv)
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 2)
@@ -261,7 +244,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
         copy_chunk_keys((q_ref, k_ref, t0_ref, g_ref, beta_ref),
                         (q_s, k_s, m_s, (g_state, g_rows, g_cols), b_cols), bi, ki, hi, n, slot,
                         bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi, v_cols], v_s.at[slot], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[bi, rows, hi, vs], v_s.at[slot], bar)
 
       stream_ring(issue, nc, stages, in_free)
 
@@ -275,15 +258,14 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
         half = lax.rem(n, 2)
         plgpu.barrier_wait(in_bar.at[slot])
 
-        s_lo = s_t.astype(MM_DTYPE)
-        if not states_only:
-          @pl.when(n >= 2)
-          def _():   # the output warpgroup has read what was published two chunks ago
-            plgpu.barrier_wait(pub_free.at[half])
+        @pl.when(n >= 2)
+        def _():   # the output warpgroup has read what was published two chunks ago
+          plgpu.barrier_wait(pub_free.at[half])
 
-          if save_states:   # this tile's copy to h from two chunks back must have read it
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-          s_pub.at[half][...] = s_lo
+        s_lo = s_t.astype(MM_DTYPE)
+        if save_states:   # this tile's copy to h from two chunks back must have read it
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        s_pub.at[half][...] = s_lo
         if save_states:
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(s_pub.at[half], h_ref.at[bi, hi, n, vs])
@@ -296,8 +278,6 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
         # Rᵀ = vᵀ − (Sᵀ kᵀ) ⊙ eᵀ, then Eᵀ = Rᵀ M̃ᵀ once the output warpgroup has made M̃;
         # linear attention writes v itself.
         v_t = plgpu.load(v_s.at[slot].T, layout=_WG).astype(f32)
-        if lead:   # the map's Φ columns walk with v = 0
-          v_t = v_t * jnp.where(vi >= lead, 1.0, 0.0).astype(f32)
         if delta:
           ks_t = _product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
           r_t = v_t - (ks_t * entry if gated else ks_t)
@@ -305,10 +285,9 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
           e_t = _product(r_t.astype(MM_DTYPE), m_s.at[slot].T, (bv, c), stage_c)
         else:
           e_t = v_t
-        if not states_only:
-          e_pub.at[half].T[...] = e_t.astype(MM_DTYPE)
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(pub_ready.at[half])
+        e_pub.at[half].T[...] = e_t.astype(MM_DTYPE)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(pub_ready.at[half])
         # Sᵀ ← γ Sᵀ + (Eᵀ ⊙ xᵀ) k
         xe_t = (e_t * exit_ if gated else e_t).astype(MM_DTYPE)
         s_next = _product(xe_t, k_s.at[slot], (bv, dk), stage_c)
@@ -316,9 +295,8 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
         return s_next + (s_t * decay if gated else s_t)
 
       s_t = lax.fori_loop(0, nc, step, s_init)
-      if not states_only:
-        for n in range(max(nc - 2, 0), nc):   # the last releases of the published tiles
-          plgpu.barrier_wait(pub_free.at[n % 2])
+      for n in range(max(nc - 2, 0), nc):   # the last releases of the published tiles
+        plgpu.barrier_wait(pub_free.at[n % 2])
       store_state(s_t, s_f32, sf_ref.at[bi, hi, vs])
 
     @pl.when(wg == 1)
@@ -331,19 +309,16 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
         rows = pl.ds(n * c, c)
         plgpu.barrier_wait(in_bar.at[slot])
         gam = decay_mask(g_rows, g_cols, slot, gated)
+        if gated:
+          entry = mc.rows(jnp.exp(plgpu.load(g_rows.at[slot], layout=_ROWS)) * scale, (c, bv))
+        else:
+          entry = scale
         if delta:   # M̃ = T0 ⊙ Γ · diag(β) over T0 in the ring: the state's Eᵀ = Rᵀ M̃ᵀ
           beta_col = plgpu.load(b_cols.at[slot], layout=_COLS)
           t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(f32)
           m_s.at[slot][...] = (t0_tile * gam * mc.cols(beta_col, (c, c))).astype(MM_DTYPE)
           plgpu.commit_smem()
           plgpu.barrier_arrive(m_ready.at[slot])
-        if states_only:   # M̃ was all the state warpgroup needed from this one
-          plgpu.barrier_arrive(in_free.at[slot])
-          return carry
-        if gated:
-          entry = mc.rows(jnp.exp(plgpu.load(g_rows.at[slot], layout=_ROWS)) * scale, (c, bv))
-        else:
-          entry = scale
         qk = _product(q_s.at[slot], k_s.at[slot].T, (c, c))
         p = (qk * (gam * scale)).astype(MM_DTYPE)
         plgpu.barrier_wait(pub_ready.at[half])
@@ -383,12 +358,10 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, states_
     names = list(scratch)
     n_in = len(ins) + len(out_type)
     outs = refs[len(ins):n_in] + (() if save_states else (None,))
-    if states_only:
-      outs = (None, None) + outs
     return kernel(*with_absent(refs[:len(ins)]), *outs, **dict(zip(names, refs[n_in:])))
 
   return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch.values()),
-                      grid=(b, hv, s0t.shape[2] // bv), grid_names=("b", "h", "v"), num_threads=3,
+                      grid=(b, hv, dv // bv), grid_names=("b", "h", "v"), num_threads=3,
                       thread_name="wg", interpret=interpret)(*ins)
 
 
