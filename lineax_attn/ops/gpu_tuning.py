@@ -185,8 +185,9 @@ class GpuTuning:
       the state pass pads its chunks with identity chunks and keeps the pieces in place
       (`gpu_vjps.state_pass`). 0 ("auto", `gpu_pieces.auto_row_pieces`): the count (1, 2, 4
       or 8, each piece ≥ 8 chunks) with the fewest chunk steps by a model of latency-bound
-      passes in waves of one CTA per SM (`gpu_pieces.predicted_steps`; B1 T65536 H16 V128 on
-      an H200: 4; B2 T32768: 1). Tested in the interpreters against the scan; untimed, so not
+      passes in waves of one CTA per SM, the walks' maps' pass two chains a CTA where that
+      saves a wave (`gpu_pieces.predicted_steps`, `maps_chains`; B1 T65536 H16 V128 on an
+      H200: 4; B2 T32768: 1). Tested in the interpreters against the scan; untimed, so not
       a default yet.
     maps_chains: chains of 64 state columns per CTA in the walks' maps' pass when rows are cut
       (`pallas_kernels.gpu.maps_walk`): 1, 2 (two state warpgroups share one CTA's ring and
