@@ -243,3 +243,14 @@ def test_row_pieces_must_be_a_small_int(bad):
 
 def test_row_pieces_parses_from_the_command_line():
   assert pallas_gpu.GpuTuning.parse("row_pieces=8").row_pieces == 8
+
+
+def test_two_chains_only_where_their_steps_pay(monkeypatch):
+  # If the H200 finds a two-chain CTA's step twice as long, two chains buy nothing: the rule
+  # keeps one (256 chains: two waves either way, counted in one-chain steps).
+  monkeypatch.setattr(gpu_pieces, "TWO_CHAIN_STEP_COST", 2.0)
+  assert gpu_pieces.maps_chains(64, 2, 2, 132) == 1
+  assert gpu_pieces.predicted_steps(4, 16, 2, 2, 1024, 132, 2) == (2 + 3) * 256
+  monkeypatch.setattr(gpu_pieces, "TWO_CHAIN_STEP_COST", 1.5)   # 1.5 waves against 2
+  assert gpu_pieces.maps_chains(64, 2, 2, 132) == 2
+  assert gpu_pieces.predicted_steps(4, 16, 2, 2, 1024, 132, 2) == (1.5 + 3) * 256

@@ -37,11 +37,13 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 # CTAs one per SM, each chunk step as long as any other (the maps' pass's too:
 # MAPS_STEP_COST), so a pass of n CTAs over m chunks takes ⌈n / SMs⌉ waves of m steps. The
 # walks' maps' pass (`pallas_kernels.gpu.maps_walk`) may carry WALK_MAPS_CHAINS chains of 64
-# state columns per CTA, which the model counts as one CTA (two chains in flight per SM, each
-# step no longer). Untimed: the H200 has yet to say whether either guess holds.
+# state columns per CTA, whose step the model counts TWO_CHAIN_STEP_COST times a one-chain
+# step (1: two chains in flight per SM, each step no longer). Untimed: the H200 has yet to say
+# whether either guess holds (`experiments/bench_walks.py` measures both).
 MAX_ROW_PIECES = 8
 MIN_PIECE_CHUNKS = 8
 MAPS_STEP_COST = 1.0
+TWO_CHAIN_STEP_COST = 1.0
 WALK_MAPS_CHAINS = 2
 BLOCK = 64   # state columns a chain carries (the kernels' BLOCK_V)
 
@@ -59,16 +61,22 @@ def _waves(ctas: int, sms: int) -> int:
   return -(-int(ctas) // sms)
 
 
+def _maps_waves(head_pieces: int, blocks: int, sms: int, chains: int) -> float:
+  """The maps' pass in one-chain steps: its waves of CTAs, each step as long as its chains'."""
+  cost = TWO_CHAIN_STEP_COST if chains == 2 else 1.0
+  return cost * _waves(head_pieces * -(-blocks // chains), sms)
+
+
 def maps_chains(head_pieces: int, k_blocks: int, v_blocks: int, sms: int,
                 max_chains: int = WALK_MAPS_CHAINS) -> int:
   """Chains per CTA of the maps' walk over `head_pieces` (pieces · B · HV) states of
-  `k_blocks + v_blocks` 64-column blocks: 2 (up to `max_chains`) where that saves a wave,
-  else 1 (one chain a CTA has an SM's tensor cores to itself)."""
+  `k_blocks + v_blocks` 64-column blocks: 2 (up to `max_chains`) where that takes fewer steps
+  (it saves a wave), else 1 (one chain a CTA has an SM's tensor cores to itself)."""
   blocks = k_blocks + v_blocks
-  if max_chains < 2 or _waves(head_pieces * -(-blocks // 2), sms) >= _waves(head_pieces * blocks,
-                                                                            sms):
-    return 1
-  return 2
+  if max_chains >= 2 and (_maps_waves(head_pieces, blocks, sms, 2)
+                          < _maps_waves(head_pieces, blocks, sms, 1)):
+    return 2
+  return 1
 
 
 def predicted_steps(pieces: int, heads: int, k_blocks: int, v_blocks: int, chunks: int,
@@ -85,7 +93,7 @@ def predicted_steps(pieces: int, heads: int, k_blocks: int, v_blocks: int, chunk
   if pieces == 1 or not k_blocks:
     return 2 * main * steps
   chains = maps_chains(pieces * heads, k_blocks, v_blocks, sms, max_chains)
-  maps = MAPS_STEP_COST * _waves(pieces * heads * -(-(k_blocks + v_blocks) // chains), sms)
+  maps = MAPS_STEP_COST * _maps_waves(pieces * heads, k_blocks + v_blocks, sms, chains)
   return (maps + 3 * main) * steps
 
 
