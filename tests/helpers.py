@@ -140,3 +140,15 @@ def record_smem_estimates(monkeypatch) -> list:
     return rs
   monkeypatch.setattr(mgpu_lowering, "_estimate_resources", recording)
   return estimates
+
+
+def run_cpu_program(module: str, *args, timeout: int = 600):
+  """`python -m module args...` from the repository root on the CPU (JAX_PLATFORMS=cpu), its
+  output captured: how the tests run an experiments/ program end to end."""
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=root,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                        text=True, timeout=timeout)

@@ -4,22 +4,17 @@ refused with a usage error rather than run wrong."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+from helpers import run_cpu_program
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 
 def _run(*args):
-  return subprocess.run([sys.executable, "-m", "experiments.bench_chunk_grads", *args], cwd=ROOT,
-                        env=ENV, capture_output=True, text=True, timeout=600)
+  return run_cpu_program("experiments.bench_chunk_grads", *args)
 
 
 def test_times_every_variant_in_the_interpreter():

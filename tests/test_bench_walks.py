@@ -4,22 +4,17 @@ grids make them; bad flags are usage errors."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+from helpers import run_cpu_program
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 
 def _run(*args):
-  return subprocess.run([sys.executable, "-m", "experiments.bench_walks", *args], cwd=ROOT,
-                        env=ENV, capture_output=True, text=True, timeout=600)
+  return run_cpu_program("experiments.bench_walks", *args)
 
 
 def _rows(stdout):
