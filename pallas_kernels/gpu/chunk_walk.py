@@ -148,7 +148,7 @@ def store_state(x, buf, dst):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _product(a, b, shape, stage=None):
+def product(a, b, shape, stage=None):
   """a · b into a fresh float32 accumulator (a: bf16 registers or a shared-memory ref).
 
   JAX's Mosaic GPU interpreter (jax 0.11.2) runs wgmma only from shared memory, so there a
@@ -279,10 +279,10 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         # linear attention writes v itself.
         v_t = plgpu.load(v_s.at[slot].T, layout=_WG).astype(f32)
         if delta:
-          ks_t = _product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
+          ks_t = product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
           r_t = v_t - (ks_t * entry if gated else ks_t)
           plgpu.barrier_wait(m_ready.at[slot])
-          e_t = _product(r_t.astype(MM_DTYPE), m_s.at[slot].T, (bv, c), stage_c)
+          e_t = product(r_t.astype(MM_DTYPE), m_s.at[slot].T, (bv, c), stage_c)
         else:
           e_t = v_t
         e_pub.at[half].T[...] = e_t.astype(MM_DTYPE)
@@ -290,7 +290,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         plgpu.barrier_arrive(pub_ready.at[half])
         # Sᵀ ← γ Sᵀ + (Eᵀ ⊙ xᵀ) k
         xe_t = (e_t * exit_ if gated else e_t).astype(MM_DTYPE)
-        s_next = _product(xe_t, k_s.at[slot], (bv, dk), stage_c)
+        s_next = product(xe_t, k_s.at[slot], (bv, dk), stage_c)
         plgpu.barrier_arrive(in_free.at[slot])
         return s_next + (s_t * decay if gated else s_t)
 
@@ -319,12 +319,12 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
           m_s.at[slot][...] = (t0_tile * gam * mc.cols(beta_col, (c, c))).astype(MM_DTYPE)
           plgpu.commit_smem()
           plgpu.barrier_arrive(m_ready.at[slot])
-        qk = _product(q_s.at[slot], k_s.at[slot].T, (c, c))
+        qk = product(q_s.at[slot], k_s.at[slot].T, (c, c))
         p = (qk * (gam * scale)).astype(MM_DTYPE)
         plgpu.barrier_wait(pub_ready.at[half])
         plgpu.copy_smem_to_gmem(e_pub.at[half], e_ref.at[bi, rows, hi, vs])
-        qs = _product(q_s.at[slot], s_pub.at[half].T, (c, bv))
-        pe = _product(p, e_pub.at[half], (c, bv), stage_p)
+        qs = product(q_s.at[slot], s_pub.at[half].T, (c, bv))
+        pe = product(p, e_pub.at[half], (c, bv), stage_p)
         plgpu.barrier_arrive(in_free.at[slot])
         # E's copy (and the copy of O two chunks back, from o_out[half]) done reading.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -348,7 +348,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
       m_ready=plgpu.Barrier(num_barriers=stages),
       pub_ready=plgpu.Barrier(num_barriers=2), pub_free=plgpu.Barrier(num_barriers=2),
       s_bar=plgpu.Barrier(num_barriers=1))
-  if interpret is not None:   # staging tiles for register operands (`_product`)
+  if interpret is not None:   # staging tiles for register operands (`product`)
     scratch.update(stage_k=mc.smem((bv, dk), MM_DTYPE), stage_c=mc.smem((bv, c), MM_DTYPE),
                    stage_p=mc.smem((c, c), MM_DTYPE))
 

@@ -42,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import mosaic_common as mc
 from pallas_kernels.gpu.chunk_walk import (BLOCK_V, CHUNK, MEMORY_REGS, MM_DTYPE, OUTPUT_REGS,
-                                           SMEM_LIMIT, STATE_REGS, _COLS, _WG, _product,
+                                           SMEM_LIMIT, STATE_REGS, _COLS, _WG, product,
                                            copy_chunk_keys, decay_mask, kernel_args, load_state,
                                            store_state, stream_ring, supported)
 from pallas_kernels.gpu.state_passing import check_index_range
@@ -157,11 +157,11 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
         else:
           out_scale = scale
           key_scale = mc.cols(beta_col, (bv, c))
-        kds_t = _product(ds_lo, k_s.at[slot].T, (bv, c), stage_k)          # the chain
+        kds_t = product(ds_lo, k_s.at[slot].T, (bv, c), stage_k)          # the chain
         do_t = plgpu.load(do_s.at[slot].T, layout=_WG).astype(jnp.float32)
-        qdo_t = _product((do_t * out_scale).astype(MM_DTYPE), q_s.at[slot], (bv, dk), stage_c)
+        qdo_t = product((do_t * out_scale).astype(MM_DTYPE), q_s.at[slot], (bv, dk), stage_c)
         plgpu.barrier_wait(factors_ready.at[slot])
-        pdo_t = _product(do_s.at[slot].T, p_s.at[slot], (bv, c))
+        pdo_t = product(do_s.at[slot].T, p_s.at[slot], (bv, c))
         de_t = pdo_t + (kds_t * exit_ if gated else kds_t)
         if with_dx:
           de_t = de_t + plgpu.load(dx_s.at[slot].T, layout=_WG).astype(jnp.float32)
@@ -171,8 +171,8 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
           plgpu.copy_smem_to_gmem(de_out.at[half], de_ref.at[bi, hi, n, vs])
         ds_next = (ds_t * decay if gated else ds_t) + qdo_t
         if delta:
-          z_t = _product(de_t.astype(MM_DTYPE), m_s.at[slot], (bv, c), stage_c)   # the chain
-          kz_t = _product((z_t * key_scale).astype(MM_DTYPE), k_s.at[slot], (bv, dk), stage_c)
+          z_t = product(de_t.astype(MM_DTYPE), m_s.at[slot], (bv, c), stage_c)   # the chain
+          kz_t = product((z_t * key_scale).astype(MM_DTYPE), k_s.at[slot], (bv, dk), stage_c)
           ds_next = ds_next - kz_t
         plgpu.barrier_arrive(in_free.at[slot])
         return ds_next
@@ -191,7 +191,7 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
         if delta:
           t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(jnp.float32)
           m_s.at[slot][...] = (t0_tile * gam).astype(MM_DTYPE)        # M = T0 ⊙ Γ
-        qk = _product(q_s.at[slot], k_s.at[slot].T, (c, c))
+        qk = product(q_s.at[slot], k_s.at[slot].T, (c, c))
         p_s.at[slot][...] = (qk * (gam * scale)).astype(MM_DTYPE)     # P = s q kᵀ ⊙ Γ
         plgpu.commit_smem()
         plgpu.barrier_arrive(factors_ready.at[slot])
@@ -210,7 +210,7 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
       in_bar=plgpu.Barrier(num_arrivals=n_copies, num_barriers=stages),
       in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       factors_ready=plgpu.Barrier(num_barriers=stages), s_bar=plgpu.Barrier(num_barriers=1))
-  if interpret is not None:   # staging tiles for register operands (`chunk_walk._product`)
+  if interpret is not None:   # staging tiles for register operands (`chunk_walk.product`)
     scratch.update(stage_k=mc.smem((bv, dk), MM_DTYPE), stage_c=mc.smem((bv, c), MM_DTYPE))
 
   ins, with_absent = kernel_args((q, k, t0, g, beta, do, de_ext, dsf_t))

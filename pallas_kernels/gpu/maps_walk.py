@@ -23,7 +23,8 @@ and one warpgroup makes M̃ for both. Warpgroups (threads 128 each):
 * chains + 1, **memory**: TMA of k, T0, the gate vectors, β and each chain's v tile.
 
 Registers per thread (setmaxnreg, multiples of 8): one chain 232 / 232 / 40 as `chunk_walk`;
-two chains 192 · 2 + 88 + 40 = 512, the SM's 64K registers over 512 threads. With an odd
+two chains 192 in each state warpgroup, 88 and 40 in the others (128 threads × 512 = the
+SM's 64K registers). With an odd
 number of column blocks the last CTA's second chain walks the last block again and does not
 store it. L + V must be a multiple of 64; the leading columns (v = 0) read v's first tile
 scaled by 0, so no [0 | v] array is made.
@@ -174,7 +175,7 @@ def _maps_walk(k, v, t0, g, beta, s0t, *, gated, chains, interpret):
           plgpu.barrier_wait(in_bar.at[slot])
           s_lo = s_t.astype(cw.MM_DTYPE)
           v_t = plgpu.load(v_s.at[slot, j].T, layout=_WG).astype(f32) * v_on
-          ks_t = cw._product(s_lo, k_s.at[slot].T, (BV, C), st_k)   # pylint: disable=protected-access
+          ks_t = cw.product(s_lo, k_s.at[slot].T, (BV, C), st_k)
           if gated:
             g_col = plgpu.load(g_state.at[slot], layout=_COLS)
             g_last = g_state[slot, C - 1]
@@ -182,10 +183,10 @@ def _maps_walk(k, v, t0, g, beta, s0t, *, gated, chains, interpret):
           else:
             r_t = v_t - ks_t
           plgpu.barrier_wait(m_ready.at[slot])
-          e_t = cw._product(r_t.astype(cw.MM_DTYPE), m_s.at[slot].T, (BV, C), st_c)  # pylint: disable=protected-access
+          e_t = cw.product(r_t.astype(cw.MM_DTYPE), m_s.at[slot].T, (BV, C), st_c)
           if gated:
             e_t = e_t * mc.cols(jnp.exp(g_last - g_col), (BV, C))
-          s_next = cw._product(e_t.astype(cw.MM_DTYPE), k_s.at[slot], (BV, dk), st_c)  # pylint: disable=protected-access
+          s_next = cw.product(e_t.astype(cw.MM_DTYPE), k_s.at[slot], (BV, dk), st_c)
           plgpu.barrier_arrive(in_free.at[slot])
           return s_next + (s_t * jnp.exp(g_last) if gated else s_t)
 
@@ -204,7 +205,7 @@ def _maps_walk(k, v, t0, g, beta, s0t, *, gated, chains, interpret):
       in_free=plgpu.Barrier(num_arrivals=chains + 1, num_barriers=stages),
       m_ready=plgpu.Barrier(num_barriers=stages),
       s_bar=plgpu.Barrier(num_barriers=chains))
-  if interpret is not None:   # staging tiles for register operands (`chunk_walk._product`)
+  if interpret is not None:   # staging tiles for register operands (`chunk_walk.product`)
     scratch.update(stage_k=mc.smem((chains, BV, dk), cw.MM_DTYPE),
                    stage_c=mc.smem((chains, BV, C), cw.MM_DTYPE))
 
