@@ -84,6 +84,21 @@ def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces, chains):
     assert_close(g, w, FWD_TOL, f"{mixer} B={b} T={t} P={pieces}: {name}")
 
 
+def test_pieces_forward_at_k_v_128_on_two_chains(monkeypatch):
+  # K = V = 128: the maps' state [I | S] is 4 blocks, the first two Φ's (v = 0), so with two
+  # chains one CTA walks Φ alone and the other Ψ alone.
+  ran = []
+  widths = _count_walk_widths(monkeypatch, ran)
+  args, kw = make_inputs("gated_delta_rule", b=1, t=256, h=1, hv=1, dk=128, dv=128, seed=5)
+  kwargs = dict(kw, output_final_state=True)
+  got = run_jit("gated_delta_rule", args, **kwargs, implementation="pallas_gpu",
+                tuning=_pieces(2, 2))
+  want = run_jit("gated_delta_rule", args, **kwargs, implementation="scan")
+  assert sorted(widths) == [128, 256] and ran == [2], (widths, ran)
+  for name, g, w in zip(("o", "final state"), got, want):
+    assert_close(g, w, FWD_TOL, f"K = V = 128 in 2 pieces, two chains: {name}")
+
+
 # (GDN's gradients on CPU: the carry test below.)
 GRAD_CASES = [("delta_rule", 2, 128, 2), ("linear_attention", 1, 100, 2)]
 if ON_GPU:
@@ -123,12 +138,14 @@ def test_pieces_carry_the_cotangent_back(mixer, t, pieces, chains):
 
 
 @pytest.mark.parametrize("gated,chains,dk,dv", [(True, 1, 64, 128), (True, 2, 64, 128),
-                                                (False, 2, 64, 128), (True, 2, 128, 128)])
+                                                (False, 2, 64, 128), (True, 2, 128, 128),
+                                                (True, 2, 128, 64)])
 def test_maps_walk_gives_the_whole_walks_final_states(gated, chains, dk, dv):
   # GDN and DeltaNet, a ring that wraps. The maps' walk gets a state 64 columns wider than v,
   # [A | S0]: its last V columns must end as the whole walk's from S0, and its first 64 as a
-  # whole walk's from A with v = 0 (the maps' Φ columns). K 64 / V 128 is 3 blocks: with two
-  # chains the second CTA's spare chain must store nothing over them.
+  # whole walk's from A with v = 0 (the maps' Φ columns). 64 + V 128 is 3 blocks: with two
+  # chains the second CTA's spare chain must store nothing over them; 64 + V 64 at K 128 is 2,
+  # the second chain of the one CTA a value block.
   q, k, v, t0, g, beta, s0t = kernel_cases.walk_inputs(1, 320, 1, 2, dk, dv, seed=9)
   walk = jax.jit(lambda *a: cw.chunk_walk(*a, scale=0.125, gated=gated, interpret=INTERPRET))
   lead = s0t[:, :, :64] * 0.5                                      # A: [B, HV, 64, K]
