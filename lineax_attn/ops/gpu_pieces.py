@@ -111,6 +111,13 @@ def auto_row_pieces(heads: int, k_blocks: int, v_blocks: int, chunks: int, sms: 
   return best
 
 
+def walk_maps_chains(tuning: GpuTuning, pieces: int, b: int, hv: int, dk: int, dv: int) -> int:
+  """Chains per CTA of the walks' maps' pass over B rows in `pieces` pieces:
+  `tuning.maps_chains`, or `maps_chains`' for 0."""
+  return tuning.maps_chains or maps_chains(pieces * b * hv, -(-dk // BLOCK), -(-dv // BLOCK),
+                                           device_sms())
+
+
 def row_pieces(tuning: GpuTuning, b: int, hv: int, dk: int, dv: int, t: int, c: int, *,
                maps: bool = True, max_chains: int = 1) -> int:
   """The pieces a row of T tokens is cut into: `tuning.row_pieces`, or the auto rule's for 0
@@ -120,6 +127,12 @@ def row_pieces(tuning: GpuTuning, b: int, hv: int, dk: int, dv: int, t: int, c: 
     return tuning.row_pieces
   return auto_row_pieces(b * hv, -(-dk // BLOCK) if maps else 0, -(-dv // BLOCK),
                          -(-t // c), device_sms(), max_chains)
+
+
+def map_start(rows: int, hv: int, dk: int, dv: int):
+  """[I | 0] `[rows, HV, K, K + V]` float32: the state every piece's maps' pass starts from."""
+  return jnp.concatenate([jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (rows, hv, dk, dk)),
+                          jnp.zeros((rows, hv, dk, dv), _F32)], axis=-1)
 
 
 def by_piece(x, b: int):

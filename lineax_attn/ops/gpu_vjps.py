@@ -147,9 +147,8 @@ def _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces, *, save_
     return fwd(ny, qg, p, u, kg, gc, s0, save_states=save_states), None
   (b, hv), dk, dv = u.shape[:2], ny.shape[-1], u.shape[-1]
   # The maps [Φ | Ψ]: every piece from [I | 0], its first K columns walking with U = 0.
-  s_maps = jnp.concatenate([jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (b * pieces, hv, dk, dk)),
-                            jnp.zeros((b * pieces, hv, dk, dv), _F32)], axis=-1)
-  (maps,) = fwd(ny, qg, p, u, kg, gc, s_maps, states_only=True, pieces=pieces)
+  (maps,) = fwd(ny, qg, p, u, kg, gc, gpu_pieces.map_start(b * pieces, hv, dk, dv),
+                states_only=True, pieces=pieces)
   maps = gpu_pieces.by_piece(maps, b)                            # [P, B, HV, K, K + V]
   phi = maps[..., :dk]
   starts = gpu_pieces.entry_states(phi, maps[..., dk:], s0)

@@ -214,9 +214,9 @@ walk_core.defvjp(walk_core_fwd, walk_core_bwd, symbolic_zeros=True)
 # `GpuTuning(row_pieces=P)` (the maths: `gpu_pieces`): each row is cut into P pieces of T/P
 # tokens that walk at once as P rows of the batch. Forward: the maps' walk from [I | 0] (its
 # first K state columns with v = 0; `maps_walk`, one or two chains per CTA), the entry states
-# composed, then the ordinary walk of every piece; backward: the reverse walk of every piece from a zero end cotangent (`states_only`: its
-# entry cotangent alone), the final state's cotangent carried back to every piece's end, then
-# the ordinary backward of every piece. Linear attention makes its maps and entry cotangents
+# composed, then the ordinary walk of every piece; backward: the reverse walk of every piece
+# from a zero end cotangent (`states_only`: its entry cotangent alone), the final state's
+# cotangent carried back to every piece's end, then the ordinary backward of every piece. Linear attention makes its maps and entry cotangents
 # by products instead (`_piece_products`). The maps come from the walk itself (bf16 operands,
 # float32 state), so forward and gradients are the unsplit op's up to that rounding.
 
@@ -255,11 +255,9 @@ def _piece_maps(k, v, t0, gate_rows, beta_rows, gated, interpret, chains):
   transposed end state `[B·P, HV, K + V, K]` float32 holding Φᵀ in rows :K and Ψᵀ in rows K:."""
   from pallas_kernels.gpu import maps_walk  # pylint: disable=g-import-not-at-top
   bp, _, hv, dv = v.shape
-  dk = k.shape[-1]
   bf = lambda x: x.astype(jnp.bfloat16)
-  s_aug_t = jnp.concatenate([jnp.broadcast_to(jnp.eye(dk, dtype=_F32), (bp, hv, dk, dk)),
-                             jnp.zeros((bp, hv, dv, dk), _F32)], axis=-2)
-  return maps_walk.maps_walk(bf(k), bf(v), t0, gate_rows, beta_rows, s_aug_t, gated=gated,
+  start_t = jnp.swapaxes(gpu_pieces.map_start(bp, hv, k.shape[-1], dv), -1, -2)
+  return maps_walk.maps_walk(bf(k), bf(v), t0, gate_rows, beta_rows, start_t, gated=gated,
                              chains=chains, interpret=interpret)[0]
 
 

@@ -311,8 +311,7 @@ def _walk(q, k, v, beta, g, s0, *, scale, c, interpret, tuning: GpuTuning):
   if pieces == 1:
     o, e, s_final = gpu_walks.walk_core(*args)
   else:
-    chains = tuning.maps_chains or gpu_pieces.maps_chains(
-        pieces * b * hv, -(-q.shape[-1] // 64), dv // 64, gpu_pieces.device_sms())
+    chains = gpu_pieces.walk_maps_chains(tuning, pieces, b, hv, q.shape[-1], dv)
     o, e, s_final = gpu_walks.walk_pieces_core(*args, pieces, chains)
   return o[:, :t], e[:, :t], s_final
 
