@@ -10,8 +10,9 @@ Hopper GPU the same tests run them compiled. Oracles:
   scan's entry states against the scan with the kernel's bf16 rounding (1e-4);
 * the op: output, final state and write residual against the `scan` implementation (2e-2,
   T = 1 among the cases) and every gradient (3e-2) under jit, with GVA, an initial state and
-  chunks no piece count divides; a loss on the last piece alone (the carried cotangents);
-  that the maps' pass ran.
+  chunks no piece count divides; packed rows (segment_ids) with resets inside a piece and on
+  a piece's first token; a loss on the last piece alone (the carried cotangents); that the
+  maps' pass ran.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import pytest
 
 import kernel_cases
-from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, run_jit
+from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, run, run_jit
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -147,6 +148,45 @@ def test_pieces_carry_the_cotangent_back():
   names = kernel_cases.GRAD_NAMES[mixer][:len(args)]
   for name, g, want in zip(names, grads("pallas_gpu", _pieces(pieces)), grads("scan", None)):
     assert_close(g[:, :last], want[:, :last], GRAD_TOL, f"d{name}, earlier pieces")
+
+
+def _packed_ids(t):
+  """Segments 1 | 2 | 3 | 4, then padding (0): a reset inside the first piece (30), one on the
+  second piece's first token (128, the pieces of 2 chunks at T = 300 in 3), one inside the
+  third (228), the last 10 tokens padding."""
+  parts = [(30, 1), (98, 2), (100, 3), (t - 238, 4), (10, 0)]
+  return jnp.concatenate([jnp.full((1, n), i) for n, i in parts], 1).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("mixer", ["kda"] + (["gdn2"] if ON_GPU else []))
+def test_packed_rows_in_pieces_match_scan(monkeypatch, mixer):
+  # segment_ids cut the carried state at resets, whichever piece they fall in: the maps'
+  # pass sees the reset as a zero decay, so a piece after it does not depend on the ones
+  # before. Output, final state, residual, and the gradients of <o, W> against the scan.
+  calls = _spy_state_passes(monkeypatch)
+  t, pieces = 300, 3
+  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=2, dk=64, dv=64, seed=21)
+  kw = dict(kw, segment_ids=_packed_ids(t))
+  got = run_jit(mixer, args, **kw, output_final_state=True, return_residual=True,
+                implementation="pallas_gpu", tuning=_pieces(pieces))
+  want = run_jit(mixer, args, **kw, output_final_state=True, return_residual=True,
+                 implementation="scan")
+  assert sorted(calls) == [(False, pieces), (True, pieces)], calls
+  for name, g, w in zip(("o", "final state", "residual"), got, want):
+    assert_close(g, w, FWD_TOL, f"{mixer} packed P={pieces}: {name}")
+  w_o = jax.random.normal(jax.random.key(8), args[2].shape)
+
+  def grads(impl, tuning):
+    extra = {} if tuning is None else {"tuning": tuning}
+    loss = lambda a, s0, ids: jnp.sum(
+        run(mixer, a, initial_state=s0, segment_ids=ids, implementation=impl,
+            **extra)[0].astype(jnp.float32) * w_o)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(args, kw["initial_state"],
+                                                   kw["segment_ids"])
+  (g_args, g_s0), (w_args, w_s0) = grads("pallas_gpu", _pieces(pieces)), grads("scan", None)
+  names = kernel_cases.GRAD_NAMES[mixer]
+  for name, g, w in zip(names, g_args + (g_s0,), w_args + (w_s0,)):
+    assert_close(g, w, GRAD_TOL, f"{mixer} packed P={pieces}: d{name}")
 
 
 def test_auto_row_pieces_reach_the_state_pass(monkeypatch):
