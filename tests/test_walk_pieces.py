@@ -6,9 +6,9 @@ Hopper GPU the same tests run them compiled. Oracles: the op's `scan` (the recur
 token, float32 at HIGHEST) for the output, the final state and the write residual (2e-2: the
 walks' bf16 operands) and for every gradient (3e-2), under jit, with GVA, an initial state,
 T that no piece length divides, and pieces of one chunk; and that the maps' walk ran (the
-pieces path taken, not the whole-row walk), with the maps' walk on one chain per CTA or two.
-The maps' walk (`maps_walk`, one chain per CTA or two) and the reverse walk with
-`states_only=True` against the whole walks' final state and entry cotangent: the same products
+pieces path taken, not the whole-row walk), with the maps' walk on one chain per CTA or two;
+log gates down to −1e4 (finite, exact). The maps' walk (`maps_walk`, one chain per CTA or
+two) and the reverse walk with `states_only=True` against the whole walks' final state and entry cotangent: the same products
 (1e-5); the two chains under the interpreter's race detector. The auto rule and its model by
 hand.
 """
@@ -97,6 +97,23 @@ def test_pieces_forward_at_k_v_128_on_two_chains(monkeypatch):
   assert sorted(widths) == [128, 256] and ran == [2], (widths, ran)
   for name, g, w in zip(("o", "final state"), got, want):
     assert_close(g, w, FWD_TOL, f"K = V = 128 in 2 pieces, two chains: {name}")
+
+
+def test_pieces_take_log_gates_down_to_minus_1e4():
+  # Every 37th token's log gate at −1e4 (a state wiped almost to zero, e^{−1e4} = 0 in
+  # float32), some in the middle of a piece: Φ of those pieces is ~0 and their Ψ the state
+  # after the wipe, so the composed entry states stay finite and the output exact. T = 200 in
+  # 2 pieces.
+  args, kw = make_inputs("gated_delta_rule", b=1, t=200, h=1, hv=2, dk=64, dv=64, seed=7)
+  q, k, v, g, beta = args
+  g = jnp.where((jnp.arange(200) % 37 == 5)[None, :, None], -1e4, g)
+  kwargs = dict(kw, output_final_state=True)
+  got = run_jit("gated_delta_rule", (q, k, v, g, beta), **kwargs, implementation="pallas_gpu",
+                tuning=_pieces(2))
+  want = run_jit("gated_delta_rule", (q, k, v, g, beta), **kwargs, implementation="scan")
+  for name, x, w in zip(("o", "final state"), got, want):
+    assert bool(jnp.all(jnp.isfinite(x))), name
+    assert_close(x, w, FWD_TOL, f"log gates at -1e4 in 2 pieces: {name}")
 
 
 # (GDN's gradients on CPU: the carry test below.)
