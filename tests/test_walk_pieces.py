@@ -8,9 +8,9 @@ walks' bf16 operands) and for every gradient (3e-2), under jit, with GVA, an ini
 T that no piece length divides, and pieces of one chunk; and that the maps' walk ran (the
 pieces path taken, not the whole-row walk), with the maps' walk on one chain per CTA or two;
 log gates down to −1e4 (finite, exact). The maps' walk (`maps_walk`, one chain per CTA or
-two) and the reverse walk with `states_only=True` against the whole walks' final state and entry cotangent: the same products
-(1e-5); the two chains under the interpreter's race detector. The auto rule and its model by
-hand.
+two) and the reverse walk with `states_only=True` against the whole walks' final state and
+entry cotangent: the same products (1e-5); the two chains under the interpreter's race
+detector. The auto rule and its model by hand.
 """
 
 from __future__ import annotations
