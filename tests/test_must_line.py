@@ -1,4 +1,6 @@
-"""experiments/must_line.py: issue #17's must line read from the benchmarks' raw JSON.
+"""experiments/must_line.py: issue #17's must line read from the benchmarks' raw JSON; and
+experiments/run_gpu_must.sh, the device runner that makes those files, runs every Mosaic GPU
+test file.
 
 The oracle is the twentieth stage's own record (docs/BENCHMARKS.md, 2026-12-04), whose numbers
 were transcribed by hand from the same files: the program must find the same ratios, tokens/s
@@ -9,13 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
 from experiments import must_line
 from helpers import run_cpu_program
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "docs", "data")
 STAGE = "h200_2026-12-04h"
 ARMS = ("softmax", "gdn", "kda", "gdn2")
 
@@ -128,3 +132,23 @@ def test_the_program_prints_the_table(tmp_path):
   assert "2 of 12 targets not met or not measured" in proc.stdout
   saved = json.loads(out.read_text())
   assert len(saved["rows"]) == 12 and saved["metadata"]["verdict"].startswith("2 of 12")
+
+
+def test_the_device_runner_runs_every_mosaic_gpu_test_file():
+  # experiments/run_gpu_must.sh's `tests` phase is the compiled suite that the must line's
+  # "all compiled GPU tests pass" reads: every test file of the Mosaic GPU kernels must be in
+  # it (a new one forgotten there would pass the must unrun), and every file it names exist.
+  with open(os.path.join(ROOT, "experiments", "run_gpu_must.sh")) as f:
+    script = f.read()
+  listed = set(re.findall(r"tests/test_\w+\.py", script))
+  for path in listed:
+    assert os.path.exists(os.path.join(ROOT, path)), path
+  tests_dir = os.path.join(ROOT, "tests")
+  module_skip = re.compile(r"^[\w, ]+ = mosaic_gpu_or_skip\(\)", re.M)  # at module level
+  kernel_files = set()
+  for name in os.listdir(tests_dir):
+    if name.startswith("test_") and name.endswith(".py"):
+      with open(os.path.join(tests_dir, name)) as f:
+        if module_skip.search(f.read()):
+          kernel_files.add(f"tests/{name}")
+  assert kernel_files and kernel_files <= listed, kernel_files - listed

@@ -1,0 +1,87 @@
+#!/bin/bash
+# Device-side runner for issue #17's must line on one H200: the measurements that must all come
+# from one day and the final code, in four device calls of under 600 s each (repo root; wheels
+# in .whl/ as run_gpu_kernels.sh takes them, pytest-xdist unpacked in .whl/pyxd; carry .whl):
+#
+#   bash experiments/run_gpu_must.sh tests  # the whole compiled GPU suite, pytest-xdist (-n 10)
+#   bash experiments/run_gpu_must.sh ops    # the op table against jla (B4 T4096 H16 D128 and
+#                                           # D = 64), linear attention, forward errors
+#   bash experiments/run_gpu_must.sh train  # the 350M rows (run_gpu_train.sh paper; its wheels)
+#   bash experiments/run_gpu_must.sh sweep  # the T sweep at 65,536 tokens and H 96, against jla
+#
+# Every phase writes its raw files into one archive, $OUT/must_PHASE.tgz (the device tool brings
+# back only a few files a call), and prints what it found. Back on the CPU machine,
+# `python3 -m experiments.must_line` reads them into the must table (docs/BENCHMARKS.md has the
+# command). Env: MUST_TAG names the files (default the UTC date), SWEEP_MIXERS (default
+# gated_delta_rule,kda), XD (pytest-xdist workers, default "-n 10").
+set -u
+PHASE=${1:?phase: tests, ops, train or sweep}
+TAG=${MUST_TAG:-$(date -u +%F)}
+KEEP=/tmp/must_$PHASE; mkdir -p $KEEP
+if [ "$PHASE" = train ]; then
+  # run_gpu_train.sh installs its own wheels and writes paper.tgz (one bench_parallel file per arm).
+  timeout 560 bash experiments/run_gpu_train.sh paper softmax,gdn,kda,gdn2 6
+  mv $OUT/paper.tgz $OUT/must_train.tgz 2>/dev/null
+  exit 0
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/jax_linear_attention-*.whl .whl/jax_triton-*.whl > $OUT/pip.log 2>&1 || { cat $OUT/pip.log; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD/.whl/pyxd:$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
+[ -f .whl/triton_cache.tgz ] && tar xzf .whl/triton_cache.tgz -C $TRITON_CACHE_DIR
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > $KEEP/gpu.txt
+git log -1 --format=%H > $KEEP/rev.txt 2>/dev/null
+date -u +%FT%TZ > $KEEP/date.txt
+H200=h200_$TAG
+case $PHASE in
+tests)
+  # Every file with compiled GPU tests (docs/KERNELS_GPU.md "Testing"); the GPU machine's 16
+  # cores compile in parallel, which is where the suite's time goes.
+  FILES="tests/test_triton_gpu.py tests/test_pallas_gpu.py tests/test_pallas_gpu_intra.py
+    tests/test_chunk_grads.py tests/test_chunk_walk.py tests/test_walk_pieces.py
+    tests/test_state_pass_pieces.py tests/test_gpu_tuning_plumbing.py
+    tests/test_channel_pair_kernel.py tests/test_attention.py tests/test_large_index.py
+    tests/test_triton_ffi_call.py tests/test_triton_path.py tests/test_bench_ops.py"
+  timeout 540 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest $FILES ${XD:--n 10} -v \
+    -p no:cacheprovider -rs --durations=15 > $KEEP/test_gpu_${H200}_compiled_suite.log 2>&1
+  echo "pytest rc=$?"; grep -E "FAILED|ERROR" $KEEP/test_gpu_*.log | head -20
+  tail -1 $KEEP/test_gpu_*.log
+  ;;
+ops)
+  AB="python3 -u -m experiments.bench_ab --timing=queued --baseline=jla"
+  timeout 220 $AB --mixers=gated_delta_rule,delta_rule,kda,gdn2 --modes=fwdbwd,fwdbwd_dep \
+    --variants=pallas_gpu,jla --rounds=5 --shape=4,4096,16,128 \
+    --out_json=$KEEP/bench_ab_${H200}_must_table.json --out_md=$KEEP/bench_ab_${H200}_must_table.md \
+    > $KEEP/ab_table.log 2>&1
+  echo "table rc=$?"
+  timeout 50 python3 -u -m experiments.bench_ab --mixers=linear_attention --modes=fwdbwd \
+    --timing=queued --baseline=pallas_gpu --variants=pallas_gpu --rounds=5 --shape=4,4096,16,128 \
+    --out_json=$KEEP/bench_ab_${H200}_must_linear_attention.json \
+    --out_md=$KEEP/bench_ab_${H200}_must_linear_attention.md > $KEEP/ab_la.log 2>&1
+  echo "linear attention rc=$?"
+  timeout 100 python3 -u -m experiments.bench_kernels --shapes=4,4096,16,128 --modes=fwd \
+    --impls=pallas_gpu --mixers=gated_delta_rule,delta_rule,kda,gdn2,linear_attention \
+    --out_json=$KEEP/bench_kernels_${H200}_must_fwd_err.json \
+    --out_md=$KEEP/bench_kernels_${H200}_must_fwd_err.md > $KEEP/fwd_err.log 2>&1
+  echo "fwd_err rc=$?"
+  timeout 150 $AB --mixers=gated_delta_rule,delta_rule,kda,gdn2 --modes=fwdbwd \
+    --variants=pallas_gpu,jla --rounds=3 --shape=4,4096,32,64 --out_json=$KEEP/bench_ab_${H200}_must_d64.json \
+    --out_md=$KEEP/bench_ab_${H200}_must_d64.md > $KEEP/ab_d64.log 2>&1
+  echo "d64 rc=$?"
+  grep -hE "^\*\*|^\| (pallas|jla)" $KEEP/*.md | head -40
+  ;;
+sweep)
+  timeout 540 python3 -u -m experiments.bench_kernels --impls=pallas_gpu,jla \
+    --mixers=${SWEEP_MIXERS:-gated_delta_rule,kda} --modes=fwdbwd --shapes=1,8192,96,128 \
+    --sweep_tokens=65536 --err_tol=1 --time_budget_s=500 \
+    --out_json=$KEEP/bench_kernels_${H200}_must_sweep.json \
+    --out_md=$KEEP/bench_kernels_${H200}_must_sweep.md > $KEEP/sweep.log 2>&1
+  echo "sweep rc=$?"; grep -A12 "T sweep at" $KEEP/sweep.log
+  ;;
+*)
+  echo "unknown phase $PHASE: tests, ops, train or sweep"; exit 2
+  ;;
+esac
+tar czf $OUT/must_$PHASE.tgz -C $KEEP .
+tar czf $OUT/triton_cache.tgz -C $TRITON_CACHE_DIR . 2>/dev/null
+ls -la $OUT
