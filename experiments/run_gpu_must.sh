@@ -24,8 +24,9 @@ if [ "$PHASE" = train ]; then
   mv $OUT/paper.tgz $OUT/must_train.tgz 2>/dev/null
   exit 0
 fi
+# jla, jax-triton, FLA and einops: what the twentieth stage's compiled suite and tables ran with.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/jax_linear_attention-*.whl .whl/jax_triton-*.whl > $OUT/pip.log 2>&1 || { cat $OUT/pip.log; exit 1; }
+  .whl/*.whl > $OUT/pip.log 2>&1 || { cat $OUT/pip.log; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD/.whl/pyxd:$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
 [ -f .whl/triton_cache.tgz ] && tar xzf .whl/triton_cache.tgz -C $TRITON_CACHE_DIR
