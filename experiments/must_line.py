@@ -57,16 +57,23 @@ NAMES = {"gated_delta_rule": "GDN", "delta_rule": "DeltaNet", "kda": "KDA", "gdn
 ARM_NAMES = {"gdn": "GDN 2:1", "kda": "KDA 2:1", "gdn2": "GDN-2 2:1"}   # configs/mixers.py arms
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 
-_OPS = flags.DEFINE_list("ops", [], "experiments.bench_ab JSON files (fwd+bwd rows).")
-_FWD_ERR = flags.DEFINE_list("fwd_err", [], "experiments.bench_kernels --modes=fwd JSON files.")
-_TRAIN = flags.DEFINE_list("train", [], "experiments.bench_parallel JSON files, one per arm.")
-_SWEEP = flags.DEFINE_list("sweep", [], "experiments.bench_kernels --sweep_tokens JSON files.")
-_TESTS = flags.DEFINE_list("tests", [], "pytest logs of the compiled GPU suite.")
+# The program's own flag set (not absl's global one): tests import it beside other programs
+# that define the same names (--out_md, ...).
+FLAGS = flags.FlagValues()
+_F = {"flag_values": FLAGS}
+_OPS = flags.DEFINE_list("ops", [], "experiments.bench_ab JSON files (fwd+bwd rows).", **_F)
+_FWD_ERR = flags.DEFINE_list("fwd_err", [], "experiments.bench_kernels --modes=fwd JSON files.",
+                             **_F)
+_TRAIN = flags.DEFINE_list("train", [], "experiments.bench_parallel JSON files, one per arm.",
+                           **_F)
+_SWEEP = flags.DEFINE_list("sweep", [], "experiments.bench_kernels --sweep_tokens JSON files.",
+                           **_F)
+_TESTS = flags.DEFINE_list("tests", [], "pytest logs of the compiled GPU suite.", **_F)
 _FLAT = flags.DEFINE_float("flat_tolerance", 1.10,
                            "The sweep is flat when its slowest point is within this factor of "
-                           "its fastest.")
-_OUT_MD = flags.DEFINE_string("out_md", None, "Also write the table here (Markdown).")
-_OUT_JSON = flags.DEFINE_string("out_json", None, "Also write the rows here (JSON).")
+                           "its fastest.", **_F)
+_OUT_MD = flags.DEFINE_string("out_md", None, "Also write the table here (Markdown).", **_F)
+_OUT_JSON = flags.DEFINE_string("out_json", None, "Also write the rows here (JSON).", **_F)
 
 
 def _sci(x: float) -> str:
@@ -281,4 +288,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.parse_flags)
+  app.run(main, flags_parser=cli.own_flags_parser(FLAGS))
