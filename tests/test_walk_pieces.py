@@ -215,43 +215,47 @@ def test_walks_refuse_states_they_do_not_take():
     mw.maps_walk(k, v, None, g, beta, wide, interpret=INTERPRET)
 
 
-# Chunk steps by `predicted_steps`: whole rows 2·waves·N; P pieces (maps' waves + 3 main
-# waves)·N/P. Arguments: B·HV, K/64, V/64, chunks, SMs, the maps' pass's chains per CTA at most
-# (2: the walks' `maps_walk`; 1: the state pass).
+# Chunk steps by `predicted_steps`, with the H200's constants: whole rows 2·waves·N; P pieces
+# (maps + 3 main waves)·N/P + 64, the maps' waves at 0.6 a one-chain wave and 0.6 · 1.65 =
+# 0.99 a two-chain one. Arguments: B·HV, K/64, V/64, chunks, SMs, the maps' pass's chains per
+# CTA at most (2: the walks' `maps_walk`; 1: the state pass).
 @pytest.mark.parametrize("heads,kb,vb,chunks,sms,chains,want", [
-    # B1 T65536 H16 K=V=128: whole 2048; P2 (1 + 3)·512 = 2048 (128 chains, one wave
-    # already); P4 4·256 = 1024 (256 chains, two a CTA); P8 (2 + 6)·128 = 1024 (a tie: fewer)
+    # B1 T65536 H16 K=V=128: whole 2048; P4 (0.99 + 3)·256 + 64 = 1085.4 (256 chains, two a
+    # CTA: one wave); P8 (2·0.99 + 2·3)·128 + 64, the same (a tie: fewer). Measured: P4 on two
+    # chains 3.84 ms, whole rows 5.84, P8 3.93 (docs/BENCHMARKS.md "twenty-first stage").
     (16, 2, 2, 1024, 132, 2, 4),
-    (16, 2, 2, 1024, 132, 1, 4),     # one chain a CTA: P4 (2 + 3)·256 = 1280 = P8's (4 + 6)·128
-    (8, 2, 2, 1024, 132, 2, 8),      # H8: P4 4·256 = 1024, P8 (1 + 3)·128 = 512
-    (16, 1, 2, 1024, 132, 2, 4),     # K 64, V 128 (3 blocks, two a CTA): P4 4·256, P8 8·128
-    (16, 1, 2, 1024, 132, 1, 8),     # ... one a CTA: P4 (2 + 3)·256 = 1280, P8 (3 + 6)·128 = 1152
+    (16, 2, 2, 1024, 132, 1, 4),     # one chain a CTA: P4 (1.2 + 3)·256 + 64 = 1139.2 = P8's
+    (8, 2, 2, 1024, 132, 2, 8),      # H8: P4 (0.6 + 3)·256 + 64 = 985.6, P8 3.99·128 + 64 = 574.7
+    (16, 1, 2, 1024, 132, 2, 8),     # K 64, V 128 (3 blocks): P4 3.99·256 + 64, P8 (1.8 + 6)·128 + 64
+    (16, 1, 2, 1024, 132, 1, 8),     # ... one a CTA: P4 (1.2 + 3)·256 + 64 = 1139.2, P8 1062.4
     (64, 2, 2, 1024, 132, 2, 1),     # B4 H16: the passes fill the GPU already
-    (32, 2, 2, 512, 132, 2, 1),      # B2 T32768: P2 4·256 and P4 8·128 tie whole rows' 1024
-    (32, 2, 2, 512, 132, 1, 1),      # ... one chain a CTA: P2 (2 + 3)·256 = 1280
-    (16, 2, 2, 16, 132, 2, 1),       # 16 chunks: P2 (1 + 3)·8 = 32, a tie with whole rows
+    (32, 2, 2, 512, 132, 2, 1),      # B2 T32768: P2 3.99·256 + 64 = 1085.4 against 1024
+    (32, 2, 2, 512, 132, 1, 1),      # ... one chain a CTA: P2 (1.2 + 3)·256 + 64 = 1139.2
+    (16, 2, 2, 256, 132, 2, 4),      # B1 T16384: P4 3.99·64 + 64 = 319.4 against 512
+    (16, 2, 2, 16, 132, 2, 1),       # 16 chunks: P2 (0.6 + 3)·8 + 64 = 92.8 against 32
     (16, 2, 2, 8, 132, 2, 1),        # 8 chunks: no piece would reach 8
-    (1, 1, 1, 1024, 4, 1, 4),        # 4 SMs, 1 CTA: P4 (2 + 3)·256 = 1280 against 2048
-    (16, 0, 2, 1024, 132, 2, 4),     # linear attention (no maps' pass): P4 2·256, P8 2·2·128
-    (32, 0, 2, 512, 132, 2, 2),      # linear attention at B2 T32768: P2 2·256 = 512 against 1024
+    (1, 1, 1, 1024, 4, 1, 4),        # 4 SMs, 1 CTA: P4 (1.2 + 3)·256 + 64 = 1139.2 against 2048
+    (16, 0, 2, 1024, 132, 2, 4),     # linear attention (no maps' pass): P4 2·256 + 64, P8 alike
+    (32, 0, 2, 512, 132, 2, 2),      # linear attention at B2 T32768: P2 2·256 + 64 against 1024
 ])
 def test_auto_row_pieces_by_hand(heads, kb, vb, chunks, sms, chains, want):
   assert gpu_pieces.auto_row_pieces(heads, kb, vb, chunks, sms, chains) == want
 
 
 def test_predicted_steps_and_chains_by_hand():
-  steps = gpu_pieces.predicted_steps
+  steps = lambda *a: pytest.approx(gpu_pieces.predicted_steps(*a))
   assert steps(1, 16, 2, 2, 1024, 132) == 2048
-  assert steps(4, 16, 2, 2, 1024, 132) == (2 + 3) * 256        # 256 maps CTAs: two waves
-  assert steps(4, 16, 2, 2, 1024, 132, 2) == (1 + 3) * 256     # 128 CTAs of two chains
-  assert steps(3, 16, 2, 2, 1000, 132) == (2 + 3) * 334        # 192 maps CTAs
-  assert steps(4, 16, 0, 2, 1024, 132) == 2 * 256              # no maps' pass
+  assert steps(4, 16, 2, 2, 1024, 132) == (0.6 * 2 + 3) * 256 + 64     # 256 maps CTAs: 2 waves
+  assert steps(4, 16, 2, 2, 1024, 132, 2) == (0.99 + 3) * 256 + 64    # 128 CTAs of two chains
+  assert steps(3, 16, 2, 2, 1000, 132) == (0.6 * 2 + 3) * 334 + 64    # 192 maps CTAs
+  assert steps(4, 16, 0, 2, 1024, 132) == 2 * 256 + 64                # no maps' pass
   chains = gpu_pieces.maps_chains
-  assert chains(64, 2, 2, 132) == 2        # 256 chains: one wave of two-chain CTAs, not two
+  assert chains(64, 2, 2, 132) == 2        # 256 chains: 1.65 one-chain waves against 2
   assert chains(32, 2, 2, 132) == 1        # 128 chains fit one wave alone
   assert chains(64, 2, 2, 132, max_chains=1) == 1
   assert chains(64, 1, 2, 132) == 2        # 3 blocks a head: 192 chains, 128 CTAs of two
-  assert chains(128, 2, 2, 132) == 2       # 512 chains: two waves of two-chain CTAs, not four
+  assert chains(128, 2, 2, 132) == 2       # 512 chains: 2 · 1.65 = 3.3 waves against 4
+  assert chains(128, 1, 2, 132) == 1       # 384 chains: 2 · 1.65 = 3.3 against 3
 
 
 def test_auto_row_pieces_reach_the_op(monkeypatch):
@@ -280,11 +284,13 @@ def test_row_pieces_parses_from_the_command_line():
 
 
 def test_two_chains_only_where_their_steps_pay(monkeypatch):
-  # If the H200 finds a two-chain CTA's step twice as long, two chains buy nothing: the rule
+  # Were a two-chain CTA's step twice a one-chain step, two chains would buy nothing: the rule
   # keeps one (256 chains: two waves either way, counted in one-chain steps).
   monkeypatch.setattr(gpu_pieces, "TWO_CHAIN_STEP_COST", 2.0)
   assert gpu_pieces.maps_chains(64, 2, 2, 132) == 1
-  assert gpu_pieces.predicted_steps(4, 16, 2, 2, 1024, 132, 2) == (2 + 3) * 256
+  assert gpu_pieces.predicted_steps(4, 16, 2, 2, 1024, 132, 2) == pytest.approx(
+      (0.6 * 2 + 3) * 256 + 64)
   monkeypatch.setattr(gpu_pieces, "TWO_CHAIN_STEP_COST", 1.5)   # 1.5 waves against 2
   assert gpu_pieces.maps_chains(64, 2, 2, 132) == 2
-  assert gpu_pieces.predicted_steps(4, 16, 2, 2, 1024, 132, 2) == (1.5 + 3) * 256
+  assert gpu_pieces.predicted_steps(4, 16, 2, 2, 1024, 132, 2) == pytest.approx(
+      (0.6 * 1.5 + 3) * 256 + 64)

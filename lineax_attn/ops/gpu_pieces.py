@@ -31,19 +31,24 @@ from lineax_attn.ops.gpu_tuning import GpuTuning
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 
-# `row_pieces=0` ("auto"): the count that a model of the passes' time says is fastest, among 1
-# and the powers of two up to MAX_ROW_PIECES that leave every piece at least MIN_PIECE_CHUNKS
-# chunks (ties: fewer pieces). The model (`predicted_steps`): every pass is latency-bound, its
-# CTAs one per SM, each chunk step as long as any other (the maps' pass's too:
-# MAPS_STEP_COST), so a pass of n CTAs over m chunks takes ⌈n / SMs⌉ waves of m steps. The
-# walks' maps' pass (`pallas_kernels.gpu.maps_walk`) may carry WALK_MAPS_CHAINS chains of 64
-# state columns per CTA, whose step the model counts TWO_CHAIN_STEP_COST times a one-chain
-# step (1: two chains in flight per SM, each step no longer). Untimed: the H200 has yet to say
-# whether either guess holds (`experiments/bench_walks.py` measures both).
+# `row_pieces=0` ("auto", the default): the count that a model of the passes' time says is
+# fastest, among 1 and the powers of two up to MAX_ROW_PIECES that leave every piece at least
+# MIN_PIECE_CHUNKS chunks (ties: fewer pieces). The model (`predicted_steps`): every pass is
+# latency-bound, its CTAs one per SM, so a pass of n CTAs over m chunks takes ⌈n / SMs⌉ waves
+# of m steps, a main pass's step (forward or reverse) the unit. A maps' pass's one-chain step
+# costs MAPS_STEP_COST of it, a CTA carrying two chains (`pallas_kernels.gpu.maps_walk`, up to
+# WALK_MAPS_CHAINS) TWO_CHAIN_STEP_COST one-chain steps, and cutting rows at all costs
+# PIECES_STEPS more (composing the entry states and exit cotangents, more launches). Measured
+# on the H200 at B1 T65536 H16 D128 in 4 pieces (2026-12-05; docs/BENCHMARKS.md "twenty-first
+# stage"): `experiments/bench_walks.py` timed the main walk at 2.16 µs a step and the maps'
+# walk at 1.28 on one chain a CTA and 2.12 on two; GDN's fwd+bwd fell 2.00 ms where the walks
+# alone fell 2.13, ~60 steps of fixed cost. The state pass's maps' pass (KDA, GDN-2) is
+# counted the same, untimed.
 MAX_ROW_PIECES = 8
 MIN_PIECE_CHUNKS = 8
-MAPS_STEP_COST = 1.0
-TWO_CHAIN_STEP_COST = 1.0
+MAPS_STEP_COST = 0.6
+TWO_CHAIN_STEP_COST = 1.65
+PIECES_STEPS = 64
 WALK_MAPS_CHAINS = 2
 BLOCK = 64   # state columns a chain carries (the kernels' BLOCK_V)
 
@@ -87,14 +92,16 @@ def predicted_steps(pieces: int, heads: int, k_blocks: int, v_blocks: int, chunk
   to `max_chains` per CTA: `maps_chains`). Whole rows: one pass each way. Pieces: the maps'
   pass and the main pass forward, the entry cotangents' and the main reverse pass backward;
   with k_blocks 0 (linear attention, whose maps and entry cotangents are plain products) the
-  main passes alone."""
+  main passes alone; either way PIECES_STEPS more."""
   steps = -(-chunks // pieces)
   main = _waves(pieces * heads * v_blocks, sms)
-  if pieces == 1 or not k_blocks:
+  if pieces == 1:
     return 2 * main * steps
+  if not k_blocks:
+    return 2 * main * steps + PIECES_STEPS
   chains = maps_chains(pieces * heads, k_blocks, v_blocks, sms, max_chains)
   maps = MAPS_STEP_COST * _maps_waves(pieces * heads, k_blocks + v_blocks, sms, chains)
-  return (maps + 3 * main) * steps
+  return (maps + 3 * main) * steps + PIECES_STEPS
 
 
 def auto_row_pieces(heads: int, k_blocks: int, v_blocks: int, chunks: int, sms: int,
