@@ -171,29 +171,29 @@ class GpuTuning:
       H200 (2026-12-04, B4 T4096 H16 D128; docs/BENCHMARKS.md "nineteenth stage") the gated
       kernel took 370 µs a call against 493 and the ungated 332 against 486; GDN fwd+bwd
       0.778 ms against 0.902, DeltaNet 0.706 against 0.854 (`bench_ab` queued, 5 rounds).
-    row_pieces: cut every row into this many pieces that walk at once (1, the default: rows
-      whole), on the walks (linear attention, DeltaNet, GDN) and on the Mosaic state pass
-      (KDA, GDN-2, the split path; not on the Triton pass, with `channel_grads="states"` or
-      under `shard_map`). For small B·HV and long T, where the passes' B·HV·V/64 CTAs leave
-      most SMs idle (B1 T65536 H16 V128: 32 of the H200's 132, and GDN's fwd+bwd took 1.85x
-      its time at B4 T16384, docs/BENCHMARKS.md "seventeenth stage"). Exact: a pass over
-      [0 | v] from [I | 0] gives each piece's affine map S_out = Φ S_in + Ψ, the entry states
-      are composed from the maps, then every piece walks from its own; the backward likewise
-      (`gpu_pieces`). It costs one more forward pass (K columns wider, states only) and one
-      more reverse pass; linear attention none (Φ = I, and Ψ and the entry cotangents are
-      plain products). The walks pad T to a multiple of 64·row_pieces with identity steps;
-      the state pass pads its chunks with identity chunks and keeps the pieces in place
-      (`gpu_vjps.state_pass`). 0 ("auto", `gpu_pieces.auto_row_pieces`): the count (1, 2, 4
-      or 8, each piece ≥ 8 chunks) with the fewest chunk steps by a model of latency-bound
-      passes in waves of one CTA per SM, the walks' maps' pass two chains a CTA where that
-      saves a wave (`gpu_pieces.predicted_steps`, `maps_chains`; B1 T65536 H16 V128 on an
-      H200: 4; B2 T32768: 1). Tested in the interpreters against the scan; untimed, so not
-      a default yet.
+    row_pieces: cut every row into this many pieces that walk at once, on the walks (linear
+      attention, DeltaNet, GDN) and on the Mosaic state pass (KDA, GDN-2, the split path; not
+      on the Triton pass, with `channel_grads="states"` or under `shard_map`); 1: rows whole;
+      0 ("auto", the default): `gpu_pieces.auto_row_pieces` picks 1, 2, 4 or 8 (each piece ≥
+      8 chunks) by a model of latency-bound passes in waves of one CTA per SM, with step
+      costs and a fixed cost measured on the H200 (`gpu_pieces`). For small B·HV and long T,
+      where the passes' B·HV·V/64 CTAs leave most SMs idle (B1 T65536 H16 V128: 32 of the
+      H200's 132). Exact: a pass from [I | 0] gives each piece's affine map S_out = Φ S_in +
+      Ψ, the entry states are composed from the maps, then every piece walks from its own;
+      the backward likewise (`gpu_pieces`). It costs one more forward pass (K columns wider,
+      states only) and one more reverse pass; linear attention none (Φ = I, and Ψ and the
+      entry cotangents are plain products). The walks pad T to a multiple of 64·row_pieces
+      with identity steps; the state pass pads its chunks with identity chunks and keeps the
+      pieces in place (`gpu_vjps.state_pass`). On the H200 at B1 T65536 H16 D128
+      (2026-12-05, docs/BENCHMARKS.md "twenty-first stage", fwd+bwd) the rule's 4 pieces
+      took GDN from 5.84 to 3.84 ms (1.75x jla's time to 1.15x), DeltaNet 4.97 → 3.37, KDA
+      17.23 → 15.86, GDN-2 17.93 → 16.56; at B2 T32768 it keeps whole rows (2 pieces were
+      1 % slower there), and at B4 and in the 350M models rows stay whole.
     maps_chains: chains of 64 state columns per CTA in the walks' maps' pass when rows are cut
       (`pallas_kernels.gpu.maps_walk`): 1, 2 (two state warpgroups share one CTA's ring and
-      factors, so two latency-bound chains are in flight per SM), or 0 ("auto",
-      `gpu_pieces.maps_chains`: 2 where that saves a wave of CTAs, e.g. B1 T65536 H16 K = V =
-      128 in 4 pieces, 256 chains on 132 SMs). Untimed.
+      factors, so two latency-bound chains are in flight per SM), or 0 ("auto", the default,
+      `gpu_pieces.maps_chains`: 2 where that saves waves, e.g. B1 T65536 H16 K = V = 128 in
+      4 pieces, 256 chains on 132 SMs: 542 µs a call on two chains a CTA against 657 on one).
   """
 
   intra: str = "kernel"
@@ -213,7 +213,7 @@ class GpuTuning:
   approx_math: bool = True
   join_exit: bool = True
   grads_warpgroups: int = 2
-  row_pieces: int = 1
+  row_pieces: int = 0
   maps_chains: int = 0
 
   def __post_init__(self):
