@@ -109,10 +109,9 @@ _FORWARD = flags.DEFINE_enum("forward", "auto", ["auto", "split", "fused", "walk
                              "runs, else the split), the split (intra kernel, state pass), the "
                              "fused Triton kernels (needs the triton extra) or, pallas_gpu only, "
                              "the warp-specialised Mosaic walks.")
-_ROW_PIECES = flags.DEFINE_integer("row_pieces", 1, "pallas_gpu's walks and Mosaic state pass "
+_ROW_PIECES = flags.DEFINE_integer("row_pieces", 0, "pallas_gpu's walks and Mosaic state pass "
                                    "(GpuTuning.row_pieces): cut every row into this many pieces "
-                                   "(1: whole rows, the default; 0: the auto rule), e.g. for "
-                                   "the T sweep's long rows.")
+                                   "(0: the auto rule, the library's default; 1: whole rows).")
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir", "", "With --breakdown: also run each intra-chunk kernel once under Mosaic GPU's "
     "in-kernel profiler, write its traces here and log the time per named phase "
