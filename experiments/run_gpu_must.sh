@@ -13,7 +13,7 @@
 # back only a few files a call), and prints what it found. Back on the CPU machine,
 # `python3 -m experiments.must_line` reads them into the must table (docs/BENCHMARKS.md has the
 # command). Env: MUST_TAG names the files (default the UTC date), SWEEP_MIXERS (default
-# gated_delta_rule,kda), XD (pytest-xdist workers, default "-n 10").
+# gated_delta_rule,delta_rule,kda), XD (pytest-xdist workers, default "-n 10").
 set -u
 PHASE=${1:?phase: tests, ops, train or sweep}
 TAG=${MUST_TAG:-$(date -u +%F)}
@@ -73,7 +73,7 @@ ops)
   ;;
 sweep)
   timeout 540 python3 -u -m experiments.bench_kernels --impls=pallas_gpu,jla \
-    --mixers=${SWEEP_MIXERS:-gated_delta_rule,kda} --modes=fwdbwd --shapes=1,8192,96,128 \
+    --mixers=${SWEEP_MIXERS:-gated_delta_rule,delta_rule,kda} --modes=fwdbwd --shapes=1,8192,96,128 \
     --sweep_tokens=65536 --err_tol=1 --time_budget_s=500 \
     --out_json=$KEEP/bench_kernels_${H200}_must_sweep.json \
     --out_md=$KEEP/bench_kernels_${H200}_must_sweep.md > $KEEP/sweep.log 2>&1
