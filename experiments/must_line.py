@@ -205,10 +205,10 @@ def sweep_rises(files: Sequence[dict]) -> dict[tuple[str, str], tuple[float, lis
     for r in data["results"]:
       if r.get("mode") != "fwdbwd" or r.get("ms") is None:
         continue
-      b, t, h, _ = r["shape"]
-      points.setdefault((r["mixer"], r["impl"], h), []).append((tuple(r["shape"]), r["ms"]))
+      heads = r["shape"][2]
+      points.setdefault((r["mixer"], r["impl"], heads), []).append((tuple(r["shape"]), r["ms"]))
   rises = {}
-  for (mixer, impl, h), pts in points.items():
+  for (mixer, impl, _), pts in points.items():
     by_tokens = {}
     for shape, ms in pts:
       by_tokens.setdefault(shape[0] * shape[1], []).append((shape, ms))

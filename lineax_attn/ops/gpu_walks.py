@@ -216,9 +216,10 @@ walk_core.defvjp(walk_core_fwd, walk_core_bwd, symbolic_zeros=True)
 # first K state columns with v = 0; `maps_walk`, one or two chains per CTA), the entry states
 # composed, then the ordinary walk of every piece; backward: the reverse walk of every piece
 # from a zero end cotangent (`states_only`: its entry cotangent alone), the final state's
-# cotangent carried back to every piece's end, then the ordinary backward of every piece. Linear attention makes its maps and entry cotangents
-# by products instead (`_piece_products`). The maps come from the walk itself (bf16 operands,
-# float32 state), so forward and gradients are the unsplit op's up to that rounding.
+# cotangent carried back to every piece's end, then the ordinary backward of every piece.
+# Linear attention makes its maps and entry cotangents by products instead
+# (`_piece_products`). The maps come from the walk itself (bf16 operands, float32 state), so
+# forward and gradients are the unsplit op's up to that rounding.
 
 
 def _pieces_time(x, p):
