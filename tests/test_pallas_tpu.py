@@ -83,7 +83,10 @@ def _value_and_grads(fn, args, s0, extra=None):
 
   jitted = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
   compiled = jitted.lower(args, s0, extra or {}).compile(compiler_options=FAST_COMPILE)
-  (_, outs), grads = compiled(args, s0, extra or {})
+  # Blocked: the interpreter records its race state from callbacks while the program runs, and
+  # dispatch is asynchronous (under a mesh, four CPU devices), so `kernel_mode`'s check must
+  # wait for the run, not for the call's return (it once read "did not run" in the suite).
+  (_, outs), grads = jax.block_until_ready(compiled(args, s0, extra or {}))
   return outs, grads
 
 
