@@ -51,7 +51,7 @@ tests)
   ;;
 ops)
   AB="python3 -u -m experiments.bench_ab --timing=queued --baseline=jla"
-  timeout 220 $AB --mixers=gated_delta_rule,delta_rule,kda,gdn2 --modes=fwdbwd,fwdbwd_dep \
+  timeout 280 $AB --mixers=gated_delta_rule,delta_rule,kda,gdn2 --modes=fwdbwd,fwdbwd_dep \
     --variants=pallas_gpu,jla --rounds=5 --shape=4,4096,16,128 \
     --out_json=$KEEP/bench_ab_${H200}_must_table.json --out_md=$KEEP/bench_ab_${H200}_must_table.md \
     > $KEEP/ab_table.log 2>&1
