@@ -13,11 +13,12 @@ flat T sweep; docs/KERNELS_GPU.md, "Long rows in pieces"), and the auto rule
 
     python3 -u -m experiments.bench_walks --shape=1,65536,16,128 --pieces=1,4,8
 
-prints one row per walk and piece count: its CTAs, the waves they make on this GPU's SMs (one
-CTA per SM), the chunks each walks, the median time per call (`--iters` calls queued and
-waited for once, over `--rounds`), and that time per step, call / (waves · chunks). Rows of P
-pieces are P rows of T/P tokens (the kernels' inputs as `gpu_walks` lays them out). Inputs are
-random: the walks' work does not depend on their values. Off GPU the kernels run in JAX's Mosaic
+prints one row per walk, `--overlap` value and piece count: its CTAs, the waves they make on
+this GPU's SMs (one CTA per SM), the chunks each walks, the median time per call (`--iters`
+calls queued and waited for once, over `--rounds`), and that time per step, call / (waves ·
+chunks). Rows of P pieces are P rows of T/P tokens (the kernels' inputs as `gpu_walks` lays
+them out). Inputs are random: the walks' work does not depend on their values. Off GPU the
+kernels run in JAX's Mosaic
 GPU interpreter, to check this program, not to time it.
 """
 
@@ -43,6 +44,9 @@ _KERNELS = flags.DEFINE_list("kernels", ",".join(KERNELS),
 _GATED = flags.DEFINE_bool("gated", True, "GDN's gated walks (false: DeltaNet's).")
 _ITERS = flags.DEFINE_integer("iters", 10, "Calls per round, queued and waited for once.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed rounds per walk; the median is reported.")
+_OVERLAP = flags.DEFINE_list("overlap", "false", "`overlap` values of the forward and reverse "
+                             "walks (`GpuTuning.walk_overlap`), e.g. false,true: one row each, "
+                             "their rounds alternating (the maps' walk has no such option).")
 
 
 def _inputs(b, t, h, d, seed=0):
@@ -62,7 +66,7 @@ def _inputs(b, t, h, d, seed=0):
               s=normal((b, h, d, d), 0.1, jnp.float32))
 
 
-def _walk_call(kernel, x, d, gated, interpret):
+def _walk_call(kernel, x, d, gated, interpret, overlap=False):
   """(the jitted walk, its CTAs per row and head): one call of `kernel` on inputs x."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
@@ -71,11 +75,12 @@ def _walk_call(kernel, x, d, gated, interpret):
   if kernel == "walk":
     return jax.jit(lambda a: chunk_walk.chunk_walk(
         a["q"], a["k"], a["v"], a["t0"], a["g"], a["beta"], a["s"], scale=scale, gated=gated,
-        interpret=interpret)), blocks
+        overlap=overlap, interpret=interpret)), blocks
   if kernel in ("reverse", "reverse_states"):
     return jax.jit(lambda a: chunk_walk_reverse.chunk_walk_reverse(
         a["q"], a["k"], a["t0"], a["g"], a["beta"], a["do"], a["de"], a["s"], scale=scale,
-        gated=gated, states_only=kernel == "reverse_states", interpret=interpret)), blocks
+        gated=gated, states_only=kernel == "reverse_states", overlap=overlap,
+        interpret=interpret)), blocks
   chains = int(kernel[-1])
   wide = lambda s: jnp.concatenate([jnp.broadcast_to(jnp.eye(d, dtype=s.dtype), s.shape), s], 2)
   return jax.jit(lambda a: maps_walk.maps_walk(
@@ -96,6 +101,10 @@ def main(argv):
   if not pieces or min(pieces) < 1 or any(t % (64 * p) for p in pieces):
     raise app.UsageError(f"--pieces takes counts that cut T={t} into multiples of 64, "
                          f"got {_PIECES.value}")
+  words = [w.lower() for w in _OVERLAP.value]
+  if not words or not set(words) <= {"false", "true"}:
+    raise app.UsageError(f"--overlap takes false and / or true, got {_OVERLAP.value}")
+  overlaps = [w == "true" for w in words]
   if d not in (64, 128):
     raise app.UsageError(f"--shape: the walks take D = 64 or 128, got {d}")
   interpret = None
@@ -105,24 +114,32 @@ def main(argv):
   sms = gpu_pieces.device_sms()
   print(f"walks at B{b} T{t} H{h} D{d} ({'gated' if _GATED.value else 'ungated'}), "
         f"{jax.devices()[0].device_kind}, {sms} SMs", flush=True)
-  print("| walk | pieces | CTAs | waves | chunks a CTA | µs a call | µs a step |")
-  print("|---|---|---|---|---|---|---|")
+  print("| walk | overlap | pieces | CTAs | waves | chunks a CTA | µs a call | µs a step |")
+  print("|---|---|---|---|---|---|---|---|")
   for p in pieces:
     # P pieces = P rows of T/P tokens (the pieces' layout; T0 and the rows likewise).
     x = _inputs(b * p, t // p, h, d)
     for kernel in kernels:
       if kernel.startswith("maps") and p == 1:
         continue
-      fn, ctas_per_head = _walk_call(kernel, x, d, _GATED.value, interpret)
-      jax.block_until_ready(fn(x))
-      step = bench.Step(lambda fn=fn: fn(x), jax.block_until_ready)
-      call_us = np.median([bench.time_round(step, _ITERS.value, 0, "queued") * 1e3
-                           for _ in range(_ROUNDS.value)])
+      variants = [False] if kernel.startswith("maps") else overlaps
+      steps = {}
+      for overlap in variants:
+        fn, ctas_per_head = _walk_call(kernel, x, d, _GATED.value, interpret, overlap)
+        jax.block_until_ready(fn(x))
+        steps[overlap] = bench.Step(lambda fn=fn: fn(x), jax.block_until_ready)
+      times = {overlap: [] for overlap in variants}
+      for _ in range(_ROUNDS.value):   # alternating, so drift falls on both alike
+        for overlap in variants:
+          times[overlap].append(bench.time_round(steps[overlap], _ITERS.value, 0, "queued"))
       ctas = b * p * h * ctas_per_head
       waves = -(-ctas // sms)
       chunks = t // p // 64
-      print(f"| {kernel} | {p} | {ctas} | {waves} | {chunks} | {call_us:.0f} | "
-            f"{call_us / (waves * chunks):.2f} |", flush=True)
+      for overlap in variants:
+        call_us = float(np.median(times[overlap])) * 1e3
+        shown = "–" if kernel.startswith("maps") else str(overlap).lower()
+        print(f"| {kernel} | {shown} | {p} | {ctas} | {waves} | {chunks} | {call_us:.0f} | "
+              f"{call_us / (waves * chunks):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

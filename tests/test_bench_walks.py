@@ -18,11 +18,11 @@ def _run(*args):
 
 
 def _rows(stdout):
-  """{(walk, pieces): (CTAs, waves, chunks)} from the printed table."""
+  """{(walk, overlap, pieces): (CTAs, waves, chunks)} from the printed table."""
   rows = {}
-  for m in re.finditer(r"^\| (\w+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| \d+ \| [\d.]+ \|$",
-                       stdout, re.M):
-    rows[m[1], int(m[2])] = tuple(int(x) for x in m.group(3, 4, 5))
+  for m in re.finditer(r"^\| (\w+) \| (true|false|–) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| "
+                       r"\d+ \| [\d.]+ \|$", stdout, re.M):
+    rows[m[1], m[2], int(m[3])] = tuple(int(x) for x in m.group(4, 5, 6))
   return rows
 
 
@@ -33,13 +33,24 @@ def test_times_every_walk_in_the_interpreter():
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "walks at B1 T256 H1 D64 (gated)" in proc.stdout
   assert _rows(proc.stdout) == {
-      ("walk", 1): (1, 1, 4), ("reverse", 1): (1, 1, 4), ("reverse_states", 1): (1, 1, 4),
-      ("walk", 2): (2, 1, 2), ("reverse", 2): (2, 1, 2), ("reverse_states", 2): (2, 1, 2),
-      ("maps1", 2): (4, 1, 2), ("maps2", 2): (2, 1, 2)}, proc.stdout
+      ("walk", "false", 1): (1, 1, 4), ("reverse", "false", 1): (1, 1, 4),
+      ("reverse_states", "false", 1): (1, 1, 4), ("walk", "false", 2): (2, 1, 2),
+      ("reverse", "false", 2): (2, 1, 2), ("reverse_states", "false", 2): (2, 1, 2),
+      ("maps1", "–", 2): (4, 1, 2), ("maps2", "–", 2): (2, 1, 2)}, proc.stdout
+
+
+def test_times_both_overlap_values_of_the_walks():
+  # --overlap=false,true: a row for each value of the forward and reverse walks.
+  proc = _run("--shape=1,128,1,64", "--pieces=1", "--kernels=walk,reverse", "--overlap=false,true",
+              "--iters=1", "--rounds=1")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert _rows(proc.stdout) == {(w, o, 1): (1, 1, 2) for w in ("walk", "reverse")
+                                for o in ("false", "true")}, proc.stdout
 
 
 @pytest.mark.parametrize("flag,message", [("--kernels=walk,fast", "--kernels takes"),
                                           ("--pieces=3", "--pieces takes"),
+                                          ("--overlap=maybe", "--overlap takes"),
                                           ("--shape=1,256,1,32", "D = 64 or 128")])
 def test_bad_flags_are_usage_errors(flag, message):
   proc = _run("--shape=1,256,1,64", flag)

@@ -109,6 +109,40 @@ def test_reverse_kernel_matches_its_rounded_reference(case):
     assert_close(ds00, rds00, 5e-4, "dS0 without dE_ext")
 
 
+# (mixer: "gdn" | "deltanet" | "linear", K, V): the overlapped walks against the serial ones.
+OVERLAP_CASES = [("gdn", 64, 128), ("deltanet", 64, 64), ("linear", 64, 64)]
+if ON_GPU:
+  OVERLAP_CASES += [("gdn", 128, 128), ("deltanet", 128, 256)]
+
+
+@pytest.mark.parametrize("mixer,dk,dv", OVERLAP_CASES)
+def test_overlapped_products_change_no_result(mixer, dk, dv):
+  # `overlap` issues independent products together (one wait for two); the products, their
+  # operands and the sums are the serial walk's, so every output is the same to the bit:
+  # forward (o, e, states), reverse with and without dE_ext, and states only.
+  b, t, h, hv = 1, 320, 1, 2
+  q, k, v, t0, g, beta, s0t = _kernel_inputs(b, t, h, hv, dk, dv, seed=dk + dv)
+  t0 = None if mixer == "linear" else t0
+  gated = mixer == "gdn"
+  kw = dict(scale=dk ** -0.5, gated=gated, interpret=INTERPRET)
+  walk = lambda overlap: jax.jit(lambda *a: cw.chunk_walk(
+      *a, **kw, save_states=True, overlap=overlap))(q, k, v, t0, g, beta, s0t)
+  r = np.random.default_rng(dk)
+  do = jnp.asarray(r.standard_normal((b, t, hv, dv)), jnp.bfloat16)
+  dx = jnp.asarray(0.3 * r.standard_normal((b, t, hv, dv)), jnp.bfloat16)
+  dsf = jnp.asarray(0.1 * r.standard_normal((b, hv, dv, dk)), jnp.float32)
+  rev = lambda overlap, dx, alone=False: jax.jit(lambda *a: cwr.chunk_walk_reverse(
+      *a, **kw, states_only=alone, overlap=overlap))(q, k, t0, g, beta, do, dx, dsf)
+  pairs = [("forward", walk(False), walk(True)), ("reverse", rev(False, dx), rev(True, dx)),
+           ("reverse, no dE_ext", rev(False, None), rev(True, None)),
+           ("states only", rev(False, dx, True), rev(True, dx, True))]
+  for name, serial, overlapped in pairs:
+    for i, (x, y) in enumerate(zip(serial, overlapped)):
+      assert bool(jnp.any(x != 0)), (mixer, name, i)
+      np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(x, np.float32),
+                                    err_msg=f"{mixer} K{dk} V{dv} {name}, output {i}")
+
+
 LINEAR_KERNEL_CASES = [(1, 192, 1, 2, 64, 128)]
 if ON_GPU:
   LINEAR_KERNEL_CASES += [(2, 1024, 2, 4, 128, 128)]
@@ -259,6 +293,34 @@ def test_grads_options_reach_chunk_grads_and_keep_the_gradients(monkeypatch, mix
                                     f"warpgroups={warpgroups}: d{name}")
 
 
+@pytest.mark.parametrize("mixer,pieces", [("gated_delta_rule", 1), ("gated_delta_rule", 2),
+                                          ("delta_rule", 2)])
+def test_walk_overlap_reaches_both_walks_and_keeps_the_gradients(monkeypatch, mixer, pieces):
+  # GpuTuning(walk_overlap=True) reaches the forward walk, the reverse walk and, with rows in
+  # pieces, the states-only reverse walk of the entry cotangents; outputs and gradients stay
+  # the scan's.
+  seen = []
+  for mod, name in ((cw, "chunk_walk"), (cwr, "chunk_walk_reverse")):
+    real = getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: seen.append(
+        (name, k.get("states_only", False), k["overlap"])) or real(*a, **k))
+  args, kw = make_inputs(mixer, b=1, t=256, h=1, hv=1, dk=64, dv=64, seed=43)
+  tuning = pallas_gpu.GpuTuning(forward="walk", walk_overlap=True, row_pieces=pieces)
+
+  def grads(impl, tuning):
+    f = lambda *a: jnp.sum(run_jit(mixer, a, **kw, implementation=impl, tuning=tuning)[0] ** 2)
+    return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
+
+  got = grads("pallas_gpu", tuning)
+  want = {("chunk_walk", False, True), ("chunk_walk_reverse", False, True)}
+  if pieces > 1:
+    want.add(("chunk_walk_reverse", True, True))
+  assert set(seen) == want
+  names = ["q", "k", "v"] + (["g", "beta"] if mixer == "gated_delta_rule" else ["beta"])
+  for name, g, w in zip(names, got, grads("scan", None)):
+    assert_close(g, w, GRAD_TOL, f"{mixer} in {pieces} pieces, walk_overlap: d{name}")
+
+
 def test_linear_attention_takes_the_walks_without_t0(monkeypatch):
   # Linear attention runs the walks with t0=None (no gate-free inverse is made) where DeltaNet /
   # GDN would walk (forward="walk", or "auto" where the triton extra runs); the split keeps it
@@ -322,12 +384,13 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
   args = (sds((b, t, h, dk), bf), sds((b, t, h, dk), bf), sds((b, t, hv, dv), bf),
           sds((b, hv, t // 64, 64, 64), bf), sds((b, hv, t), f32), sds((b, hv, t), f32),
           sds((b, hv, dv, dk), f32))
-  for gated, save in ((True, False), (False, False), (True, True)):
-    fn = lambda *a, gated=gated, save=save: cw._chunk_walk(
-        *a, scale=0.1, gated=gated, save_states=save, interpret=None)
+  for gated, save, overlap in ((True, False, False), (False, False, False), (True, True, False),
+                               (True, True, True), (False, False, True)):
+    fn = lambda *a, gated=gated, save=save, overlap=overlap: cw._chunk_walk(
+        *a, scale=0.1, gated=gated, save_states=save, overlap=overlap, interpret=None)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, save, estimates[-1])
+    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, save, overlap, estimates[-1])
   assert cw.ring_stages(dk) == (4 if dk == 64 else 2)
   # The maps' walk of row pieces: k, v, T0, g, β and a state K columns wider than v (the
   # leading columns read v scaled by 0), one chain per CTA or two (4 and 3 warpgroups' worth
@@ -343,10 +406,18 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
   assert mw.ring_stages(dk, 2) == (4 if dk == 64 else 3)
   # The reverse walk: q, k, T0, g, β, dO, dE_ext, dS_T.
   rev_args = args[:2] + args[3:6] + (sds((b, t, hv, dv), bf),) * 2 + (args[6],)
-  for gated, alone in ((True, False), (False, False), (True, True)):
-    fn = lambda *a, gated=gated, alone=alone: cwr._chunk_walk_reverse(
-        *a, scale=0.1, gated=gated, states_only=alone, interpret=None)
+  for gated, alone, overlap in ((True, False, False), (False, False, False), (True, True, False),
+                                (True, False, True), (False, False, True), (True, True, True)):
+    fn = lambda *a, gated=gated, alone=alone, overlap=overlap: cwr._chunk_walk_reverse(
+        *a, scale=0.1, gated=gated, states_only=alone, overlap=overlap, interpret=None)
     text = jax.jit(fn).trace(*rev_args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
-    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, ("reverse", dk, gated, alone, estimates[-1])
+    assert 0 < estimates[-1] <= cw.SMEM_LIMIT, ("reverse", dk, gated, alone, overlap,
+                                                estimates[-1])
+  # ... and linear attention's (no T0), its products overlapped.
+  fn = lambda *a: cwr._chunk_walk_reverse(*a[:2], None, *a[2:], scale=0.1, gated=False,
+                                          states_only=False, overlap=True, interpret=None)
+  text = jax.jit(fn).trace(*rev_args[:2], *rev_args[3:]).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
   assert cwr.ring_stages(dk) == (3 if dk == 64 else 2)

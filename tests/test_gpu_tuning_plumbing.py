@@ -33,6 +33,8 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
   assert ops.GpuTuning().grads_warpgroups == 2         # timed faster on the H200: the default
   assert ops.GpuTuning.parse("maps_chains=2").maps_chains == 2
   assert ops.GpuTuning().maps_chains == 0              # the waves decide (`gpu_pieces`)
+  assert ops.GpuTuning.parse("walk_overlap=true").walk_overlap is True
+  assert ops.GpuTuning().walk_overlap is False         # untimed on the GPU: off by default
 
 
 @pytest.mark.parametrize("text, match", [
@@ -45,6 +47,7 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
     ("channel_span=-1", r"\[0, 80\]"),
     ("approx_math=yes", "true or false"),
     ("join_exit=1", "true or false"),
+    ("walk_overlap=on", "true or false"),
     ("grads_warpgroups=two", "an integer"),
     ("grads_warpgroups=3", "1 or 2"),
     ("maps_chains=3", "0 \\(auto\\), 1 or 2"),

@@ -194,6 +194,15 @@ class GpuTuning:
       factors, so two latency-bound chains are in flight per SM), or 0 ("auto", the default,
       `gpu_pieces.maps_chains`: 2 where that saves waves, e.g. B1 T65536 H16 K = V = 128 in
       4 pieces, 256 chains on 132 SMs: 542 µs a call on two chains a CTA against 657 on one).
+    walk_overlap: whether the walks issue independent products together, one wait for each
+      pair instead of one each: the reverse walk's state chain (k dS with Pᵀ dO, then Mᵀ dE
+      with qᵀ dO: three waits a chunk instead of five) and the forward walk's output warpgroup
+      (q S with P E, so the next chunk's M̃, which the state chain waits for, comes sooner).
+      Same products, operands and sums: the results are the same. The reverse step (2.45 µs
+      at B1 T65536 in 4 pieces, 2.07 states only) does two more dependent waits than the
+      maps' walk (1.28). Off (the default) until timed: written 2026-12-05 in the
+      interpreters and lowered for CUDA, with no GPU lent (docs/BENCHMARKS.md "twenty-third
+      stage" has the device commands that decide it).
   """
 
   intra: str = "kernel"
@@ -215,6 +224,7 @@ class GpuTuning:
   grads_warpgroups: int = 2
   row_pieces: int = 0
   maps_chains: int = 0
+  walk_overlap: bool = False
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
@@ -230,7 +240,7 @@ class GpuTuning:
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")
-    for name in ("remat_intra", "approx_math", "join_exit"):
+    for name in ("remat_intra", "approx_math", "join_exit", "walk_overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"GpuTuning.{name} must be a bool, got {getattr(self, name)!r}.")
     if self.state_products == "channel" and self.channel_grads != "states":

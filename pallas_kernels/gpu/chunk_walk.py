@@ -154,16 +154,25 @@ def product(a, b, shape, stage=None):
   JAX's Mosaic GPU interpreter (jax 0.11.2) runs wgmma only from shared memory, so there a
   register operand is first stored to `stage` (a scratch tile the kernel allocates only when
   interpreted); compiled, `stage` is None and the operand stays in registers."""
-  if stage is not None and isinstance(a, jax.Array):
-    stage[...] = a
-    plgpu.commit_smem()
-    a = stage
-  (out,) = mc.matmuls((shape[0], shape[1], [(a, b)]))
-  return out
+  return products([(a, b, shape, stage)])[0]
+
+
+def products(items):
+  """Independent products issued at once and waited for together (one wait, their latencies
+  overlapped), each `(a, b, shape, stage)` as `product` takes it; their values in order.
+  Register operands stay live until the wait: group only what fits the registers."""
+  groups = []
+  for a, b, shape, stage in items:
+    if stage is not None and isinstance(a, jax.Array):
+      stage[...] = a
+      plgpu.commit_smem()
+      a = stage
+    groups.append((shape[0], shape[1], [(a, b)]))
+  return mc.matmuls(*groups)
 
 
 def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
-               save_states: bool = False, interpret=None):
+               save_states: bool = False, overlap: bool = False, interpret=None):
   """(o, e, s_final_t[, h_t]) of the delta rule's chunk form, or of linear attention.
 
   Args:
@@ -175,6 +184,9 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
     s0t: `[B, HV, V, K]` float32, the initial state transposed.
     save_states: also return h_t, the bf16 state entering every chunk (transposed, exactly
       the operand the chunk used): the backward's residual.
+    overlap: the output warpgroup issues q S and P E together (one wait, not two; the same
+      results), so the next chunk's M̃, which the state chain waits for, comes sooner. Off
+      until timed on the GPU.
   Returns:
     o `[B, T, HV, V]` bf16 (its products' operands are bf16 already; rounding it here saves
     the float32 round trip through HBM), e `[B, T, HV, V]` bf16 (the pseudo-values, the write
@@ -185,7 +197,8 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
     raise ValueError(f"chunk_walk: s0t {tuple(s0t.shape)} must hold V = {v.shape[3]} state "
                      "columns (a wider state with leading v = 0 columns: maps_walk).")
   outs = _chunk_walk(q, k, v, t0, g, beta, s0t, scale=float(scale), gated=bool(gated),
-                     save_states=bool(save_states), interpret=interpret)
+                     save_states=bool(save_states), overlap=bool(overlap),
+                     interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
@@ -203,8 +216,10 @@ def kernel_args(args):
   return tuple(x for x in args if x is not None), with_absent
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "interpret"))
-def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpret):
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "overlap",
+                                             "interpret"))
+def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpret,
+                overlap=False):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
@@ -323,8 +338,12 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         p = (qk * (gam * scale)).astype(MM_DTYPE)
         plgpu.barrier_wait(pub_ready.at[half])
         plgpu.copy_smem_to_gmem(e_pub.at[half], e_ref.at[bi, rows, hi, vs])
-        qs = product(q_s.at[slot], s_pub.at[half].T, (c, bv))
-        pe = product(p, e_pub.at[half], (c, bv), stage_p)
+        if overlap:   # one wait for both: the state warpgroup's next M̃ waits for this step
+          qs, pe = products([(q_s.at[slot], s_pub.at[half].T, (c, bv), None),
+                             (p, e_pub.at[half], (c, bv), stage_p)])
+        else:
+          qs = product(q_s.at[slot], s_pub.at[half].T, (c, bv))
+          pe = product(p, e_pub.at[half], (c, bv), stage_p)
         plgpu.barrier_arrive(in_free.at[slot])
         # E's copy (and the copy of O two chunks back, from o_out[half]) done reading.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

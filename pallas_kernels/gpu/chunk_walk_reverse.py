@@ -42,9 +42,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gpu import mosaic_common as mc
 from pallas_kernels.gpu.chunk_walk import (BLOCK_V, CHUNK, MEMORY_REGS, MM_DTYPE, OUTPUT_REGS,
-                                           SMEM_LIMIT, STATE_REGS, _COLS, _WG, product,
-                                           copy_chunk_keys, decay_mask, kernel_args, load_state,
-                                           store_state, stream_ring, supported)
+                                           SMEM_LIMIT, STATE_REGS, _COLS, _WG, copy_chunk_keys,
+                                           decay_mask, kernel_args, load_state, product,
+                                           products, store_state, stream_ring, supported)
 from pallas_kernels.gpu.state_passing import check_index_range
 
 
@@ -60,7 +60,7 @@ def ring_stages(dk: int, bv: int = BLOCK_V) -> int:
 
 
 def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, gated: bool = True,
-                       states_only: bool = False, interpret=None):
+                       states_only: bool = False, overlap: bool = False, interpret=None):
   """(de_t, dh_t, ds0_t): the reverse state pass of `chunk_walk`.
 
   Args:
@@ -71,19 +71,22 @@ def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, ga
     dsf_t: `[B, HV, V, K]` float32, the cotangent of the final state, transposed.
     states_only: return only (ds0_t,): dE and the chunk cotangents are made but not stored (the
       entry cotangents of rows cut into pieces, `gpu_walks.walk_pieces_core`).
+    overlap: issue each of the chain's first two products together with an independent one
+      (three waits a chunk instead of five; the same results). Off until timed on the GPU.
   Returns:
     de_t `[B, HV, Nc, V, C]` bf16 (dE of each chunk, transposed), dh_t `[B, HV, Nc, V, K]`
     bf16 (dS leaving each chunk, transposed, exactly as used), ds0_t `[B, HV, V, K]` float32.
   """
   outs = _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, scale=float(scale),
                              gated=bool(gated), states_only=bool(states_only),
-                             interpret=interpret)
+                             overlap=bool(overlap), interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "gated", "states_only", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "gated", "states_only", "overlap",
+                                             "interpret"))
 def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, states_only,
-                        interpret):
+                        interpret, overlap=False):
   b, t, h, dk = q.shape
   hv, dv = do.shape[2], do.shape[3]
   c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
@@ -105,7 +108,8 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
 
   def kernel(q_ref, k_ref, t0_ref, g_ref, beta_ref, do_ref, dx_ref, dsf_ref, de_ref, dh_ref,
              ds0_ref, q_s, k_s, do_s, dx_s, m_s, p_s, g_state, b_cols, g_rows, g_cols, s_pub,
-             de_out, s_f32, in_bar, in_free, factors_ready, s_bar, stage_k=None, stage_c=None):
+             de_out, s_f32, in_bar, in_free, factors_ready, s_bar, stage_k=None, stage_c=None,
+             stage_q=None):
     bi, hi, vi = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("v")
     ki = lax.div(hi, n_rep)
     vs = pl.ds(vi * bv, bv)
@@ -157,11 +161,20 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
         else:
           out_scale = scale
           key_scale = mc.cols(beta_col, (bv, c))
-        kds_t = product(ds_lo, k_s.at[slot].T, (bv, c), stage_k)          # the chain
-        do_t = plgpu.load(do_s.at[slot].T, layout=_WG).astype(jnp.float32)
-        qdo_t = product((do_t * out_scale).astype(MM_DTYPE), q_s.at[slot], (bv, dk), stage_c)
-        plgpu.barrier_wait(factors_ready.at[slot])
-        pdo_t = product(do_s.at[slot].T, p_s.at[slot], (bv, c))
+        sdo = lambda: (plgpu.load(do_s.at[slot].T, layout=_WG).astype(jnp.float32)
+                       * out_scale).astype(MM_DTYPE)               # (s e ⊙ dO)ᵀ, bf16
+        if overlap:
+          # Three waits a chunk, not five: each of the chain's first two products (k dS, then
+          # Mᵀ dE) is issued with an independent one (Pᵀ dO, then qᵀ dO), both waited for at
+          # once. Same products, operands and sums as below.
+          plgpu.barrier_wait(factors_ready.at[slot])
+          kds_t, pdo_t = products([(ds_lo, k_s.at[slot].T, (bv, c), stage_k),    # the chain
+                                   (do_s.at[slot].T, p_s.at[slot], (bv, c), None)])
+        else:
+          kds_t = product(ds_lo, k_s.at[slot].T, (bv, c), stage_k)        # the chain
+          qdo_t = product(sdo(), q_s.at[slot], (bv, dk), stage_c)
+          plgpu.barrier_wait(factors_ready.at[slot])
+          pdo_t = product(do_s.at[slot].T, p_s.at[slot], (bv, c))
         de_t = pdo_t + (kds_t * exit_ if gated else kds_t)
         if with_dx:
           de_t = de_t + plgpu.load(dx_s.at[slot].T, layout=_WG).astype(jnp.float32)
@@ -169,9 +182,15 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
           de_out.at[half][...] = de_t.astype(MM_DTYPE)
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(de_out.at[half], de_ref.at[bi, hi, n, vs])
+        if overlap and delta:
+          z_t, qdo_t = products([(de_t.astype(MM_DTYPE), m_s.at[slot], (bv, c), stage_c),
+                                 (sdo(), q_s.at[slot], (bv, dk), stage_q)])  # z: the chain
+        elif overlap:
+          qdo_t = product(sdo(), q_s.at[slot], (bv, dk), stage_q)
         ds_next = (ds_t * decay if gated else ds_t) + qdo_t
         if delta:
-          z_t = product(de_t.astype(MM_DTYPE), m_s.at[slot], (bv, c), stage_c)   # the chain
+          if not overlap:
+            z_t = product(de_t.astype(MM_DTYPE), m_s.at[slot], (bv, c), stage_c)   # the chain
           kz_t = product((z_t * key_scale).astype(MM_DTYPE), k_s.at[slot], (bv, dk), stage_c)
           ds_next = ds_next - kz_t
         plgpu.barrier_arrive(in_free.at[slot])
@@ -211,7 +230,8 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
       in_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       factors_ready=plgpu.Barrier(num_barriers=stages), s_bar=plgpu.Barrier(num_barriers=1))
   if interpret is not None:   # staging tiles for register operands (`chunk_walk.product`)
-    scratch.update(stage_k=mc.smem((bv, dk), MM_DTYPE), stage_c=mc.smem((bv, c), MM_DTYPE))
+    scratch.update(stage_k=mc.smem((bv, dk), MM_DTYPE), stage_c=mc.smem((bv, c), MM_DTYPE),
+                   stage_q=mc.smem((bv, c), MM_DTYPE))
 
   ins, with_absent = kernel_args((q, k, t0, g, beta, do, de_ext, dsf_t))
   n_io = len(ins) + len(out_type)
