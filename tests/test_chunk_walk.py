@@ -109,17 +109,19 @@ def test_reverse_kernel_matches_its_rounded_reference(case):
     assert_close(ds00, rds00, 5e-4, "dS0 without dE_ext")
 
 
-# (mixer: "gdn" | "deltanet" | "linear", K, V): the overlapped walks against the serial ones.
-OVERLAP_CASES = [("gdn", 64, 128), ("deltanet", 64, 64), ("linear", 64, 64)]
+# (mixer: "gdn" | "deltanet" | "linear", K, V): the overlapped walks against the serial ones;
+# K 128 rings two chunks, so the forward's next M̃ waits for its chunk to land.
+OVERLAP_CASES = [("gdn", 64, 128), ("gdn", 128, 64), ("deltanet", 64, 64), ("linear", 64, 64)]
 if ON_GPU:
   OVERLAP_CASES += [("gdn", 128, 128), ("deltanet", 128, 256)]
 
 
 @pytest.mark.parametrize("mixer,dk,dv", OVERLAP_CASES)
 def test_overlapped_products_change_no_result(mixer, dk, dv):
-  # `overlap` issues independent products together (one wait for two); the products, their
-  # operands and the sums are the serial walk's, so every output is the same to the bit:
-  # forward (o, e, states), reverse with and without dE_ext, and states only.
+  # `overlap` issues independent products together (one wait for two) and makes the forward's
+  # next M̃ before O's epilogue; the products, their operands and the sums are the serial
+  # walk's, so every output is the same to the bit: forward (o, e, states), reverse with and
+  # without dE_ext, and states only.
   b, t, h, hv = 1, 320, 1, 2
   q, k, v, t0, g, beta, s0t = _kernel_inputs(b, t, h, hv, dk, dv, seed=dk + dv)
   t0 = None if mixer == "linear" else t0
@@ -141,6 +143,24 @@ def test_overlapped_products_change_no_result(mixer, dk, dv):
       assert bool(jnp.any(x != 0)), (mixer, name, i)
       np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(x, np.float32),
                                     err_msg=f"{mixer} K{dk} V{dv} {name}, output {i}")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the race detector is the interpreter's")
+@pytest.mark.parametrize("dk", [64, 128])
+def test_overlapped_walks_hand_over_tiles_without_races(dk):
+  # Overlapped, the forward's output warpgroup writes the next chunk's M̃ into the ring while
+  # the state warpgroup works on this one, and the reverse walk stages two register operands at
+  # once; the detector sees register loads and stores of shared memory (not wgmma's reads).
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # the detector's verdict
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  q, k, v, t0, g, beta, s0t = _kernel_inputs(1, 192, 1, 1, dk, 64, seed=dk)
+  kw = dict(scale=dk ** -0.5, overlap=True,
+            interpret=plgpu.InterpretGPUParams(detect_races=True))
+  jax.block_until_ready(cw.chunk_walk(q, k, v, t0, g, beta, s0t, **kw))
+  assert gpu_callbacks.get_races().races_found is False
+  do = jnp.ones((1, 192, 1, 64), jnp.bfloat16)
+  jax.block_until_ready(cwr.chunk_walk_reverse(q, k, t0, g, beta, do, do, s0t, **kw))
+  assert gpu_callbacks.get_races().races_found is False
 
 
 LINEAR_KERNEL_CASES = [(1, 192, 1, 2, 64, 128)]

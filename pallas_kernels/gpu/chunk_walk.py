@@ -18,7 +18,8 @@ with every wgmma operand passing registers → shared memory first. Here one CTA
   It publishes the bf16 Sᵀ and E of each chunk in a double buffer;
 * **output**: makes the chunk's factors while the state warpgroup works, M̃ = T0 ⊙ Γ · diag(β)
   (written over T0 in the ring, so the chain reads it from there) and P = s q kᵀ ⊙ Γ, then
-  O = s e ⊙ (q S) + P E from the published tiles, and stores O and E.
+  O = s e ⊙ (q S) + P E from the published tiles, and stores O and E. With `overlap` it
+  makes the next chunk's M̃ as soon as this chunk's products are in, before O's epilogue.
 
 The maths is the split's and the Triton walk's (docs/MATH.md §3; `fused_forward`'s docstring):
 with D = diag(e^{G}), the gated inverse is M = D T0 D⁻¹, M_ij = T0_ij e^{G_i − G_j}, every
@@ -184,9 +185,9 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
     s0t: `[B, HV, V, K]` float32, the initial state transposed.
     save_states: also return h_t, the bf16 state entering every chunk (transposed, exactly
       the operand the chunk used): the backward's residual.
-    overlap: the output warpgroup issues q S and P E together (one wait, not two; the same
-      results), so the next chunk's M̃, which the state chain waits for, comes sooner. Off
-      until timed on the GPU.
+    overlap: the output warpgroup issues q S and P E together (one wait, not two) and makes
+      the next chunk's M̃, which the state chain waits for, right after them, before O's
+      epilogue (the same results). Off until timed on the GPU.
   Returns:
     o `[B, T, HV, V]` bf16 (its products' operands are bf16 already; rounding it here saves
     the float32 round trip through HBM), e `[B, T, HV, V]` bf16 (the pseudo-values, the write
@@ -318,33 +319,51 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
     def _output():
       plgpu.set_max_registers(OUTPUT_REGS, action="increase")
 
+      def make_m(slot, gam):   # M̃ = T0 ⊙ Γ · diag(β) over T0 in the ring: the state's Eᵀ = Rᵀ M̃ᵀ
+        beta_col = plgpu.load(b_cols.at[slot], layout=_COLS)
+        t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(f32)
+        m_s.at[slot][...] = (t0_tile * gam * mc.cols(beta_col, (c, c))).astype(MM_DTYPE)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(m_ready.at[slot])
+
+      # Overlapped, the next chunk's M̃ is made as soon as this chunk's products are in, before
+      # O's epilogue: the state chain waits for it (chunk 0's comes before the loop).
+      ahead = overlap and delta
+      if ahead:
+        plgpu.barrier_wait(in_bar.at[0])
+        make_m(0, decay_mask(g_rows, g_cols, 0, gated))
+
       def step(n, carry):
         slot = lax.rem(n, stages)
         half = lax.rem(n, 2)
         rows = pl.ds(n * c, c)
-        plgpu.barrier_wait(in_bar.at[slot])
+        if not ahead:   # (ahead: waited for in the step before)
+          plgpu.barrier_wait(in_bar.at[slot])
         gam = decay_mask(g_rows, g_cols, slot, gated)
         if gated:
           entry = mc.rows(jnp.exp(plgpu.load(g_rows.at[slot], layout=_ROWS)) * scale, (c, bv))
         else:
           entry = scale
-        if delta:   # M̃ = T0 ⊙ Γ · diag(β) over T0 in the ring: the state's Eᵀ = Rᵀ M̃ᵀ
-          beta_col = plgpu.load(b_cols.at[slot], layout=_COLS)
-          t0_tile = plgpu.load(m_s.at[slot], layout=_WG).astype(f32)
-          m_s.at[slot][...] = (t0_tile * gam * mc.cols(beta_col, (c, c))).astype(MM_DTYPE)
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(m_ready.at[slot])
+        if delta and not ahead:
+          make_m(slot, gam)
         qk = product(q_s.at[slot], k_s.at[slot].T, (c, c))
         p = (qk * (gam * scale)).astype(MM_DTYPE)
         plgpu.barrier_wait(pub_ready.at[half])
         plgpu.copy_smem_to_gmem(e_pub.at[half], e_ref.at[bi, rows, hi, vs])
-        if overlap:   # one wait for both: the state warpgroup's next M̃ waits for this step
+        if overlap:   # one wait for both
           qs, pe = products([(q_s.at[slot], s_pub.at[half].T, (c, bv), None),
                              (p, e_pub.at[half], (c, bv), stage_p)])
         else:
           qs = product(q_s.at[slot], s_pub.at[half].T, (c, bv))
           pe = product(p, e_pub.at[half], (c, bv), stage_p)
         plgpu.barrier_arrive(in_free.at[slot])
+        if ahead:
+          @pl.when(n + 1 < nc)
+          def _next_m():
+            nxt = lax.rem(n + 1, stages)
+            plgpu.barrier_wait(in_bar.at[nxt])
+            make_m(nxt, decay_mask(g_rows, g_cols, nxt, gated))
+
         # E's copy (and the copy of O two chunks back, from o_out[half]) done reading.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         plgpu.barrier_arrive(pub_free.at[half])
