@@ -18,8 +18,7 @@ this GPU's SMs (one CTA per SM), the chunks each walks, the median time per call
 calls queued and waited for once, over `--rounds`), and that time per step, call / (waves ·
 chunks). Rows of P pieces are P rows of T/P tokens (the kernels' inputs as `gpu_walks` lays
 them out). Inputs are random: the walks' work does not depend on their values. Off GPU the
-kernels run in JAX's Mosaic
-GPU interpreter, to check this program, not to time it.
+kernels run in JAX's Mosaic GPU interpreter, to check this program, not to time it.
 """
 
 from __future__ import annotations
