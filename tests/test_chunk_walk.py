@@ -109,20 +109,22 @@ def test_reverse_kernel_matches_its_rounded_reference(case):
     assert_close(ds00, rds00, 5e-4, "dS0 without dE_ext")
 
 
-# (mixer: "gdn" | "deltanet" | "linear", K, V): the overlapped walks against the serial ones;
-# K 128 rings two chunks, so the forward's next M̃ waits for its chunk to land.
-OVERLAP_CASES = [("gdn", 64, 128), ("gdn", 128, 64), ("deltanet", 64, 64), ("linear", 64, 64)]
+# (mixer: "gdn" | "deltanet" | "linear", T, K, V): the overlapped walks against the serial ones.
+# Both rings wrap: K 64 holds four chunks, K 128 two (where the forward's next M̃ waits for
+# its chunk to land).
+OVERLAP_CASES = [("gdn", 320, 64, 64), ("gdn", 192, 128, 64), ("deltanet", 192, 64, 64),
+                 ("linear", 192, 64, 64)]
 if ON_GPU:
-  OVERLAP_CASES += [("gdn", 128, 128), ("deltanet", 128, 256)]
+  OVERLAP_CASES += [("gdn", 1024, 128, 128), ("deltanet", 1024, 128, 256)]
 
 
-@pytest.mark.parametrize("mixer,dk,dv", OVERLAP_CASES)
-def test_overlapped_products_change_no_result(mixer, dk, dv):
+@pytest.mark.parametrize("mixer,t,dk,dv", OVERLAP_CASES)
+def test_overlapped_products_change_no_result(mixer, t, dk, dv):
   # `overlap` issues independent products together (one wait for two) and makes the forward's
   # next M̃ before O's epilogue; the products, their operands and the sums are the serial
   # walk's, so every output is the same to the bit: forward (o, e, states), reverse with and
   # without dE_ext, and states only.
-  b, t, h, hv = 1, 320, 1, 2
+  b, h, hv = 1, 1, 2
   q, k, v, t0, g, beta, s0t = _kernel_inputs(b, t, h, hv, dk, dv, seed=dk + dv)
   t0 = None if mixer == "linear" else t0
   gated = mixer == "gdn"
