@@ -160,16 +160,33 @@ def product(a, b, shape, stage=None):
 
 def products(items):
   """Independent products issued at once and waited for together (one wait, their latencies
-  overlapped), each `(a, b, shape, stage)` as `product` takes it; their values in order.
-  Register operands stay live until the wait: group only what fits the registers."""
-  groups = []
-  for a, b, shape, stage in items:
+  overlapped), each `(a, b, shape, stage)` as `product` takes it; their values in order. An
+  item may instead be a callable, run between the issues: a barrier wait that only the later
+  products need, which the earlier ones then run through. Register operands stay live until
+  the wait: group only what fits the registers."""
+  issues, shapes = [], []
+  for item in items:
+    if callable(item):
+      issues.append(item)
+      continue
+    a, b, shape, stage = item
     if stage is not None and isinstance(a, jax.Array):
       stage[...] = a
       plgpu.commit_smem()
       a = stage
-    groups.append((shape[0], shape[1], [(a, b)]))
-  return mc.matmuls(*groups)
+    issues.append((a, b))
+    shapes.append(shape)
+
+  def body(*accs):
+    acc = iter(accs)
+    for issue in issues:
+      if callable(issue):
+        issue()
+      else:
+        plgpu.wgmma(next(acc), *issue)
+    return tuple(x[...] for x in accs)
+
+  return pl.run_scoped(body, *(plgpu.ACC(shape, jnp.float32) for shape in shapes))
 
 
 def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,

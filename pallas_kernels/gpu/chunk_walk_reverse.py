@@ -166,9 +166,9 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
         if overlap:
           # Three waits a chunk, not five: each of the chain's first two products (k dS, then
           # Mᵀ dE) is issued with an independent one (Pᵀ dO, then qᵀ dO), both waited for at
-          # once. Same products, operands and sums as below.
-          plgpu.barrier_wait(factors_ready.at[slot])
+          # once; k dS runs while P is awaited. Same products, operands and sums as below.
           kds_t, pdo_t = products([(ds_lo, k_s.at[slot].T, (bv, c), stage_k),    # the chain
+                                   lambda: plgpu.barrier_wait(factors_ready.at[slot]),
                                    (do_s.at[slot].T, p_s.at[slot], (bv, c), None)])
         else:
           kds_t = product(ds_lo, k_s.at[slot].T, (bv, c), stage_k)        # the chain
