@@ -198,11 +198,12 @@ class GpuTuning:
       pair instead of one each: the reverse walk's state chain (k dS with Pᵀ dO, then Mᵀ dE
       with qᵀ dO: three waits a chunk instead of five) and the forward walk's output warpgroup
       (q S with P E, then the next chunk's M̃, which the state chain waits for, before O's
-      epilogue). Same products, operands and sums: the results are the same. The reverse
-      step (2.45 µs at B1 T65536 in 4 pieces, 2.07 states only) waits for two more products
-      than the maps' walk (1.28). Off (the default) until timed: written 2026-12-05 in the
-      interpreters and lowered for CUDA, with no GPU lent (docs/BENCHMARKS.md "twenty-third
-      stage" has the device commands that decide it).
+      epilogue); both chains also store and copy out their tiles while a product runs. Same
+      products, operands and sums: the results are the same. The reverse step (2.45 µs at B1
+      T65536 in 4 pieces, 2.07 states only) waits for two more products than the maps' walk
+      (1.28). Off (the default) until timed: written 2026-12-05 in the interpreters and
+      lowered for CUDA, with no GPU lent (docs/BENCHMARKS.md "twenty-third stage" has the
+      device commands that decide it).
   """
 
   intra: str = "kernel"

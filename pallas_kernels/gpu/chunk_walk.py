@@ -202,9 +202,10 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
     s0t: `[B, HV, V, K]` float32, the initial state transposed.
     save_states: also return h_t, the bf16 state entering every chunk (transposed, exactly
       the operand the chunk used): the backward's residual.
-    overlap: the output warpgroup issues q S and P E together (one wait, not two) and makes
-      the next chunk's M̃, which the state chain waits for, right after them, before O's
-      epilogue (the same results). Off until timed on the GPU.
+    overlap: the state warpgroup issues its products before publishing Sᵀ and E, which then
+      run beside them; the output warpgroup issues q S and P E together (one wait, not two)
+      and makes the next chunk's M̃, which the state chain waits for, right after them,
+      before O's epilogue. The same results. Off until timed on the GPU.
   Returns:
     o `[B, T, HV, V]` bf16 (its products' operands are bf16 already; rounding it here saves
     the float32 round trip through HBM), e `[B, T, HV, V]` bf16 (the pseudo-values, the write
@@ -296,12 +297,24 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
           plgpu.barrier_wait(pub_free.at[half])
 
         s_lo = s_t.astype(MM_DTYPE)
-        if save_states:   # this tile's copy to h from two chunks back must have read it
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        s_pub.at[half][...] = s_lo
-        if save_states:
+
+        def publish_s():   # Sᵀ for the output warpgroup (and, saving states, for h)
+          if save_states:   # this tile's copy to h from two chunks back must have read it
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          s_pub.at[half][...] = s_lo
+          if save_states:
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s_pub.at[half], h_ref.at[bi, hi, n, vs])
+
+        def publish_e():   # E, then the output warpgroup may read both
+          e_pub.at[half].T[...] = e_t.astype(MM_DTYPE)
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(s_pub.at[half], h_ref.at[bi, hi, n, vs])
+          plgpu.barrier_arrive(pub_ready.at[half])
+
+        # Overlapped, the chain's products are issued first and the publishing runs while they
+        # do: Sᵀ beside Sᵀ kᵀ, E beside the state update.
+        if not (overlap and delta):
+          publish_s()
         if gated:
           g_col = plgpu.load(g_state.at[slot], layout=_COLS)
           g_last = g_state[slot, c - 1]
@@ -312,18 +325,23 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         # linear attention writes v itself.
         v_t = plgpu.load(v_s.at[slot].T, layout=_WG).astype(f32)
         if delta:
-          ks_t = product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
+          if overlap:
+            (ks_t,) = products([(s_lo, k_s.at[slot].T, (bv, c), stage_k), publish_s])
+          else:
+            ks_t = product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
           r_t = v_t - (ks_t * entry if gated else ks_t)
           plgpu.barrier_wait(m_ready.at[slot])
           e_t = product(r_t.astype(MM_DTYPE), m_s.at[slot].T, (bv, c), stage_c)
         else:
           e_t = v_t
-        e_pub.at[half].T[...] = e_t.astype(MM_DTYPE)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(pub_ready.at[half])
+        if not overlap:
+          publish_e()
         # Sᵀ ← γ Sᵀ + (Eᵀ ⊙ xᵀ) k
         xe_t = (e_t * exit_ if gated else e_t).astype(MM_DTYPE)
-        s_next = product(xe_t, k_s.at[slot], (bv, dk), stage_c)
+        if overlap:
+          (s_next,) = products([(xe_t, k_s.at[slot], (bv, dk), stage_c), publish_e])
+        else:
+          s_next = product(xe_t, k_s.at[slot], (bv, dk), stage_c)
         plgpu.barrier_arrive(in_free.at[slot])
         return s_next + (s_t * decay if gated else s_t)
 

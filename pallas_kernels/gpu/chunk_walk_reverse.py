@@ -72,7 +72,8 @@ def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, ga
     states_only: return only (ds0_t,): dE and the chunk cotangents are made but not stored (the
       entry cotangents of rows cut into pieces, `gpu_walks.walk_pieces_core`).
     overlap: issue each of the chain's first two products together with an independent one
-      (three waits a chunk instead of five; the same results). Off until timed on the GPU.
+      (three waits a chunk instead of five), the copies out of dS and dE running beside them.
+      The same results. Off until timed on the GPU.
   Returns:
     de_t `[B, HV, Nc, V, C]` bf16 (dE of each chunk, transposed), dh_t `[B, HV, Nc, V, K]`
     bf16 (dS leaving each chunk, transposed, exactly as used), ds0_t `[B, HV, V, K]` float32.
@@ -142,13 +143,24 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
         half = lax.rem(j, 2)
         plgpu.barrier_wait(in_bar.at[slot])
         ds_lo = ds_t.astype(MM_DTYPE)
-        if not states_only:
-          # Per step two copy-outs (dSᵀ from s_pub, then dEᵀ from de_out[half]); at most the
-          # last step's dEᵀ may still be reading, so s_pub and de_out[half] are free.
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-          s_pub[...] = ds_lo
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(s_pub, dh_ref.at[bi, hi, n, vs])
+
+        def store_dh():
+          if not states_only:
+            # Per step two copy-outs (dSᵀ from s_pub, then dEᵀ from de_out[half]); at most the
+            # last step's dEᵀ may still be reading, so s_pub and de_out[half] are free.
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            s_pub[...] = ds_lo
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(s_pub, dh_ref.at[bi, hi, n, vs])
+
+        def store_de(de_lo):
+          if not states_only:
+            de_out.at[half][...] = de_lo
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(de_out.at[half], de_ref.at[bi, hi, n, vs])
+
+        if not overlap:
+          store_dh()
         beta_col = plgpu.load(b_cols.at[slot], layout=_COLS)
         if gated:
           g_col = plgpu.load(g_state.at[slot], layout=_COLS)
@@ -166,8 +178,10 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
         if overlap:
           # Three waits a chunk, not five: each of the chain's first two products (k dS, then
           # Mᵀ dE) is issued with an independent one (Pᵀ dO, then qᵀ dO), both waited for at
-          # once; k dS runs while P is awaited. Same products, operands and sums as below.
+          # once; k dS runs while dSᵀ is copied out and P is awaited, the second pair while dEᵀ
+          # is. Same products, operands and sums as below.
           kds_t, pdo_t = products([(ds_lo, k_s.at[slot].T, (bv, c), stage_k),    # the chain
+                                   store_dh,
                                    lambda: plgpu.barrier_wait(factors_ready.at[slot]),
                                    (do_s.at[slot].T, p_s.at[slot], (bv, c), None)])
         else:
@@ -178,15 +192,18 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
         de_t = pdo_t + (kds_t * exit_ if gated else kds_t)
         if with_dx:
           de_t = de_t + plgpu.load(dx_s.at[slot].T, layout=_WG).astype(jnp.float32)
-        if not states_only:
-          de_out.at[half][...] = de_t.astype(MM_DTYPE)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(de_out.at[half], de_ref.at[bi, hi, n, vs])
-        if overlap and delta:
-          z_t, qdo_t = products([(de_t.astype(MM_DTYPE), m_s.at[slot], (bv, c), stage_c),
-                                 (sdo(), q_s.at[slot], (bv, dk), stage_q)])  # z: the chain
-        elif overlap:
-          qdo_t = product(sdo(), q_s.at[slot], (bv, dk), stage_q)
+        if not overlap:
+          if not states_only:
+            store_de(de_t.astype(MM_DTYPE))
+        else:   # dEᵀ's copy out runs beside the products
+          de_lo = de_t.astype(MM_DTYPE)
+          if delta:
+            z_t, qdo_t = products([(de_lo, m_s.at[slot], (bv, c), stage_c),    # the chain
+                                   (sdo(), q_s.at[slot], (bv, dk), stage_q),
+                                   lambda: store_de(de_lo)])
+          else:
+            (qdo_t,) = products([(sdo(), q_s.at[slot], (bv, dk), stage_q),
+                                 lambda: store_de(de_lo)])
         ds_next = (ds_t * decay if gated else ds_t) + qdo_t
         if delta:
           if not overlap:
