@@ -46,7 +46,7 @@ _HEAVY_MODULES_S = {
     "test_bench_startup.py": 32, "test_attention.py": 30, "test_readme.py": 26,
     "test_row_split.py": 30, "test_configs.py": 24, "test_index_width.py": 23,
     "test_optim.py": 20, "test_chunk_walk.py": 125, "test_chunk_grads.py": 25,
-    "test_bench_chunk_grads.py": 15, "test_bench_walks.py": 16,
+    "test_bench_chunk_grads.py": 15, "test_bench_walks.py": 16, "test_walk_mlir.py": 25,
 }
 
 
