@@ -27,16 +27,16 @@ def _rows(stdout):
 
 
 def test_times_every_walk_in_the_interpreter():
-  # B1 T256 H1 D64 (one 64-column block a head): whole rows walk 4 chunks; in 2 pieces, 2 rows
-  # of 2 chunks, the maps' state [I | S] two blocks wide: 4 chains, 2 CTAs of two.
-  proc = _run("--shape=1,256,1,64", "--pieces=1,2", "--iters=1", "--rounds=1")
+  # B1 T128 H1 D64 (one 64-column block a head): whole rows walk 2 chunks; in 2 pieces, 2 rows
+  # of 1 chunk, the maps' state [I | S] two blocks wide: 4 chains, 2 CTAs of two.
+  proc = _run("--shape=1,128,1,64", "--pieces=1,2", "--iters=1", "--rounds=1")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert "walks at B1 T256 H1 D64 (gated)" in proc.stdout
+  assert "walks at B1 T128 H1 D64 (gated)" in proc.stdout
   assert _rows(proc.stdout) == {
-      ("walk", "false", 1): (1, 1, 4), ("reverse", "false", 1): (1, 1, 4),
-      ("reverse_states", "false", 1): (1, 1, 4), ("walk", "false", 2): (2, 1, 2),
-      ("reverse", "false", 2): (2, 1, 2), ("reverse_states", "false", 2): (2, 1, 2),
-      ("maps1", "–", 2): (4, 1, 2), ("maps2", "–", 2): (2, 1, 2)}, proc.stdout
+      ("walk", "false", 1): (1, 1, 2), ("reverse", "false", 1): (1, 1, 2),
+      ("reverse_states", "false", 1): (1, 1, 2), ("walk", "false", 2): (2, 1, 1),
+      ("reverse", "false", 2): (2, 1, 1), ("reverse_states", "false", 2): (2, 1, 1),
+      ("maps1", "–", 2): (4, 1, 1), ("maps2", "–", 2): (2, 1, 1)}, proc.stdout
 
 
 def test_times_both_overlap_values_of_the_walks():
