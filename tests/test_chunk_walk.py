@@ -235,16 +235,27 @@ if ON_GPU:
                ("delta_rule", 128, 1.0), ("gated_delta_rule", 1000, 1e4)]
 
 
-@pytest.mark.parametrize("mixer,t,tau_inv", OP_CASES)
-def test_op_with_the_walk_matches_scan(mixer, t, tau_inv):
-  # tau_inv 1e4: log gates down to ~ −1e4 (the decay floor every path must keep finite).
+def _forward_matches_scan(mixer, t, tau_inv, tuning):
   args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=2, dk=64, dv=64, tau=1 / tau_inv,
                          seed=t + len(mixer))
   kwargs = dict(kw, output_final_state=True, return_residual=True)
-  got = run_jit(mixer, args, **kwargs, implementation="pallas_gpu", tuning=WALK)
+  got = run_jit(mixer, args, **kwargs, implementation="pallas_gpu", tuning=tuning)
   want = run_jit(mixer, args, **kwargs, implementation="scan")
   for name, g, w in zip(("o", "final state", "residual"), got, want):
-    assert_close(g, w, FWD_TOL, f"{mixer} T={t}: {name}")
+    assert_close(g, w, FWD_TOL, f"{mixer} T={t}, {tuning}: {name}")
+
+
+@pytest.mark.parametrize("mixer,t,tau_inv", OP_CASES)
+def test_op_with_the_walk_matches_scan(mixer, t, tau_inv):
+  # tau_inv 1e4: log gates down to ~ −1e4 (the decay floor every path must keep finite).
+  _forward_matches_scan(mixer, t, tau_inv, WALK)
+
+
+@pytest.mark.parametrize("mixer,t", [("gated_delta_rule", 1), ("gated_delta_rule", 65),
+                                     ("linear_attention", 64)])
+def test_op_with_overlapped_walks_matches_scan_forward_only(mixer, t):
+  # walk_overlap, forward only (no gradient traced), at one token, one chunk and C + 1.
+  _forward_matches_scan(mixer, t, 1.0, pallas_gpu.GpuTuning(forward="walk", walk_overlap=True))
 
 
 # (Not T = 1: its one β per head gets a gradient whose terms cancel, so the relative error of
