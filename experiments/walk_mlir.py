@@ -85,17 +85,8 @@ def lower(fn, args) -> list[str]:
     return result
 
   core._lower_as_gpu_kernel = keep  # pylint: disable=protected-access
-  try:
-    # None stands for an absent operand (T0 of linear attention): bound, not traced.
-    present = [i for i, x in enumerate(args) if x is not None]
-
-    def call(*xs):
-      full = list(args)
-      for i, x in zip(present, xs):
-        full[i] = x
-      return fn(*full)
-
-    jax.jit(call).trace(*(args[i] for i in present)).lower(lowering_platforms=("cuda",))
+  try:   # (None, an absent operand such as linear attention's T0, is an empty pytree)
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   finally:
     core._lower_as_gpu_kernel = real  # pylint: disable=protected-access
   return texts
