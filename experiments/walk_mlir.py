@@ -85,8 +85,8 @@ def lower(fn, args) -> list[str]:
     return result
 
   core._lower_as_gpu_kernel = keep  # pylint: disable=protected-access
-  try:   # (None, an absent operand such as linear attention's T0, is an empty pytree)
-    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  try:   # a fresh function: a cached trace would not lower again (None operands: no leaves)
+    jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
   finally:
     core._lower_as_gpu_kernel = real  # pylint: disable=protected-access
   return texts
