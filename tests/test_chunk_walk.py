@@ -122,8 +122,9 @@ if ON_GPU:
 def test_overlapped_products_change_no_result(mixer, t, dk, dv):
   # `overlap` issues independent products together (one wait for two) and makes the forward's
   # next M̃ before O's epilogue; the products, their operands and the sums are the serial
-  # walk's, so every output is the same to the bit: forward (o, e, states), reverse with and
-  # without dE_ext, and states only.
+  # walk's, so every output is the same to the bit: forward (o, e, states) and reverse, and at
+  # K 128 (and compiled) also the reverse without dE_ext and states only (their branches are
+  # the mixers' alike; on the CPU each pair costs seconds).
   b, h, hv = 1, 1, 1
   q, k, v, t0, g, beta, s0t = _kernel_inputs(b, t, h, hv, dk, dv, seed=dk + dv)
   t0 = None if mixer == "linear" else t0
@@ -137,9 +138,10 @@ def test_overlapped_products_change_no_result(mixer, t, dk, dv):
   dsf = jnp.asarray(0.1 * r.standard_normal((b, hv, dv, dk)), jnp.float32)
   rev = lambda overlap, dx, alone=False: jax.jit(lambda *a: cwr.chunk_walk_reverse(
       *a, **kw, states_only=alone, overlap=overlap))(q, k, t0, g, beta, do, dx, dsf)
-  pairs = [("forward", walk(False), walk(True)), ("reverse", rev(False, dx), rev(True, dx)),
-           ("reverse, no dE_ext", rev(False, None), rev(True, None)),
-           ("states only", rev(False, dx, True), rev(True, dx, True))]
+  pairs = [("forward", walk(False), walk(True)), ("reverse", rev(False, dx), rev(True, dx))]
+  if dk == 128:
+    pairs += [("reverse, no dE_ext", rev(False, None), rev(True, None)),
+              ("states only", rev(False, dx, True), rev(True, dx, True))]
   for name, serial, overlapped in pairs:
     for i, (x, y) in enumerate(zip(serial, overlapped)):
       assert bool(jnp.any(x != 0)), (mixer, name, i)
