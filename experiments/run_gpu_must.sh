@@ -14,7 +14,11 @@
 # `python3 -m experiments.must_line` reads them into the must table (docs/BENCHMARKS.md has the
 # command). Env: MUST_TAG names the files (default the UTC date), SWEEP_MIXERS (default
 # gated_delta_rule,delta_rule,kda), XD (pytest-xdist workers, default "-n 10"), MUST_D64=0 (ops
-# without the head-dim-64 table, ~150 s, where that table was already taken that day).
+# without the head-dim-64 table, ~150 s, where that table was already taken that day),
+# MUST_VARIANTS (the op table's bench_ab variants, default pallas_gpu,jla; e.g.
+# "pallas_gpu,pallas_gpu@walk_overlap=false,jla" times a new default against the old one in the
+# same rounds; the must line reads the `pallas_gpu` rows) and MUST_AB_MODES (default
+# fwdbwd,fwdbwd_dep; fwdbwd alone where a third variant would not fit the 280 s).
 set -u
 PHASE=${1:?phase: tests, ops, train or sweep}
 TAG=${MUST_TAG:-$(date -u +%F)}
@@ -51,8 +55,8 @@ tests)
   ;;
 ops)
   AB="python3 -u -m experiments.bench_ab --timing=queued --baseline=jla"
-  timeout 280 $AB --mixers=gated_delta_rule,delta_rule,kda,gdn2 --modes=fwdbwd,fwdbwd_dep \
-    --variants=pallas_gpu,jla --rounds=5 --shape=4,4096,16,128 \
+  timeout 280 $AB --mixers=gated_delta_rule,delta_rule,kda,gdn2 --modes=${MUST_AB_MODES:-fwdbwd,fwdbwd_dep} \
+    --variants=${MUST_VARIANTS:-pallas_gpu,jla} --rounds=5 --shape=4,4096,16,128 \
     --out_json=$KEEP/bench_ab_${H200}_must_table.json --out_md=$KEEP/bench_ab_${H200}_must_table.md \
     > $KEEP/ab_table.log 2>&1
   echo "table rc=$?"
