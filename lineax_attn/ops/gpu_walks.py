@@ -11,6 +11,7 @@ differentiable cores: `walk_core` (the warp-specialised Mosaic GPU walks, `GpuTu
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,19 +124,26 @@ def walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_st
 # makes dE and the state cotangents from q, k, T0 and the gates; then one kernel per chunk
 # (`chunk_grads`) makes dq, dk, dv, dβ and dG from them in the inputs' layout. Where that
 # kernel does not take the sizes (V = 256), XLA's products and the split's intra-chunk backward
-# do its work. G: the chunk cumulative gates `[B, HV, Nc, C]` (None ungated). grads_opts:
-# (`GpuTuning.approx_math`, `GpuTuning.join_exit`, `GpuTuning.grads_warpgroups`), for
-# chunk_grads, and `GpuTuning.walk_overlap`, for both walks.
+# do its work. G: the chunk cumulative gates `[B, HV, Nc, C]` (None ungated). walk_opts: a
+# `WalkOptions`.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def walk_core(q, k, v, beta, G, s0, scale, c, interpret, grads_opts):
+def walk_core(q, k, v, beta, G, s0, scale, c, interpret, walk_opts):
   return walk_forward(q, k, v, *walk_rows(beta, G), s0, scale, c, interpret,
-                      overlap=grads_opts[3])
+                      overlap=walk_opts.overlap)
 
 
-def grads_options(tuning: GpuTuning) -> tuple[bool, bool, int, bool]:
-  """The `chunk_grads` options a tuning sets and the walks' `walk_overlap` (hashable: a nondiff
-  argument of the walk's VJP)."""
-  return tuning.approx_math, tuning.join_exit, tuning.grads_warpgroups, tuning.walk_overlap
+class WalkOptions(NamedTuple):
+  """What a tuning sets for the walks' path (hashable: a nondiff argument of its VJPs): the
+  `chunk_grads` options and both walks' `overlap`."""
+  approx_math: bool
+  join_exit: bool
+  grads_warpgroups: int
+  overlap: bool
+
+
+def walk_options(tuning: GpuTuning) -> WalkOptions:
+  return WalkOptions(tuning.approx_math, tuning.join_exit, tuning.grads_warpgroups,
+                     tuning.walk_overlap)
 
 
 def walk_rows(beta, G):
@@ -154,14 +162,14 @@ def kernel_rows(beta_rows, g_rows, v):
   return (beta_rows if g_rows is None else g_rows), beta_rows
 
 
-def walk_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, grads_opts):
+def walk_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, walk_opts):
   q, k, v, beta, G, s0 = primal_values(q, k, v, beta, G, s0)   # (symbolic_zeros)
   o, e, s_final, t0, h = walk_forward(q, k, v, *walk_rows(beta, G), s0, scale, c, interpret,
-                                       save_states=True, overlap=grads_opts[3])
+                                       save_states=True, overlap=walk_opts.overlap)
   return (o, e, s_final), (q, k, v, beta, G, t0, h, e.astype(jnp.bfloat16))
 
 
-def walk_core_bwd(scale, c, interpret, grads_opts, res, cts):
+def walk_core_bwd(scale, c, interpret, walk_opts, res, cts):
   q, k, v, beta, G, t0, h_t, e = res
   # Outputs the caller does not use come as symbolic zeros: an unused residual e (the usual
   # case) costs the reverse walk no copies and XLA no [B, T, HV, V] broadcast of zeros.
@@ -169,12 +177,12 @@ def walk_core_bwd(scale, c, interpret, grads_opts, res, cts):
   dsf_t = (jnp.zeros((v.shape[0], v.shape[2], v.shape[3], q.shape[-1]), _F32)
            if ds_final is None else jnp.swapaxes(ds_final.astype(_F32), -1, -2))
   *grads, ds0_t = walk_grads(q, k, v, beta, G, t0, h_t, e, do, de_ext, dsf_t, scale=scale, c=c,
-                             interpret=interpret, grads_opts=grads_opts)
+                             interpret=interpret, walk_opts=walk_opts)
   return (*grads, jnp.swapaxes(ds0_t, -1, -2))
 
 
 def walk_grads(q, k, v, beta, G, t0, h_t, e, do, de_ext, dsf_t, *, scale, c, interpret,
-               grads_opts):
+               walk_opts):
   """(dq, dk, dv, dβ, dG, ds0_t) of the walks from the forward's residuals (t0, the chunk states
   h_t, e bf16) and the cotangents: do and de_ext `[B, T, HV, V]` (None: zero), dsf_t the final
   state's, transposed `[B, HV, V, K]` float32. The reverse walk, then one kernel per chunk."""
@@ -186,7 +194,7 @@ def walk_grads(q, k, v, beta, G, t0, h_t, e, do, de_ext, dsf_t, *, scale, c, int
   bf = lambda x: x.astype(jnp.bfloat16)
   de_t, dh_t, ds0_t = chunk_walk_reverse.chunk_walk_reverse(
       bf(q), bf(k), t0, gate_rows, beta_rows, bf(do), None if de_ext is None else bf(de_ext),
-      dsf_t, scale=float(scale), gated=G is not None, overlap=grads_opts[3],
+      dsf_t, scale=float(scale), gated=G is not None, overlap=walk_opts.overlap,
       interpret=interpret)
   b, t, h, dk = q.shape
   hv, dv = v.shape[2:]
@@ -198,10 +206,10 @@ def walk_grads(q, k, v, beta, G, t0, h_t, e, do, de_ext, dsf_t, *, scale, c, int
     return grads + (ds0_t,)
   dq, dk_, dv_, dbeta, dG = chunk_grads.chunk_grads(
       bf(q), bf(k), bf(v), e, bf(do), t0, gate_rows, beta_rows, h_t, dh_t, de_t,
-      scale=float(scale), gated=G is not None, interpret=interpret, approx_math=grads_opts[0],
-      join_exit=grads_opts[1],
+      scale=float(scale), gated=G is not None, interpret=interpret,
+      approx_math=walk_opts.approx_math, join_exit=walk_opts.join_exit,
       # two warpgroups take the delta rule at K = V (chunk_grads' own rule); else one
-      warpgroups=grads_opts[2] if t0 is not None and dk == dv else 1)
+      warpgroups=walk_opts.grads_warpgroups if t0 is not None and dk == dv else 1)
   if hv != h:   # GVA: each value head's share of its key head's gradient, summed in float32
     heads = lambda x: jnp.sum(x.reshape(b, t, h, hv // h, dk).astype(_F32), axis=3)
     dq, dk_ = heads(dq), heads(dk_)
@@ -311,23 +319,23 @@ def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, chai
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
-def walk_pieces_core(q, k, v, beta, G, s0, scale, c, interpret, grads_opts, pieces, chains):
+def walk_pieces_core(q, k, v, beta, G, s0, scale, c, interpret, walk_opts, pieces, chains):
   """`walk_core` with every row cut into `pieces` pieces (T a multiple of 64·pieces), the
   maps' walk with `chains` (1 or 2) chains per CTA."""
   return _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, chains,
-                              save_states=False, overlap=grads_opts[3])
+                              save_states=False, overlap=walk_opts.overlap)
 
 
-def _walk_pieces_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, grads_opts, pieces,
+def _walk_pieces_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, walk_opts, pieces,
                           chains):
   q, k, v, beta, G, s0 = primal_values(q, k, v, beta, G, s0)   # (symbolic_zeros)
   o, e, s_final, (t0_p, h_t, phi_t) = _walk_pieces_forward(
       q, k, v, beta, G, s0, scale, c, interpret, pieces, chains, save_states=True,
-      overlap=grads_opts[3])
+      overlap=walk_opts.overlap)
   return (o, e, s_final), (q, k, v, beta, G, t0_p, h_t, phi_t, e.astype(jnp.bfloat16))
 
 
-def _walk_pieces_core_bwd(scale, c, interpret, grads_opts, pieces, chains, res, cts):
+def _walk_pieces_core_bwd(scale, c, interpret, walk_opts, pieces, chains, res, cts):
   del chains   # (the maps' walk is forward only)
   from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
   q, k, v, beta, G, t0_p, h_t, phi_t, e = res
@@ -348,7 +356,7 @@ def _walk_pieces_core_bwd(scale, c, interpret, grads_opts, pieces, chains, res, 
     local_t = by_piece(chunk_walk_reverse.chunk_walk_reverse(
         bf(q_p), bf(k_p), t0_p, gate_p, beta_rows_p, bf(do_p),
         None if de_p is None else bf(de_p), jnp.zeros((b * pieces, hv, dv, dk), _F32),
-        scale=float(scale), gated=G is not None, states_only=True, overlap=grads_opts[3],
+        scale=float(scale), gated=G is not None, states_only=True, overlap=walk_opts.overlap,
         interpret=interpret)[0], b)                              # [P, B, HV, V, K]
   # dS_in = Φᵀ dS_out + D, from the final state's cotangent back to every piece's end.
   ends = gpu_pieces.exit_cotangents(jnp.swapaxes(phi_t, -1, -2),
@@ -356,7 +364,7 @@ def _walk_pieces_core_bwd(scale, c, interpret, grads_opts, pieces, chains, res, 
   dq, dk_, dv_, dbeta, dG, ds0_t = walk_grads(
       q_p, k_p, v_p, beta_p, G_p, t0_p, h_t, e_p, do_p, de_p,
       from_pieces(jnp.swapaxes(ends, -1, -2)),
-      scale=scale, c=c, interpret=interpret, grads_opts=grads_opts)
+      scale=scale, c=c, interpret=interpret, walk_opts=walk_opts)
   return (_rows_time(dq, b), _rows_time(dk_, b), _rows_time(dv_, b), _rows_time(dbeta, b),
           _rows_heads(dG, b), jnp.swapaxes(by_piece(ds0_t, b)[0], -1, -2))
 

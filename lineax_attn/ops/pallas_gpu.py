@@ -307,7 +307,7 @@ def _walk(q, k, v, beta, g, s0, *, scale, c, interpret, tuning: GpuTuning):
   if g is not None:
     G, _ = chunked.chunk_cumulative_gates(pad(g).astype(_F32), functools.partial(to_chunks, c=c))
   args = (pad(q), pad(k), pad(v), pad(beta), G, s0, scale, c, interpret,
-          gpu_walks.grads_options(tuning))
+          gpu_walks.walk_options(tuning))
   if pieces == 1:
     o, e, s_final = gpu_walks.walk_core(*args)
   else:
