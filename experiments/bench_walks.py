@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from absl import app
 from absl import flags
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +47,11 @@ _ITERS = flags.DEFINE_integer("iters", 10, "Calls per round, queued and waited f
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed rounds per walk; the median is reported.")
 _OVERLAP = flags.DEFINE_list("overlap", "false", "`overlap` values of the forward and reverse "
                              "walks (`GpuTuning.walk_overlap`), e.g. false,true: one row each, "
-                             "their rounds alternating (the maps' walk has no such option).")
+                             "their rounds alternating (the maps' walk has no such option). The "
+                             "forward walk also takes its parts, '+'-joined (`chunk_walk."
+                             "OVERLAP_PARTS`, e.g. publish+ahead); the reverse walks read those "
+                             "as true.")
+_OUT_JSON = flags.DEFINE_string("out_json", "", "The rows, with every round's time, as JSON.")
 
 
 def _inputs(b, t, h, d, seed=0):
@@ -100,10 +106,17 @@ def main(argv):
   if not pieces or min(pieces) < 1 or any(t % (64 * p) for p in pieces):
     raise app.UsageError(f"--pieces takes counts that cut T={t} into multiples of 64, "
                          f"got {_PIECES.value}")
+  from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   words = [w.lower() for w in _OVERLAP.value]
-  if not words or not set(words) <= {"false", "true"}:
-    raise app.UsageError(f"--overlap takes false and / or true, got {_OVERLAP.value}")
-  overlaps = [w == "true" for w in words]
+  try:
+    overlaps = list(dict.fromkeys({"false": False, "true": True}.get(w, w) for w in words))
+    for w in overlaps:
+      chunk_walk.overlap_parts(w)
+  except ValueError:
+    overlaps = []
+  if not overlaps:
+    raise app.UsageError(f"--overlap takes false, true or the forward's parts "
+                         f"({'+'.join(chunk_walk.OVERLAP_PARTS)}), got {_OVERLAP.value}")
   if d not in (64, 128):
     raise app.UsageError(f"--shape: the walks take D = 64 or 128, got {d}")
   interpret = None
@@ -113,6 +126,7 @@ def main(argv):
   sms = gpu_pieces.device_sms()
   print(f"walks at B{b} T{t} H{h} D{d} ({'gated' if _GATED.value else 'ungated'}), "
         f"{jax.devices()[0].device_kind}, {sms} SMs", flush=True)
+  rows = []
   print("| walk | overlap | pieces | CTAs | waves | chunks a CTA | µs a call | µs a step |")
   print("|---|---|---|---|---|---|---|---|")
   for p in pieces:
@@ -121,7 +135,12 @@ def main(argv):
     for kernel in kernels:
       if kernel.startswith("maps") and p == 1:
         continue
-      variants = [False] if kernel.startswith("maps") else overlaps
+      if kernel.startswith("maps"):
+        variants = [False]
+      elif kernel == "walk":
+        variants = overlaps
+      else:   # the reverse walks' overlap is one switch
+        variants = list(dict.fromkeys(w is not False for w in overlaps))
       steps = {}
       for overlap in variants:
         fn, ctas_per_head = _walk_call(kernel, x, d, _GATED.value, interpret, overlap)
@@ -139,6 +158,13 @@ def main(argv):
         shown = "–" if kernel.startswith("maps") else str(overlap).lower()
         print(f"| {kernel} | {shown} | {p} | {ctas} | {waves} | {chunks} | {call_us:.0f} | "
               f"{call_us / (waves * chunks):.2f} |", flush=True)
+        rows.append(dict(walk=kernel, overlap=shown, pieces=p, ctas=ctas, waves=waves,
+                         chunks=chunks, us_call=call_us, us_step=call_us / (waves * chunks),
+                         rounds_ms=[float(x) for x in times[overlap]]))
+  if _OUT_JSON.value:
+    with open(_OUT_JSON.value, "w") as f:
+      json.dump(dict(shape=[b, t, h, d], gated=_GATED.value, device=jax.devices()[0].device_kind,
+                     rounds=_ROUNDS.value, iters=_ITERS.value, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ def _kernels(dk: int, overlap: bool):
                                    ("linear attention", False, True, False)):
     fn = lambda q, k, v, t0, g, beta, s, gated=gated, save=save: chunk_walk._chunk_walk(
         q, k, v, t0, g, beta, s, scale=0.1, gated=gated, save_states=save, interpret=None,
-        **more)
+        **({"overlap": chunk_walk.overlap_parts(True)} if overlap else {}))
     out.append((f"forward, {name}", fn, (q, k, v, t0 if delta else None, rows, rows, s)))
   for name, gated, alone, delta in (("gated", True, False, True), ("ungated", False, False, True),
                                     ("states only", True, True, True),

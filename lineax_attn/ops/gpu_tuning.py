@@ -194,16 +194,16 @@ class GpuTuning:
       factors, so two latency-bound chains are in flight per SM), or 0 ("auto", the default,
       `gpu_pieces.maps_chains`: 2 where that saves waves, e.g. B1 T65536 H16 K = V = 128 in
       4 pieces, 256 chains on 132 SMs: 542 µs a call on two chains a CTA against 657 on one).
-    walk_overlap: whether the walks issue independent products together, one wait for each
-      pair instead of one each: the reverse walk's state chain (k dS with Pᵀ dO, then Mᵀ dE
-      with qᵀ dO: three waits a chunk instead of five) and the forward walk's output warpgroup
-      (q S with P E, then the next chunk's M̃, which the state chain waits for, before O's
-      epilogue); both chains also store and copy out their tiles while a product runs. Same
-      products, operands and sums: the results are the same. The reverse step (2.45 µs at B1
-      T65536 in 4 pieces, 2.07 states only) waits for two more products than the maps' walk
-      (1.28). Off (the default) until timed: written 2026-12-05 in the interpreters and
-      lowered for CUDA, with no GPU lent (docs/BENCHMARKS.md "twenty-third stage" has the
-      device commands that decide it).
+    walk_overlap: whether the reverse walks (`chunk_walk_reverse`: the backward's and, with rows
+      in pieces, the states-only pass) issue each of the chain's first two products with an
+      independent one (k dS with Pᵀ dO, then Mᵀ dE with qᵀ dO) and wait for each pair once:
+      three waits a chunk instead of five, with dSᵀ and dEᵀ stored and copied out while a
+      product runs. Same products, operands and sums: the same results to the bit. On the
+      H200 (2026-12-05, docs/BENCHMARKS.md "twenty-fourth stage", B4 T16384 H16 D128) the
+      reverse step went from 2.54 to 2.41 µs gated and 2.45 to 2.26 ungated, and ptxas's
+      spills from 148 bytes to 8; fwd+bwd at B4 T4096 DeltaNet 0.684 → 0.664 ms. On by default.
+      (The forward walk's own overlap, `chunk_walk`'s `overlap` parts, gained nothing there and
+      is no tuning: docs/KERNELS_GPU.md.)
   """
 
   intra: str = "kernel"
@@ -225,7 +225,7 @@ class GpuTuning:
   grads_warpgroups: int = 2
   row_pieces: int = 0
   maps_chains: int = 0
-  walk_overlap: bool = False
+  walk_overlap: bool = True
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),

@@ -190,7 +190,7 @@ def products(items):
 
 
 def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
-               save_states: bool = False, overlap: bool = False, interpret=None):
+               save_states: bool = False, overlap: bool | str = False, interpret=None):
   """(o, e, s_final_t[, h_t]) of the delta rule's chunk form, or of linear attention.
 
   Args:
@@ -202,10 +202,12 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
     s0t: `[B, HV, V, K]` float32, the initial state transposed.
     save_states: also return h_t, the bf16 state entering every chunk (transposed, exactly
       the operand the chunk used): the backward's residual.
-    overlap: the state warpgroup issues its products before publishing Sᵀ and E, which then
-      run beside them; the output warpgroup issues q S and P E together (one wait, not two)
-      and makes the next chunk's M̃, which the state chain waits for, right after them,
-      before O's epilogue. The same results. Off until timed on the GPU.
+    overlap: which of the walk's waits to overlap, as a "+"-joined string of OVERLAP_PARTS
+      (True: all three, False: none): "publish", the state warpgroup issues its products
+      before publishing Sᵀ and E, which then run beside them; "ahead", the output warpgroup
+      makes the next chunk's M̃, which the state chain waits for, as soon as this chunk's
+      products are in, before O's epilogue; "group", it issues q S and P E together (one
+      wait, not two). The same results whatever the parts.
   Returns:
     o `[B, T, HV, V]` bf16 (its products' operands are bf16 already; rounding it here saves
     the float32 round trip through HBM), e `[B, T, HV, V]` bf16 (the pseudo-values, the write
@@ -216,9 +218,23 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
     raise ValueError(f"chunk_walk: s0t {tuple(s0t.shape)} must hold V = {v.shape[3]} state "
                      "columns (a wider state with leading v = 0 columns: maps_walk).")
   outs = _chunk_walk(q, k, v, t0, g, beta, s0t, scale=float(scale), gated=bool(gated),
-                     save_states=bool(save_states), overlap=bool(overlap),
+                     save_states=bool(save_states), overlap=overlap_parts(overlap),
                      interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
+
+
+OVERLAP_PARTS = ("publish", "ahead", "group")
+
+
+def overlap_parts(overlap) -> frozenset:
+  """`chunk_walk`'s `overlap` as the set of its parts (hashable: a static argument)."""
+  if isinstance(overlap, bool):
+    return frozenset(OVERLAP_PARTS if overlap else ())
+  parts = frozenset(overlap.split("+")) if isinstance(overlap, str) and overlap else None
+  if parts is None or not parts <= set(OVERLAP_PARTS):
+    raise ValueError(f"chunk_walk: overlap must be a bool or a '+'-joined string of "
+                     f"{OVERLAP_PARTS}, got {overlap!r}.")
+  return parts
 
 
 def kernel_args(args):
@@ -238,10 +254,11 @@ def kernel_args(args):
 @functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "overlap",
                                              "interpret"))
 def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpret,
-                overlap=False):
+                overlap=frozenset()):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
+  publish = "publish" in overlap
   reason = supported(c, dk, dv)
   if reason or t % c or hv % h:
     why = reason or f"T={t} must be a multiple of {c} and HV={hv} a multiple of H={h}"
@@ -313,7 +330,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
 
         # Overlapped, the chain's products are issued first and the publishing runs while they
         # do: Sᵀ beside Sᵀ kᵀ, E beside the state update.
-        if not (overlap and delta):
+        if not (publish and delta):
           publish_s()
         if gated:
           g_col = plgpu.load(g_state.at[slot], layout=_COLS)
@@ -325,7 +342,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         # linear attention writes v itself.
         v_t = plgpu.load(v_s.at[slot].T, layout=_WG).astype(f32)
         if delta:
-          if overlap:
+          if publish:
             (ks_t,) = products([(s_lo, k_s.at[slot].T, (bv, c), stage_k), publish_s])
           else:
             ks_t = product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
@@ -334,11 +351,11 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
           e_t = product(r_t.astype(MM_DTYPE), m_s.at[slot].T, (bv, c), stage_c)
         else:
           e_t = v_t
-        if not overlap:
+        if not publish:
           publish_e()
         # Sᵀ ← γ Sᵀ + (Eᵀ ⊙ xᵀ) k
         xe_t = (e_t * exit_ if gated else e_t).astype(MM_DTYPE)
-        if overlap:
+        if publish:
           (s_next,) = products([(xe_t, k_s.at[slot], (bv, dk), stage_c), publish_e])
         else:
           s_next = product(xe_t, k_s.at[slot], (bv, dk), stage_c)
@@ -363,7 +380,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
 
       # Overlapped, the next chunk's M̃ is made as soon as this chunk's products are in, before
       # O's epilogue: the state chain waits for it (chunk 0's comes before the loop).
-      ahead = overlap and delta
+      ahead = "ahead" in overlap and delta
       if ahead:
         plgpu.barrier_wait(in_bar.at[0])
         make_m(0, decay_mask(g_rows, g_cols, 0, gated))
@@ -385,7 +402,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         p = (qk * (gam * scale)).astype(MM_DTYPE)
         plgpu.barrier_wait(pub_ready.at[half])
         plgpu.copy_smem_to_gmem(e_pub.at[half], e_ref.at[bi, rows, hi, vs])
-        if overlap:   # one wait for both
+        if "group" in overlap:   # one wait for both
           qs, pe = products([(q_s.at[slot], s_pub.at[half].T, (c, bv), None),
                              (p, e_pub.at[half], (c, bv), stage_p)])
         else:
