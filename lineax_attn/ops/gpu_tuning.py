@@ -201,9 +201,10 @@ class GpuTuning:
       product runs. Same products, operands and sums: the same results to the bit. On the
       H200 (2026-12-05, docs/BENCHMARKS.md "twenty-fourth stage", B4 T16384 H16 D128) the
       reverse step went from 2.54 to 2.41 µs gated and 2.45 to 2.26 ungated, and ptxas's
-      spills from 148 bytes to 8; fwd+bwd at B4 T4096 DeltaNet 0.684 → 0.664 ms. On by default.
-      (The forward walk's own overlap, `chunk_walk`'s `overlap` parts, gained nothing there and
-      is no tuning: docs/KERNELS_GPU.md.)
+      spills from 148 bytes to 8. Off by default until the whole compiled suite has run with
+      it on (no device came for that run the day it was timed). (The forward walk's own
+      overlap, `chunk_walk`'s `overlap` parts, gained nothing there and is no tuning:
+      docs/KERNELS_GPU.md.)
   """
 
   intra: str = "kernel"
@@ -225,7 +226,7 @@ class GpuTuning:
   grads_warpgroups: int = 2
   row_pieces: int = 0
   maps_chains: int = 0
-  walk_overlap: bool = True
+  walk_overlap: bool = False
 
   def __post_init__(self):
     for name, allowed in (("intra", INTRA_CHOICES), ("solve", SOLVE_CHOICES),
