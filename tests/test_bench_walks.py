@@ -4,6 +4,7 @@ grids make them; bad flags are usage errors."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -20,7 +21,7 @@ def _run(*args):
 def _rows(stdout):
   """{(walk, overlap, pieces): (CTAs, waves, chunks)} from the printed table."""
   rows = {}
-  for m in re.finditer(r"^\| (\w+) \| (true|false|–) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| "
+  for m in re.finditer(r"^\| (\w+) \| (true|false|–|[a-z+]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| "
                        r"\d+ \| [\d.]+ \|$", stdout, re.M):
     rows[m[1], m[2], int(m[3])] = tuple(int(x) for x in m.group(4, 5, 6))
   return rows
@@ -39,18 +40,27 @@ def test_times_every_walk_in_the_interpreter():
       ("maps1", "–", 2): (4, 1, 1), ("maps2", "–", 2): (2, 1, 1)}, proc.stdout
 
 
-def test_times_both_overlap_values_of_the_walks():
-  # --overlap=false,true: a row for each value of the forward and reverse walks.
-  proc = _run("--shape=1,128,1,64", "--pieces=1", "--kernels=walk,reverse", "--overlap=false,true",
-              "--iters=1", "--rounds=1")
+def test_times_the_overlap_values_of_the_walks(tmp_path):
+  # --overlap=false,publish+group,true: a row for each value of the forward walk, whose parts
+  # the reverse walks read as true (one row each for false and true); the JSON holds the rows.
+  out = tmp_path / "walks.json"
+  proc = _run("--shape=1,128,1,64", "--pieces=1", "--kernels=walk,reverse",
+              "--overlap=false,publish+group,true", "--iters=1", "--rounds=1",
+              f"--out_json={out}")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  assert _rows(proc.stdout) == {(w, o, 1): (1, 1, 2) for w in ("walk", "reverse")
-                                for o in ("false", "true")}, proc.stdout
+  want = {("walk", o, 1): (1, 1, 2) for o in ("false", "publish+group", "true")}
+  want.update({("reverse", o, 1): (1, 1, 2) for o in ("false", "true")})
+  assert _rows(proc.stdout) == want, proc.stdout
+  saved = json.loads(out.read_text())
+  assert saved["shape"] == [1, 128, 1, 64] and saved["gated"] is True
+  assert {(r["walk"], r["overlap"]) for r in saved["rows"]} == {(w, o) for w, o, _ in want}
+  assert all(len(r["rounds_ms"]) == 1 and r["us_call"] > 0 for r in saved["rows"])
 
 
 @pytest.mark.parametrize("flag,message", [("--kernels=walk,fast", "--kernels takes"),
                                           ("--pieces=3", "--pieces takes"),
                                           ("--overlap=maybe", "--overlap takes"),
+                                          ("--overlap=publish+late", "--overlap takes"),
                                           ("--shape=1,256,1,32", "D = 64 or 128")])
 def test_bad_flags_are_usage_errors(flag, message):
   proc = _run("--shape=1,256,1,64", flag)
