@@ -23,10 +23,10 @@ kernels run in JAX's Mosaic GPU interpreter, to check this program, not to time 
 
 from __future__ import annotations
 
-from absl import app
-from absl import flags
 import json
 
+from absl import app
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np

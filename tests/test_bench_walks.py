@@ -21,7 +21,7 @@ def _run(*args):
 def _rows(stdout):
   """{(walk, overlap, pieces): (CTAs, waves, chunks)} from the printed table."""
   rows = {}
-  for m in re.finditer(r"^\| (\w+) \| (true|false|–|[a-z+]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| "
+  for m in re.finditer(r"^\| (\w+) \| (–|[a-z+]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| "
                        r"\d+ \| [\d.]+ \|$", stdout, re.M):
     rows[m[1], m[2], int(m[3])] = tuple(int(x) for x in m.group(4, 5, 6))
   return rows

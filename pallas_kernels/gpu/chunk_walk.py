@@ -18,8 +18,9 @@ with every wgmma operand passing registers → shared memory first. Here one CTA
   It publishes the bf16 Sᵀ and E of each chunk in a double buffer;
 * **output**: makes the chunk's factors while the state warpgroup works, M̃ = T0 ⊙ Γ · diag(β)
   (written over T0 in the ring, so the chain reads it from there) and P = s q kᵀ ⊙ Γ, then
-  O = s e ⊙ (q S) + P E from the published tiles, and stores O and E. With `overlap` it
-  makes the next chunk's M̃ as soon as this chunk's products are in, before O's epilogue.
+  O = s e ⊙ (q S) + P E from the published tiles, and stores O and E. `overlap` (three
+  parts, timed on the H200 and no gain: docs/KERNELS_GPU.md "Overlapped products") moves
+  waits of both warpgroups beside products.
 
 The maths is the split's and the Triton walk's (docs/MATH.md §3; `fused_forward`'s docstring):
 with D = diag(e^{G}), the gated inverse is M = D T0 D⁻¹, M_ij = T0_ij e^{G_i − G_j}, every
