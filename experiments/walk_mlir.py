@@ -48,14 +48,16 @@ def _kernels(dk: int, overlap: bool):
   t0 = sds((b, hv, t // 64, 64, 64), bf)
   rows = sds((b, hv, t), f32)
   s = sds((b, hv, dv, dk), f32)
-  more = dict(overlap=True) if overlap else {}   # (off: also lowers trees older than the option)
+  # Off, no overlap argument is passed, so the same command also lowers trees older than it.
+  forward_more = {"overlap": chunk_walk.overlap_parts(True)} if overlap else {}
+  reverse_more = {"overlap": True} if overlap else {}
   out = []
   for name, gated, save, delta in (("gated", True, False, True), ("ungated", False, False, True),
                                    ("saving states", True, True, True),
                                    ("linear attention", False, True, False)):
     fn = lambda q, k, v, t0, g, beta, s, gated=gated, save=save: chunk_walk._chunk_walk(
         q, k, v, t0, g, beta, s, scale=0.1, gated=gated, save_states=save, interpret=None,
-        **({"overlap": chunk_walk.overlap_parts(True)} if overlap else {}))
+        **forward_more)
     out.append((f"forward, {name}", fn, (q, k, v, t0 if delta else None, rows, rows, s)))
   for name, gated, alone, delta in (("gated", True, False, True), ("ungated", False, False, True),
                                     ("states only", True, True, True),
@@ -63,7 +65,7 @@ def _kernels(dk: int, overlap: bool):
     fn = lambda q, k, t0, g, beta, do, dx, s, gated=gated, alone=alone: (
         chunk_walk_reverse._chunk_walk_reverse(
             q, k, t0, g, beta, do, dx, s, scale=0.1, gated=gated, states_only=alone,
-            interpret=None, **more))
+            interpret=None, **reverse_more))
     out.append((f"reverse, {name}", fn, (q, k, t0 if delta else None, rows, rows, do, do, s)))
   wide = sds((b, hv, dk + dv, dk), f32)
   for chains in (1, 2):

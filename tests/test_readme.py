@@ -2,8 +2,8 @@
 
 Every fenced ```python block of README.md runs on its own, in a fresh namespace: a reader can
 copy any one of them alone. The blocks of docs/*.md build on each other (a page defines a model
-and later blocks use it), so each page's blocks run in order in one namespace per page; docs/LAYERS.md's
-is marked slow (about 40 s of CPU; run it with `-m slow`).
+and later blocks use it), so each page's blocks run in order in one namespace per page;
+docs/LAYERS.md's is marked slow (about 40 s of CPU; run it with `-m slow`).
 Code is compiled with the Markdown file as its file name and its real line numbers, so a
 traceback points at the line of the page that failed.
 """

@@ -259,7 +259,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
-  publish = "publish" in overlap
+  publish, group = "publish" in overlap, "group" in overlap
   reason = supported(c, dk, dv)
   if reason or t % c or hv % h:
     why = reason or f"T={t} must be a multiple of {c} and HV={hv} a multiple of H={h}"
@@ -403,7 +403,7 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         p = (qk * (gam * scale)).astype(MM_DTYPE)
         plgpu.barrier_wait(pub_ready.at[half])
         plgpu.copy_smem_to_gmem(e_pub.at[half], e_ref.at[bi, rows, hi, vs])
-        if "group" in overlap:   # one wait for both
+        if group:   # one wait for both
           qs, pe = products([(q_s.at[slot], s_pub.at[half].T, (c, bv), None),
                              (p, e_pub.at[half], (c, bv), stage_p)])
         else:
