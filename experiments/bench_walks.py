@@ -51,6 +51,9 @@ _OVERLAP = flags.DEFINE_list("overlap", "false", "`overlap` values of the forwar
                              "forward walk also takes its parts, '+'-joined (`chunk_walk."
                              "OVERLAP_PARTS`, e.g. publish+ahead); the reverse walks read those "
                              "as true.")
+_MADE_M = flags.DEFINE_bool("made_m", False, "Also time the forward walk reading M̃ made ahead "
+                             "(`chunk_walk(made_m=True)`: no M̃ made by its output warpgroup, no "
+                             "wait for it in the chain), as one more row, overlap 'made_m'.")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "The rows, with every round's time, as JSON.")
 
 
@@ -77,10 +80,11 @@ def _walk_call(kernel, x, d, gated, interpret, overlap=False):
   from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import maps_walk  # pylint: disable=g-import-not-at-top
   scale, blocks = d ** -0.5, d // 64
-  if kernel == "walk":
+  if kernel == "walk":   # (overlap "made_m": the walk of M̃ made ahead, random as T0 is)
+    made_m = overlap == "made_m"
     return jax.jit(lambda a: chunk_walk.chunk_walk(
         a["q"], a["k"], a["v"], a["t0"], a["g"], a["beta"], a["s"], scale=scale, gated=gated,
-        overlap=overlap, interpret=interpret)), blocks
+        overlap=False if made_m else overlap, made_m=made_m, interpret=interpret)), blocks
   if kernel in ("reverse", "reverse_states"):
     return jax.jit(lambda a: chunk_walk_reverse.chunk_walk_reverse(
         a["q"], a["k"], a["t0"], a["g"], a["beta"], a["do"], a["de"], a["s"], scale=scale,
@@ -138,7 +142,7 @@ def main(argv):
       if kernel.startswith("maps"):
         variants = [False]
       elif kernel == "walk":
-        variants = overlaps
+        variants = overlaps + (["made_m"] if _MADE_M.value else [])
       else:   # the reverse walks' overlap is one switch
         variants = list(dict.fromkeys(w is not False for w in overlaps))
       steps = {}

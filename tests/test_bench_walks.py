@@ -21,7 +21,7 @@ def _run(*args):
 def _rows(stdout):
   """{(walk, overlap, pieces): (CTAs, waves, chunks)} from the printed table."""
   rows = {}
-  for m in re.finditer(r"^\| (\w+) \| (–|[a-z+]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| "
+  for m in re.finditer(r"^\| (\w+) \| (–|[a-z_+]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| "
                        r"\d+ \| [\d.]+ \|$", stdout, re.M):
     rows[m[1], m[2], int(m[3])] = tuple(int(x) for x in m.group(4, 5, 6))
   return rows
@@ -42,13 +42,14 @@ def test_times_every_walk_in_the_interpreter():
 
 def test_times_the_overlap_values_of_the_walks(tmp_path):
   # --overlap=false,publish+group,true: a row for each value of the forward walk, whose parts
-  # the reverse walks read as true (one row each for false and true); the JSON holds the rows.
+  # the reverse walks read as true (one row each for false and true), and --made_m one more
+  # forward row; the JSON holds the rows.
   out = tmp_path / "walks.json"
   proc = _run("--shape=1,128,1,64", "--pieces=1", "--kernels=walk,reverse",
-              "--overlap=false,publish+group,true", "--iters=1", "--rounds=1",
+              "--overlap=false,publish+group,true", "--made_m", "--iters=1", "--rounds=1",
               f"--out_json={out}")
   assert proc.returncode == 0, proc.stderr[-2000:]
-  want = {("walk", o, 1): (1, 1, 2) for o in ("false", "publish+group", "true")}
+  want = {("walk", o, 1): (1, 1, 2) for o in ("false", "publish+group", "true", "made_m")}
   want.update({("reverse", o, 1): (1, 1, 2) for o in ("false", "true")})
   assert _rows(proc.stdout) == want, proc.stdout
   saved = json.loads(out.read_text())

@@ -81,6 +81,39 @@ def test_kernel_matches_its_rounded_reference(case):
     np.testing.assert_array_equal(np.asarray(o_only[0], np.float32), np.asarray(o, np.float32))
 
 
+def made_m(t0, g, beta, gated):
+  """M̃ = T0 ⊙ Γ · diag(β) per chunk from its definition (float32, then bf16 once), what a
+  caller hands `chunk_walk(made_m=True)`: Γ_ij = e^{G_i − G_j} on i ≥ j (T0 is zero above)."""
+  b, hv, nc, c, _ = t0.shape
+  gc = g.reshape(b, hv, nc, c)
+  lower = jnp.tril(jnp.ones((c, c), bool))
+  gam = jnp.where(lower, jnp.exp(jnp.where(lower, gc[..., :, None] - gc[..., None, :], 0.0)),
+                  0.0) if gated else lower.astype(jnp.float32)
+  bc = beta.reshape(b, hv, nc, 1, c)
+  return (t0.astype(jnp.float32) * gam * bc).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("case", ["ring wraps, K 128, strong decay", "ungated (DeltaNet)"])
+def test_kernel_reading_a_made_m_matches_its_reference(case):
+  # made_m: the caller makes M̃ (here from its definition); the walk reads it from the ring
+  # and neither makes it nor waits for it. Only M̃'s bf16 rounding differs from the walk's
+  # own (once here, twice there), which the final state's bound leaves room for.
+  b, t, h, hv, dk, dv, gate_scale, floor_gates, gated = KERNEL_CASES[case]
+  q, k, v, t0, g, beta, s0t = _kernel_inputs(b, t, h, hv, dk, dv, seed=len(case),
+                                             gate_scale=gate_scale, floor_gates=floor_gates)
+  m = made_m(t0, g, beta, gated)
+  o, e, sf = jax.jit(lambda *a: cw.chunk_walk(*a, scale=dk ** -0.5, gated=gated, made_m=True,
+                                              interpret=INTERPRET))(q, k, v, m, g, beta, s0t)
+  ro, re, rsf, _ = jax.jit(lambda *a: cw.chunk_walk_reference(*a, scale=dk ** -0.5,
+                                                              gated=gated))(
+      q, k, v, t0, g, beta, s0t)
+  assert_close(sf, rsf, 5e-3, f"{case}: final state")
+  for name, got, want in (("o", o, ro), ("e", e, re)):
+    assert_close(got.astype(jnp.float32), want, 1e-2, f"{case}: {name} (bf16)")
+  with pytest.raises(ValueError, match="made_m"):
+    cw.chunk_walk(q, k, v, None, g, beta, s0t, scale=1.0, made_m=True, interpret=INTERPRET)
+
+
 @pytest.mark.parametrize("case", sorted(KERNEL_CASES))
 def test_reverse_kernel_matches_its_rounded_reference(case):
   b, t, h, hv, dk, dv, gate_scale, floor_gates, gated = KERNEL_CASES[case]

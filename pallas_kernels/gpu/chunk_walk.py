@@ -191,7 +191,8 @@ def products(items):
 
 
 def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
-               save_states: bool = False, overlap: bool | str = False, interpret=None):
+               save_states: bool = False, overlap: bool | str = False, made_m: bool = False,
+               interpret=None):
   """(o, e, s_final_t[, h_t]) of the delta rule's chunk form, or of linear attention.
 
   Args:
@@ -209,6 +210,10 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
       makes the next chunk's M̃, which the state chain waits for, as soon as this chunk's
       products are in, before O's epilogue; "group", it issues q S and P E together (one
       wait, not two). The same results whatever the parts.
+    made_m: t0 holds M̃ = T0 ⊙ Γ · diag(β) already, made by the caller (beta is then not
+      read): the state chain reads it from the ring as soon as the chunk lands, and the
+      output warpgroup neither makes it nor is waited for. Its results differ from the walk's
+      own M̃ by M̃'s rounding to bf16 (once, where the walk rounds T0 and then M̃).
   Returns:
     o `[B, T, HV, V]` bf16 (its products' operands are bf16 already; rounding it here saves
     the float32 round trip through HBM), e `[B, T, HV, V]` bf16 (the pseudo-values, the write
@@ -218,9 +223,11 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
   if s0t.shape[2] != v.shape[3]:
     raise ValueError(f"chunk_walk: s0t {tuple(s0t.shape)} must hold V = {v.shape[3]} state "
                      "columns (a wider state with leading v = 0 columns: maps_walk).")
+  if made_m and t0 is None:
+    raise ValueError("chunk_walk: made_m=True needs M̃ in t0 (linear attention has none).")
   outs = _chunk_walk(q, k, v, t0, g, beta, s0t, scale=float(scale), gated=bool(gated),
                      save_states=bool(save_states), overlap=overlap_parts(overlap),
-                     interpret=interpret)
+                     made_m=bool(made_m), interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
@@ -253,9 +260,9 @@ def kernel_args(args):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "overlap",
-                                             "interpret"))
+                                             "made_m", "interpret"))
 def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpret,
-                overlap=frozenset()):
+                overlap=frozenset(), made_m=False):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
@@ -348,7 +355,8 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
           else:
             ks_t = product(s_lo, k_s.at[slot].T, (bv, c), stage_k)
           r_t = v_t - (ks_t * entry if gated else ks_t)
-          plgpu.barrier_wait(m_ready.at[slot])
+          if not made_m:
+            plgpu.barrier_wait(m_ready.at[slot])
           e_t = product(r_t.astype(MM_DTYPE), m_s.at[slot].T, (bv, c), stage_c)
         else:
           e_t = v_t
@@ -380,11 +388,16 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         plgpu.barrier_arrive(m_ready.at[slot])
 
       # Overlapped, the next chunk's M̃ is made as soon as this chunk's products are in, before
-      # O's epilogue: the state chain waits for it (chunk 0's comes before the loop).
-      ahead = "ahead" in overlap and delta
+      # O's epilogue: the state chain waits for it (chunk 0's comes before the loop). Its Γ is
+      # carried into the next step for P, so each chunk's mask is made once (gated, remaking it
+      # cost the walk 13 %: docs/KERNELS_GPU.md).
+      ahead = "ahead" in overlap and delta and not made_m
+      carry_gam = ahead and gated
+      gam0 = None
       if ahead:
         plgpu.barrier_wait(in_bar.at[0])
-        make_m(0, decay_mask(g_rows, g_cols, 0, gated))
+        gam0 = decay_mask(g_rows, g_cols, 0, gated)
+        make_m(0, gam0)
 
       def step(n, carry):
         slot = lax.rem(n, stages)
@@ -392,12 +405,12 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         rows = pl.ds(n * c, c)
         if not ahead:   # (ahead: waited for in the step before)
           plgpu.barrier_wait(in_bar.at[slot])
-        gam = decay_mask(g_rows, g_cols, slot, gated)
+        gam = carry if carry_gam else decay_mask(g_rows, g_cols, slot, gated)
         if gated:
           entry = mc.rows(jnp.exp(plgpu.load(g_rows.at[slot], layout=_ROWS)) * scale, (c, bv))
         else:
           entry = scale
-        if delta and not ahead:
+        if delta and not ahead and not made_m:
           make_m(slot, gam)
         qk = product(q_s.at[slot], k_s.at[slot].T, (c, c))
         p = (qk * (gam * scale)).astype(MM_DTYPE)
@@ -411,11 +424,18 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
           pe = product(p, e_pub.at[half], (c, bv), stage_p)
         plgpu.barrier_arrive(in_free.at[slot])
         if ahead:
+          # The last step makes no M̃; its Γ is the last chunk's again (a value to carry, unused).
+          nxt = lax.rem(jnp.minimum(n + 1, nc - 1), stages)
+
           @pl.when(n + 1 < nc)
-          def _next_m():
-            nxt = lax.rem(n + 1, stages)
+          def _():
             plgpu.barrier_wait(in_bar.at[nxt])
-            make_m(nxt, decay_mask(g_rows, g_cols, nxt, gated))
+
+          gam_next = decay_mask(g_rows, g_cols, nxt, gated)
+
+          @pl.when(n + 1 < nc)
+          def _():
+            make_m(nxt, gam_next)
 
         # E's copy (and the copy of O two chunks back, from o_out[half]) done reading.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -423,9 +443,9 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
         o_out.at[half][...] = (qs * entry + pe).astype(MM_DTYPE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_out.at[half], o_ref.at[bi, rows, hi, vs])
-        return carry
+        return gam_next if carry_gam else carry
 
-      lax.fori_loop(0, nc, step, None)
+      lax.fori_loop(0, nc, step, gam0 if carry_gam else None)
       plgpu.wait_smem_to_gmem(0)
 
   scratch = dict(

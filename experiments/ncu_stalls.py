@@ -1,0 +1,118 @@
+"""Summarise Nsight Compute's source page of one kernel: where its warps were sampled, by SASS
+instruction and by opcode.
+
+`experiments/run_gpu_ncu.sh` profiles a walk kernel with `ncu --set full` and exports the
+report's source page (`ncu --import R --page source --csv --print-source sass`): one row per
+SASS instruction with, among other columns, how often warp-state sampling found a warp there
+("Warp Stall Sampling (All Samples)"; "(Not-issued Samples)": the warp could not issue). A
+sample lands on the instruction a warp is about to issue, so the samples on a wait (a
+`SYNCS...TRYWAIT` on an mbarrier, `WARPGROUP.DEPBAR` for a wgmma group, `BAR.SYNC`) are the
+time spent waiting there. Columns are found by name, so the export's other columns may come and
+go between ncu versions.
+
+    python3 -m experiments.ncu_stalls --csv=/tmp/ncu/walk_gated_overlap-false_sass.csv --top=25
+
+prints the total, the top instructions (address, samples, share, cumulative share, SASS), and
+the samples per opcode family (the opcode up to its first dot, e.g. HGMMA, SYNCS, MUFU).
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import dataclasses
+import io
+import re
+
+from absl import app
+from absl import flags
+
+from experiments import cli
+
+ALL_SAMPLES = "Warp Stall Sampling (All Samples)"
+NOT_ISSUED = "Warp Stall Sampling (Not-issued Samples)"
+
+
+@dataclasses.dataclass
+class Row:
+  address: str
+  sass: str
+  samples: float
+  not_issued: float
+
+
+def _number(text: str) -> float:
+  text = text.strip().replace(",", "")
+  try:
+    return float(text) if text else 0.0
+  except ValueError:
+    return 0.0
+
+
+def read_source_page(text: str) -> list[Row]:
+  """The rows of an exported source page. ncu prints its own lines (==PROF==, a kernel title)
+  before the CSV; the table starts at the first line that names the sampling column."""
+  lines = text.splitlines()
+  start = next((i for i, line in enumerate(lines) if ALL_SAMPLES in line), None)
+  if start is None:
+    raise ValueError(f"csv: no column {ALL_SAMPLES!r}; is this `ncu --page source --csv`?")
+  reader = csv.DictReader(io.StringIO("\n".join(lines[start:])))
+  source = next((n for n in reader.fieldnames if n.strip().lower() == "source"), None)
+  address = next((n for n in reader.fieldnames if "address" in n.lower()), None)
+  if source is None:
+    raise ValueError("csv: no 'Source' column (the SASS text)")
+  rows = []
+  for rec in reader:
+    rows.append(Row(address=(rec.get(address) or "").strip() if address else "",
+                    sass=(rec.get(source) or "").strip(),
+                    samples=_number(rec.get(ALL_SAMPLES) or ""),
+                    not_issued=_number(rec.get(NOT_ISSUED) or "")))
+  return rows
+
+
+def opcode_family(sass: str) -> str:
+  """HGMMA.64x128x16.F32.BF16 ... → HGMMA; '@!P0 SYNCS.PHASECHK.TRANS64.TRYWAIT P0, ...' →
+  SYNCS.PHASECHK (SYNCS's kinds differ in what they wait on, so they keep two parts)."""
+  words = [w for w in sass.split() if not w.startswith("@")]
+  if not words:
+    return "?"
+  parts = re.split(r"\.", words[0].rstrip(";"))
+  return ".".join(parts[:2]) if parts[0] in ("SYNCS", "WARPGROUP", "BAR") else parts[0]
+
+
+def summarize(rows: list[Row], top: int) -> str:
+  total = sum(r.samples for r in rows)
+  if total <= 0:
+    raise ValueError("csv: no warp-state samples in any row (was SourceCounters collected?)")
+  out = [f"{len(rows)} SASS instructions, {total:.0f} samples "
+         f"({sum(r.not_issued for r in rows) / total:.0%} not issued)", "",
+         "| address | samples | share | cumulative | SASS |", "|---|---|---|---|---|"]
+  cum = 0.0
+  for r in sorted(rows, key=lambda r: -r.samples)[:top]:
+    cum += r.samples
+    out.append(f"| {r.address} | {r.samples:.0f} | {r.samples / total:.1%} | {cum / total:.1%} "
+               f"| `{r.sass[:90]}` |")
+  families = collections.Counter()
+  counts = collections.Counter()
+  for r in rows:
+    families[opcode_family(r.sass)] += r.samples
+    counts[opcode_family(r.sass)] += 1
+  out += ["", "| opcode | instructions | samples | share |", "|---|---|---|---|"]
+  out += [f"| {name} | {counts[name]} | {s:.0f} | {s / total:.1%} |"
+          for name, s in families.most_common() if s > 0]
+  return "\n".join(out)
+
+
+_CSV = flags.DEFINE_string("csv", None, "An exported source page (ncu --page source --csv).")
+_TOP = flags.DEFINE_integer("top", 25, "Instructions to list, most sampled first.")
+
+
+def main(argv):
+  del argv
+  with open(_CSV.value) as f:
+    print(summarize(read_source_page(f.read()), _TOP.value))
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("csv")
+  app.run(main, flags_parser=cli.parse_flags)
