@@ -54,6 +54,8 @@ _OVERLAP = flags.DEFINE_list("overlap", "false", "`overlap` values of the forwar
 _MADE_M = flags.DEFINE_bool("made_m", False, "Also time the forward walk reading M̃ made ahead "
                              "(`chunk_walk(made_m=True)`: no M̃ made by its output warpgroup, no "
                              "wait for it in the chain), as one more row, overlap 'made_m'.")
+_APPROX = flags.DEFINE_bool("approx_math", False, "The forward and reverse walks with e^x as "
+                             "ex2.approx (their `approx_math`), every row.")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "The rows, with every round's time, as JSON.")
 
 
@@ -74,7 +76,7 @@ def _inputs(b, t, h, d, seed=0):
               s=normal((b, h, d, d), 0.1, jnp.float32))
 
 
-def _walk_call(kernel, x, d, gated, interpret, overlap=False):
+def _walk_call(kernel, x, d, gated, interpret, overlap=False, approx_math=False):
   """(the jitted walk, its CTAs per row and head): one call of `kernel` on inputs x."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   from pallas_kernels.gpu import chunk_walk_reverse  # pylint: disable=g-import-not-at-top
@@ -84,12 +86,13 @@ def _walk_call(kernel, x, d, gated, interpret, overlap=False):
     made_m = overlap == "made_m"
     return jax.jit(lambda a: chunk_walk.chunk_walk(
         a["q"], a["k"], a["v"], a["t0"], a["g"], a["beta"], a["s"], scale=scale, gated=gated,
-        overlap=False if made_m else overlap, made_m=made_m, interpret=interpret)), blocks
+        overlap=False if made_m else overlap, made_m=made_m, approx_math=approx_math,
+        interpret=interpret)), blocks
   if kernel in ("reverse", "reverse_states"):
     return jax.jit(lambda a: chunk_walk_reverse.chunk_walk_reverse(
         a["q"], a["k"], a["t0"], a["g"], a["beta"], a["do"], a["de"], a["s"], scale=scale,
         gated=gated, states_only=kernel == "reverse_states", overlap=overlap,
-        interpret=interpret)), blocks
+        approx_math=approx_math, interpret=interpret)), blocks
   chains = int(kernel[-1])
   wide = lambda s: jnp.concatenate([jnp.broadcast_to(jnp.eye(d, dtype=s.dtype), s.shape), s], 2)
   return jax.jit(lambda a: maps_walk.maps_walk(
@@ -147,7 +150,8 @@ def main(argv):
         variants = list(dict.fromkeys(w is not False for w in overlaps))
       steps = {}
       for overlap in variants:
-        fn, ctas_per_head = _walk_call(kernel, x, d, _GATED.value, interpret, overlap)
+        fn, ctas_per_head = _walk_call(kernel, x, d, _GATED.value, interpret, overlap,
+                                       _APPROX.value)
         jax.block_until_ready(fn(x))
         steps[overlap] = bench.Step(lambda fn=fn: fn(x), jax.block_until_ready)
       times = {overlap: [] for overlap in variants}
@@ -167,7 +171,8 @@ def main(argv):
                          rounds_ms=[float(x) for x in times[overlap]]))
   if _OUT_JSON.value:
     with open(_OUT_JSON.value, "w") as f:
-      json.dump(dict(shape=[b, t, h, d], gated=_GATED.value, device=jax.devices()[0].device_kind,
+      json.dump(dict(shape=[b, t, h, d], gated=_GATED.value, approx_math=_APPROX.value,
+                     device=jax.devices()[0].device_kind,
                      rounds=_ROUNDS.value, iters=_ITERS.value, rows=rows), f, indent=1)
 
 

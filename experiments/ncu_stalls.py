@@ -12,8 +12,16 @@ go between ncu versions.
 
     python3 -m experiments.ncu_stalls --csv=/tmp/ncu/walk_gated_overlap-false_sass.csv --top=25
 
-prints the total, the top instructions (address, samples, share, cumulative share, SASS), and
-the samples per opcode family (the opcode up to its first dot, e.g. HGMMA, SYNCS, MUFU).
+prints the total, the samples per warpgroup region, the top instructions (address, samples,
+share, cumulative share, SASS, main stall reason), and the samples per opcode family (the opcode
+up to its first dot, e.g. HGMMA, SYNCS, MUFU).
+
+Warpgroup regions: a warp-specialised Mosaic GPU kernel opens each warpgroup's code with a
+register reallocation (`USETMAXREG`, from `plgpu.set_max_registers`), in the order the kernel's
+`pl.when` branches come (the walks: memory, state, output); a region runs from one to the next,
+the last to the final EXIT. Its samples and main stall reasons (ncu's per-reason columns,
+`stall_*`) say which warpgroup waits and on what: `long_sb` on a branch after an mbarrier's
+`TRYWAIT` is time spent waiting on that barrier.
 """
 
 from __future__ import annotations
@@ -39,6 +47,10 @@ class Row:
   sass: str
   samples: float
   not_issued: float
+  reasons: dict[str, float] = dataclasses.field(default_factory=dict)   # stall_* columns
+
+  def main_reason(self) -> str:
+    return max(self.reasons, key=self.reasons.get) if any(self.reasons.values()) else "-"
 
 
 def _number(text: str) -> float:
@@ -61,13 +73,33 @@ def read_source_page(text: str) -> list[Row]:
   address = next((n for n in reader.fieldnames if "address" in n.lower()), None)
   if source is None:
     raise ValueError("csv: no 'Source' column (the SASS text)")
+  reasons = [n for n in reader.fieldnames if n.startswith("stall_") and "Not Issued" not in n]
   rows = []
   for rec in reader:
     rows.append(Row(address=(rec.get(address) or "").strip() if address else "",
                     sass=(rec.get(source) or "").strip(),
                     samples=_number(rec.get(ALL_SAMPLES) or ""),
-                    not_issued=_number(rec.get(NOT_ISSUED) or "")))
+                    not_issued=_number(rec.get(NOT_ISSUED) or ""),
+                    reasons={n[len("stall_"):]: _number(rec.get(n) or "") for n in reasons}))
   return rows
+
+
+def regions(rows: list[Row]) -> list[tuple[str, int, int]]:
+  """(name, first row, end row) of each warpgroup's code: "prologue" up to the first
+  USETMAXREG, then one region per USETMAXREG (named by its register count, e.g. "wg 1 (40
+  regs)"), the last up to the final EXIT; then "tail" (out-of-line code after it). One region
+  "all" when the kernel has no USETMAXREG."""
+  marks = [i for i, r in enumerate(rows) if "USETMAXREG" in r.sass]
+  if not marks:
+    return [("all", 0, len(rows))]
+  exits = [i for i, r in enumerate(rows) if re.search(r"(^|\s)EXIT\b", r.sass)]
+  end = exits[-1] + 1 if exits and exits[-1] > marks[-1] else len(rows)
+  out = [("prologue", 0, marks[0])]
+  for n, (a, b) in enumerate(zip(marks, marks[1:] + [end])):
+    regs = re.search(r"0x([0-9a-f]+)\s*$", rows[a].sass)
+    out.append((f"wg {n + 1}" + (f" ({int(regs[1], 16)} regs)" if regs else ""), a, b))
+  out.append(("tail", end, len(rows)))
+  return out
 
 
 def opcode_family(sass: str) -> str:
@@ -86,12 +118,25 @@ def summarize(rows: list[Row], top: int) -> str:
     raise ValueError("csv: no warp-state samples in any row (was SourceCounters collected?)")
   out = [f"{len(rows)} SASS instructions, {total:.0f} samples "
          f"({sum(r.not_issued for r in rows) / total:.0%} not issued)", "",
-         "| address | samples | share | cumulative | SASS |", "|---|---|---|---|---|"]
+         "| region | instructions | samples | share | main stall reasons |",
+         "|---|---|---|---|---|"]
+  for name, a, b in regions(rows):
+    part = rows[a:b]
+    got = sum(r.samples for r in part)
+    if not part or got <= 0:
+      continue
+    why = collections.Counter()
+    for r in part:
+      why.update(r.reasons)
+    main = ", ".join(f"{k} {v / got:.0%}" for k, v in why.most_common(3) if v > 0)
+    out.append(f"| {name} | {len(part)} | {got:.0f} | {got / total:.1%} | {main or '-'} |")
+  out += ["", "| address | samples | share | cumulative | SASS | main stall reason |",
+          "|---|---|---|---|---|---|"]
   cum = 0.0
   for r in sorted(rows, key=lambda r: -r.samples)[:top]:
     cum += r.samples
     out.append(f"| {r.address} | {r.samples:.0f} | {r.samples / total:.1%} | {cum / total:.1%} "
-               f"| `{r.sass[:90]}` |")
+               f"| `{r.sass[:90]}` | {r.main_reason()} |")
   families = collections.Counter()
   counts = collections.Counter()
   for r in rows:

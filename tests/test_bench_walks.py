@@ -43,10 +43,11 @@ def test_times_every_walk_in_the_interpreter():
 def test_times_the_overlap_values_of_the_walks(tmp_path):
   # --overlap=false,publish+group,true: a row for each value of the forward walk, whose parts
   # the reverse walks read as true (one row each for false and true), and --made_m one more
-  # forward row; the JSON holds the rows.
+  # forward row; --approx_math reaches every walk; the JSON holds the rows.
   out = tmp_path / "walks.json"
   proc = _run("--shape=1,128,1,64", "--pieces=1", "--kernels=walk,reverse",
-              "--overlap=false,publish+group,true", "--made_m", "--iters=1", "--rounds=1",
+              "--overlap=false,publish+group,true", "--made_m", "--approx_math", "--iters=1",
+              "--rounds=1",
               f"--out_json={out}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   want = {("walk", o, 1): (1, 1, 2) for o in ("false", "publish+group", "true", "made_m")}
@@ -54,6 +55,7 @@ def test_times_the_overlap_values_of_the_walks(tmp_path):
   assert _rows(proc.stdout) == want, proc.stdout
   saved = json.loads(out.read_text())
   assert saved["shape"] == [1, 128, 1, 64] and saved["gated"] is True
+  assert saved["approx_math"] is True
   assert {(r["walk"], r["overlap"]) for r in saved["rows"]} == {(w, o) for w, o, _ in want}
   assert all(len(r["rounds_ms"]) == 1 and r["us_call"] > 0 for r in saved["rows"])
 

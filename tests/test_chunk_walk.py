@@ -114,6 +114,33 @@ def test_kernel_reading_a_made_m_matches_its_reference(case):
     cw.chunk_walk(q, k, v, None, g, beta, s0t, scale=1.0, made_m=True, interpret=INTERPRET)
 
 
+def test_approximate_exponentials_keep_both_walks_within_their_bounds():
+  # approx_math: e^x as ex2.approx in the walks' gates (decay masks, entry / exit factors). The
+  # interpreter computes e^x exactly either way, so off GPU this checks the option's path; on
+  # the GPU it checks the approximation against the float32 references at the kernel tests'
+  # bounds, at strong decay.
+  b, t, h, hv, dk, dv, gate_scale, floor_gates, gated = KERNEL_CASES[
+      "ring wraps, K 128, strong decay"]
+  q, k, v, t0, g, beta, s0t = _kernel_inputs(b, t, h, hv, dk, dv, seed=7, gate_scale=gate_scale)
+  kw = dict(scale=dk ** -0.5, gated=gated)
+  o, e, sf = jax.jit(lambda *a: cw.chunk_walk(*a, **kw, approx_math=True, interpret=INTERPRET))(
+      q, k, v, t0, g, beta, s0t)
+  ro, re, rsf, _ = cw.chunk_walk_reference(q, k, v, t0, g, beta, s0t, **kw)
+  assert_close(sf, rsf, 5e-4, "final state")
+  for name, got, want in (("o", o, ro), ("e", e, re)):
+    assert_close(got.astype(jnp.float32), want, 1e-2, f"{name} (bf16)")
+  r = np.random.default_rng(7)
+  do = jnp.asarray(r.standard_normal((b, t, hv, dv)), jnp.bfloat16)
+  dsf = jnp.asarray(0.1 * r.standard_normal((b, hv, dv, dk)), jnp.float32)
+  de, dh, ds0 = jax.jit(lambda *a: cwr.chunk_walk_reverse(*a, **kw, approx_math=True,
+                                                          interpret=INTERPRET))(
+      q, k, t0, g, beta, do, None, dsf)
+  rde, rdh, rds0 = cwr.chunk_walk_reverse_reference(q, k, t0, g, beta, do, None, dsf, **kw)
+  assert_close(de.astype(jnp.float32), rde, 1e-2, "dE (bf16)")
+  assert_close(ds0, rds0, 5e-4, "dS0")
+  assert_close(dh.astype(jnp.float32), rdh, 5e-3, "dh (bf16)")
+
+
 @pytest.mark.parametrize("case", sorted(KERNEL_CASES))
 def test_reverse_kernel_matches_its_rounded_reference(case):
   b, t, h, hv, dk, dv, gate_scale, floor_gates, gated = KERNEL_CASES[case]

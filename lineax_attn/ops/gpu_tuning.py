@@ -201,10 +201,12 @@ class GpuTuning:
       product runs. Same products, operands and sums: the same results to the bit. On the
       H200 (2026-12-05, docs/BENCHMARKS.md "twenty-fourth stage", B4 T16384 H16 D128) the
       reverse step went from 2.54 to 2.41 µs gated and 2.45 to 2.26 ungated, and ptxas's
-      spills from 148 bytes to 8. Off by default until the whole compiled suite has run with
-      it on (no device came for that run the day it was timed). (The forward walk's own
-      overlap, `chunk_walk`'s `overlap` parts, gained nothing there and is no tuning:
-      docs/KERNELS_GPU.md.)
+      spills from 148 bytes to 8; but the op, fwd+bwd at B4 T4096, gained ≤ 3 % on the H200
+      and nothing on the H100 ("twenty-fifth stage"), where Nsight Compute found the walks
+      bound by bandwidth and their own instructions, not by these waits. Off by default: that
+      gain does not justify a default the whole compiled suite has not run with. (The
+      forward walk's own overlap, `chunk_walk`'s `overlap` parts, gained nothing there and is
+      no tuning: docs/KERNELS_GPU.md.)
   """
 
   intra: str = "kernel"

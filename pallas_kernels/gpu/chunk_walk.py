@@ -192,7 +192,7 @@ def products(items):
 
 def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
                save_states: bool = False, overlap: bool | str = False, made_m: bool = False,
-               interpret=None):
+               approx_math: bool = False, interpret=None):
   """(o, e, s_final_t[, h_t]) of the delta rule's chunk form, or of linear attention.
 
   Args:
@@ -213,7 +213,11 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
     made_m: t0 holds M̃ = T0 ⊙ Γ · diag(β) already, made by the caller (beta is then not
       read): the state chain reads it from the ring as soon as the chunk lands, and the
       output warpgroup neither makes it nor is waited for. Its results differ from the walk's
-      own M̃ by M̃'s rounding to bf16 (once, where the walk rounds T0 and then M̃).
+      own M̃ by M̃'s rounding to bf16 (once, where the walk rounds T0 and then M̃). A timing
+      probe (`bench_walks --made_m`): 4 % off the gated step on the H100, so no caller uses it.
+    approx_math: e^x as ex2.approx (Mosaic GPU's approximate math): the gated walk's
+      exponentials are a third of its state warpgroup's instructions, which set its step
+      (docs/KERNELS_GPU.md, "What sets the walks' step"). Not yet timed.
   Returns:
     o `[B, T, HV, V]` bf16 (its products' operands are bf16 already; rounding it here saves
     the float32 round trip through HBM), e `[B, T, HV, V]` bf16 (the pseudo-values, the write
@@ -227,7 +231,7 @@ def chunk_walk(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True,
     raise ValueError("chunk_walk: made_m=True needs M̃ in t0 (linear attention has none).")
   outs = _chunk_walk(q, k, v, t0, g, beta, s0t, scale=float(scale), gated=bool(gated),
                      save_states=bool(save_states), overlap=overlap_parts(overlap),
-                     made_m=bool(made_m), interpret=interpret)
+                     made_m=bool(made_m), approx_math=bool(approx_math), interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
@@ -260,9 +264,9 @@ def kernel_args(args):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gated", "save_states", "overlap",
-                                             "made_m", "interpret"))
+                                             "made_m", "approx_math", "interpret"))
 def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpret,
-                overlap=frozenset(), made_m=False):
+                overlap=frozenset(), made_m=False, approx_math=False):
   b, t, h, dk = q.shape
   hv, dv = v.shape[2], v.shape[3]
   c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
@@ -473,7 +477,8 @@ def _chunk_walk(q, k, v, t0, g, beta, s0t, *, scale, gated, save_states, interpr
 
   return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch.values()),
                       grid=(b, hv, dv // bv), grid_names=("b", "h", "v"), num_threads=3,
-                      thread_name="wg", interpret=interpret)(*ins)
+                      thread_name="wg", interpret=interpret,
+                      compiler_params=mc.compiler_params(approx_math=approx_math))(*ins)
 
 
 def chunk_walk_reference(q, k, v, t0, g, beta, s0t, *, scale: float, gated: bool = True):

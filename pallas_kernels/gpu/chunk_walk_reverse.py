@@ -60,7 +60,8 @@ def ring_stages(dk: int, bv: int = BLOCK_V) -> int:
 
 
 def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, gated: bool = True,
-                       states_only: bool = False, overlap: bool = False, interpret=None):
+                       states_only: bool = False, overlap: bool = False,
+                       approx_math: bool = False, interpret=None):
   """(de_t, dh_t, ds0_t): the reverse state pass of `chunk_walk`.
 
   Args:
@@ -74,20 +75,22 @@ def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, ga
     overlap: issue each of the chain's first two products together with an independent one
       (three waits a chunk instead of five), the copies out of dS and dE running beside them.
       The same results. Off until timed on the GPU.
+    approx_math: e^x as ex2.approx, as `chunk_walk` takes it. Not yet timed.
   Returns:
     de_t `[B, HV, Nc, V, C]` bf16 (dE of each chunk, transposed), dh_t `[B, HV, Nc, V, K]`
     bf16 (dS leaving each chunk, transposed, exactly as used), ds0_t `[B, HV, V, K]` float32.
   """
   outs = _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, scale=float(scale),
                              gated=bool(gated), states_only=bool(states_only),
-                             overlap=bool(overlap), interpret=interpret)
+                             overlap=bool(overlap), approx_math=bool(approx_math),
+                             interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "gated", "states_only", "overlap",
-                                             "interpret"))
+                                             "approx_math", "interpret"))
 def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, states_only,
-                        interpret, overlap=False):
+                        interpret, overlap=False, approx_math=False):
   b, t, h, dk = q.shape
   hv, dv = do.shape[2], do.shape[3]
   c, bv, f32 = CHUNK, BLOCK_V, jnp.float32
@@ -261,7 +264,8 @@ def _chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale, gated, s
 
   return plgpu.kernel(body, out_type=out_type, scratch_types=tuple(scratch.values()),
                       grid=(b, hv, dv // bv), grid_names=("b", "h", "v"), num_threads=3,
-                      thread_name="wg", interpret=interpret)(*ins)
+                      thread_name="wg", interpret=interpret,
+                      compiler_params=mc.compiler_params(approx_math=approx_math))(*ins)
 
 
 def chunk_walk_reverse_reference(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float,
