@@ -74,7 +74,8 @@ def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, ga
       entry cotangents of rows cut into pieces, `gpu_walks.walk_pieces_core`).
     overlap: issue each of the chain's first two products together with an independent one
       (three waits a chunk instead of five), the copies out of dS and dE running beside them.
-      The same results. Off until timed on the GPU.
+      The same results (`GpuTuning.walk_overlap`; off by default, docs/BENCHMARKS.md
+      "twenty-fifth stage").
     approx_math: e^x as ex2.approx, as `chunk_walk` takes it. Not yet timed.
   Returns:
     de_t `[B, HV, Nc, V, C]` bf16 (dE of each chunk, transposed), dh_t `[B, HV, Nc, V, K]`
