@@ -70,7 +70,7 @@ def read_source_page(text: str) -> list[Row]:
     raise ValueError(f"csv: no column {ALL_SAMPLES!r}; is this `ncu --page source --csv`?")
   reader = csv.DictReader(io.StringIO("\n".join(lines[start:])))
   source = next((n for n in reader.fieldnames if n.strip().lower() == "source"), None)
-  address = next((n for n in reader.fieldnames if "address" in n.lower()), None)
+  address = next((n for n in reader.fieldnames if n.strip().lower() == "address"), None)
   if source is None:
     raise ValueError("csv: no 'Source' column (the SASS text)")
   reasons = [n for n in reader.fieldnames if n.startswith("stall_") and "Not Issued" not in n]
@@ -108,7 +108,7 @@ def opcode_family(sass: str) -> str:
   words = [w for w in sass.split() if not w.startswith("@")]
   if not words:
     return "?"
-  parts = re.split(r"\.", words[0].rstrip(";"))
+  parts = words[0].rstrip(";").split(".")
   return ".".join(parts[:2]) if parts[0] in ("SYNCS", "WARPGROUP", "BAR") else parts[0]
 
 
@@ -140,8 +140,9 @@ def summarize(rows: list[Row], top: int) -> str:
   families = collections.Counter()
   counts = collections.Counter()
   for r in rows:
-    families[opcode_family(r.sass)] += r.samples
-    counts[opcode_family(r.sass)] += 1
+    family = opcode_family(r.sass)
+    families[family] += r.samples
+    counts[family] += 1
   out += ["", "| opcode | instructions | samples | share |", "|---|---|---|---|"]
   out += [f"| {name} | {counts[name]} | {s:.0f} | {s / total:.1%} |"
           for name, s in families.most_common() if s > 0]

@@ -34,15 +34,7 @@ for K in "$@"; do
     python3 -u -m experiments.bench_walks --shape=${NCU_SHAPE:-4,16384,16,128} --pieces=1 \
     --kernels=$K $GATED --overlap=${NCU_OVERLAP:-false} --iters=1 --rounds=3 > $KEEP/$NAME.log 2>&1
   echo "$NAME: ncu rc=$?"; grep -E "^==PROF==|^==ERROR==|^==WARNING==" $KEEP/$NAME.log | head -5
-  if [ ! -f $KEEP/$NAME.ncu-rep ]; then
-    # Nothing matched: list the kernels the program launches, to name the walk next time.
-    timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --launch-count 60 --metrics gpu__time_duration.sum --csv \
-      python3 -m experiments.bench_walks --shape=${NCU_SHAPE:-4,16384,16,128} --pieces=1 \
-      --kernels=$K --iters=1 --rounds=1 2>&1 | grep -o '"[^"]*mosaic[^"]*"\|"[A-Za-z_0-9]*kernel[A-Za-z_0-9]*"' \
-      | sort | uniq -c > $KEEP/${NAME}_kernel_names.txt
-    head -20 $KEEP/${NAME}_kernel_names.txt
-    continue
-  fi
+  [ -f $KEEP/$NAME.ncu-rep ] || continue   # (every walk is "body_mosaic_gpu_kernel")
   ncu --import $KEEP/$NAME.ncu-rep --page details --print-details all > $KEEP/${NAME}_details.txt 2>&1
   ncu --import $KEEP/$NAME.ncu-rep --page source --csv --print-source sass > $KEEP/${NAME}_sass.csv 2>&1
   ncu --import $KEEP/$NAME.ncu-rep --page raw --csv > $KEEP/${NAME}_raw.csv 2>&1

@@ -47,8 +47,7 @@ def test_times_the_overlap_values_of_the_walks(tmp_path):
   out = tmp_path / "walks.json"
   proc = _run("--shape=1,128,1,64", "--pieces=1", "--kernels=walk,reverse",
               "--overlap=false,publish+group,true", "--made_m", "--approx_math", "--iters=1",
-              "--rounds=1",
-              f"--out_json={out}")
+              "--rounds=1", f"--out_json={out}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   want = {("walk", o, 1): (1, 1, 2) for o in ("false", "publish+group", "true", "made_m")}
   want.update({("reverse", o, 1): (1, 1, 2) for o in ("false", "true")})
