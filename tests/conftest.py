@@ -20,9 +20,43 @@ if "xla_backend_optimization_level" not in _flags and not _LARGE:
   _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
+# One persistent XLA compilation cache for the run, shared by pytest-xdist's workers and by the
+# subprocesses tests start (they inherit the environment): a program several tests compile
+# alike (the scan references, a kernel at a shape, a model's step) is compiled once. It starts
+# empty (a new temporary directory, made by the process that spawns the workers and removed by
+# it at the end), so every run still compiles everything once. Tests whose subject is a fresh
+# compile take the `fresh_compiles` fixture, which turns the cache off around them.
+_CACHE_OWNER = "LINEAX_TEST_XLA_CACHE_OWNER"
+if not _LARGE and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile  # noqa: E402
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lineax_attn_xla_cache_")
+  os.environ[_CACHE_OWNER] = str(os.getpid())
+  # (jax's default, 1 s, leaves out most of the suite's small programs.)
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
+
 import jax  # noqa: E402
+import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_unconfigure(config):
+  del config
+  if os.environ.get(_CACHE_OWNER) == str(os.getpid()):
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_compiles():
+  """The persistent compilation cache off for one test: every jit in it is an XLA backend
+  compile of its own (what tests of compile-dependent behaviour and compile counts need)."""
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()   # (jax decides whether to use the cache once, at first use)
+  yield
+  jax.config.update("jax_enable_compilation_cache", True)
+  compilation_cache.reset_cache()
 
 
 # Under pytest-xdist the suite's wall time is that of the busier worker: a slow test that starts

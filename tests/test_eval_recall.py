@@ -298,7 +298,8 @@ def test_niah_of_trained_models_merged_into_one_table(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   runs = tmp_path / "runs"
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+             XLA_FLAGS="--xla_force_host_platform_device_count=1 "
+                       "--xla_backend_optimization_level=0")
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.compare", "--config=configs/mixers.py:tiny",
        f"--workdir={runs}", "--arms=softmax,gdn", "--progress=false",

@@ -294,6 +294,7 @@ def _one_program_init(config, seed):
     dict(routing="cler_h", routing_rank=4),
     dict(mixer="kda", routing="cler", tie_embeddings=True),
 ], ids=["gdn-cler_h-untied", "kda-cler-tied"])
+@pytest.mark.usefixtures("fresh_compiles")   # (it counts XLA's own compiles)
 def test_init_params_equals_the_model_one_compile_per_block_kind(overrides):
   from lineax_attn.models import lm  # pylint: disable=g-import-not-at-top
   config = small_config(n_layers=4, **overrides)  # "LSL" over 4 layers: L S L L

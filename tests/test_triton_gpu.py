@@ -860,7 +860,8 @@ def test_op_gradients_with_the_bounded_span_path_match_scan(mixer):
 
 
 @pytest.mark.parametrize("mixer", ["gated_delta_rule", "kda"])
-def test_ffi_call_target_lowers_to_the_typed_ffi_handler_and_matches_scan(monkeypatch, mixer):
+def test_ffi_call_target_lowers_to_the_typed_ffi_handler_and_matches_scan(monkeypatch, request,
+                                                                          mixer):
   # blocks.CALL_TARGET="ffi": every Triton kernel of the op lowers to jaxlib's typed-FFI
   # "triton_kernel_call_ffi" (which XLA's command buffers take) instead of jax-triton's legacy
   # call, and the op still matches the scan, forward and every gradient, with segments.
@@ -870,6 +871,12 @@ def test_ffi_call_target_lowers_to_the_typed_ffi_handler_and_matches_scan(monkey
   if not ffi_call.ffi_target_available():
     pytest.skip("this jaxlib has no typed-FFI Triton handler")
   monkeypatch.setattr(blocks, "CALL_TARGET", "ffi")
+  # The jitted kernel wrappers (`channel_intra_fwd`, ...) read CALL_TARGET when traced and keep
+  # their traces: one made by an earlier test of the same worker still held the legacy call
+  # (KDA failed here so on the H200, 2026-12-05). So no trace of before or after this test is
+  # reused across the switch.
+  jax.clear_caches()
+  request.addfinalizer(jax.clear_caches)
   args, kw = make_inputs(mixer, b=1, t=150, h=1, hv=2, dk=64, dv=64, seed=6)
   s0 = kw["initial_state"]
   seg = jnp.asarray(np.repeat([[1, 2]], [90, 60]))[None]

@@ -17,6 +17,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+# Every compile here must be XLA's own, not the suite's compilation cache's copy.
+pytestmark = pytest.mark.usefixtures("fresh_compiles")
 
 _HI = jax.lax.Precision.HIGHEST
 
