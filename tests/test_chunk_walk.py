@@ -359,11 +359,16 @@ def test_grads_options_reach_chunk_grads_and_keep_the_gradients(monkeypatch, mix
                                                                  join_exit, warpgroups):
   # GpuTuning's approx_math (e^x as ex2.approx on a GPU; the interpreter computes it exactly),
   # join_exit (the exit product in dk's wgmma group) and grads_warpgroups (the two-warpgroup
-  # kernel) reach the per-chunk backward, whose gradients stay the scan's.
+  # kernel) reach the per-chunk backward, approx_math the forward and reverse walks too, and
+  # the gradients stay the scan's.
   from pallas_kernels.gpu import chunk_grads as cg  # pylint: disable=g-import-not-at-top
   seen, real = [], cg.chunk_grads
   monkeypatch.setattr(cg, "chunk_grads", lambda *a, **k: seen.append(
       (k["approx_math"], k["join_exit"], k["warpgroups"])) or real(*a, **k))
+  walks = []
+  for mod, name in ((cw, "chunk_walk"), (cwr, "chunk_walk_reverse")):
+    monkeypatch.setattr(mod, name, lambda *a, real=getattr(mod, name), name=name, **k: (
+        walks.append((name, k.get("approx_math", False))) or real(*a, **k)))
   args, kw = make_inputs(mixer, b=1, t=64 if warpgroups == 1 else 96, h=1,
                          hv=warpgroups, dk=64, dv=64, seed=41)
 
@@ -375,6 +380,7 @@ def test_grads_options_reach_chunk_grads_and_keep_the_gradients(monkeypatch, mix
                                                  join_exit=join_exit,
                                                  grads_warpgroups=warpgroups))
   assert seen == [(approx_math, join_exit, warpgroups)]
+  assert set(walks) == {("chunk_walk", approx_math), ("chunk_walk_reverse", approx_math)}
   names = ["q", "k", "v"] + (["g", "beta"] if mixer == "gated_delta_rule" else ["beta"])
   for name, g, want in zip(names, got, grads("scan", None)):
     assert_close(g, want, GRAD_TOL, f"{mixer} approx_math={approx_math}, join_exit={join_exit}, "
@@ -386,12 +392,14 @@ def test_walk_overlap_reaches_the_reverse_walks_and_keeps_the_gradients(monkeypa
                                                                          pieces):
   # GpuTuning(walk_overlap=True) reaches the reverse walk and, with rows in pieces, the
   # states-only reverse walk of the entry cotangents, not the forward walk (whose overlap
-  # gained nothing on the H200); outputs and gradients stay the scan's.
+  # gained nothing on the H200); outputs and gradients stay the scan's. The default
+  # approx_math reaches every one of those walks.
   seen = []
   for mod, name in ((cw, "chunk_walk"), (cwr, "chunk_walk_reverse")):
     real = getattr(mod, name)
     monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: seen.append(
-        (name, k.get("states_only", False), k.get("overlap", False))) or real(*a, **k))
+        (name, k.get("states_only", False), k.get("overlap", False),
+         k.get("approx_math", False))) or real(*a, **k))
   args, kw = make_inputs(mixer, b=1, t=256, h=1, hv=1, dk=64, dv=64, seed=43)
   tuning = pallas_gpu.GpuTuning(forward="walk", walk_overlap=True, row_pieces=pieces)
 
@@ -400,9 +408,9 @@ def test_walk_overlap_reaches_the_reverse_walks_and_keeps_the_gradients(monkeypa
     return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
 
   got = grads("pallas_gpu", tuning)
-  want = {("chunk_walk", False, False), ("chunk_walk_reverse", False, True)}
+  want = {("chunk_walk", False, False, True), ("chunk_walk_reverse", False, True, True)}
   if pieces > 1:
-    want.add(("chunk_walk_reverse", True, True))
+    want.add(("chunk_walk_reverse", True, True, True))
   assert set(seen) == want
   names = ["q", "k", "v"] + (["g", "beta"] if mixer == "gated_delta_rule" else ["beta"])
   for name, g, w in zip(names, got, grads("scan", None)):

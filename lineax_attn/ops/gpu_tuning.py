@@ -149,13 +149,17 @@ class GpuTuning:
       (bf16 operands, factors e^x with |x| ≤ the bound); steeper slices, and every slice with
       0, compute them exactly in float32. On the H200 (2026-12-04) 80 took KDA fwd+bwd from
       5.65 to 4.62 ms and GDN-2 from 5.82 to 4.84 (docs/KERNELS_GPU.md, "Toward KDA / GDN-2").
-    approx_math: whether the walk path's per-chunk backward (`pallas_kernels.gpu.chunk_grads`)
-      computes e^x as ex2.approx (relative error ~2⁻²², far below its bf16 operands') instead
-      of the exact float32 exp. On by default: on the H200 (2026-12-04, B4 T4096 H16 D128,
-      `bench_ab`, 5 rounds) GDN fwd+bwd took 1.164 ms with it against 1.202 without (jla
-      0.878); standalone the gated kernel's mean CTA span fell from 26.5 to 24.7 µs (its
-      "gates, M" and "dL, dB" phases, `experiments.bench_chunk_grads`). Ungated mixers compute
-      no e^x there.
+    approx_math: whether the walk path's kernels compute e^x as ex2.approx (relative error
+      ~2⁻²², far below their bf16 operands') instead of the exact float32 exp: the per-chunk
+      backward (`pallas_kernels.gpu.chunk_grads`) and, since 2026-12-05, the forward and
+      reverse walks (the maps' walk of rows in pieces takes no such option). On by default: on
+      the H200 (2026-12-04, B4 T4096 H16 D128, `bench_ab`, 5 rounds) GDN fwd+bwd took 1.164 ms
+      with it in `chunk_grads` against 1.202 without (jla 0.878); standalone the gated
+      kernel's mean CTA span fell from 26.5 to 24.7 µs (`experiments.bench_chunk_grads`). In
+      the walks (2026-12-05, `bench_walks`, B4 T16384 H16 D128) it took the gated forward step
+      from 2.18 to 1.94 µs on the H200 (its state warpgroup's instructions set the step) and
+      from 2.30 to 2.21 on the H100; the reverse step 2.49 → 2.44 and 3.00 → 3.07 (noise).
+      Ungated mixers compute no e^x there.
     join_exit: whether that gated kernel makes its exit product (x ⊙ E) dS'ᵀ once, as a second
       accumulator issued with dk's wgmma group (`chunk_grads(join_exit=True)`), instead of in
       a group of its own and again inside dk's. On by default: on the H200 (2026-12-04, B4

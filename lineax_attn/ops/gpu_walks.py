@@ -95,13 +95,15 @@ def gate_free_inverse(k, beta_rows, hv: int, c: int):
   return triangular.unit_lower_inverse(lower).astype(jnp.bfloat16)
 
 
-def walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_states=False):
+def walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_states=False,
+                 approx_math=False):
   """(o, e, s_final[, t0, h]) of DeltaNet / GDN by the Mosaic walk, or of linear attention
   (beta_rows None: no erase, no T0); q, k unrepeated and unscaled, beta_rows `[B, HV, T]`,
   g_rows the chunk cumulative log gates `[B, HV, T]` or None (ungated). o and e come back
   float32 (the walk writes bf16; XLA folds the two casts into the op's cast to v's dtype); with
   save_states also the gate-free inverses (None for linear attention) and the bf16 chunk states
-  transposed, h_t `[B, HV, Nc, V, K]` bf16, the backward's residuals."""
+  transposed, h_t `[B, HV, Nc, V, K]` bf16, the backward's residuals. approx_math: the walk's
+  e^x as ex2.approx (`WalkOptions.approx_math`)."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   hv = v.shape[2]
   t0 = None if beta_rows is None else gate_free_inverse(k, beta_rows, hv, c)
@@ -109,7 +111,8 @@ def walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_st
   outs = chunk_walk.chunk_walk(bf(q), bf(k), bf(v), t0, *kernel_rows(beta_rows, g_rows, v),
                                jnp.swapaxes(s0.astype(_F32), -1, -2),
                                scale=float(scale), gated=g_rows is not None,
-                               save_states=save_states, interpret=interpret)
+                               save_states=save_states, approx_math=approx_math,
+                               interpret=interpret)
   o, e, s_final = outs[0].astype(_F32), outs[1].astype(_F32), jnp.swapaxes(outs[2], -1, -2)
   if not save_states:
     return o, e, s_final
@@ -126,13 +129,14 @@ def walk_forward(q, k, v, beta_rows, g_rows, s0, scale, c, interpret, *, save_st
 # `WalkOptions`.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def walk_core(q, k, v, beta, G, s0, scale, c, interpret, walk_opts):
-  del walk_opts   # (the backward's)
-  return walk_forward(q, k, v, *walk_rows(beta, G), s0, scale, c, interpret)
+  return walk_forward(q, k, v, *walk_rows(beta, G), s0, scale, c, interpret,
+                      approx_math=walk_opts.approx_math)
 
 
 class WalkOptions(NamedTuple):
   """What a tuning sets for the walks' path (hashable: a nondiff argument of its VJPs): the
-  `chunk_grads` options and the reverse walks' `overlap` (`GpuTuning.walk_overlap`)."""
+  `chunk_grads` options (approx_math also reaches the forward and reverse walks) and the reverse
+  walks' `overlap` (`GpuTuning.walk_overlap`)."""
   approx_math: bool
   join_exit: bool
   grads_warpgroups: int
@@ -163,7 +167,7 @@ def kernel_rows(beta_rows, g_rows, v):
 def walk_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, walk_opts):
   q, k, v, beta, G, s0 = primal_values(q, k, v, beta, G, s0)   # (symbolic_zeros)
   o, e, s_final, t0, h = walk_forward(q, k, v, *walk_rows(beta, G), s0, scale, c, interpret,
-                                       save_states=True)
+                                       save_states=True, approx_math=walk_opts.approx_math)
   return (o, e, s_final), (q, k, v, beta, G, t0, h, e.astype(jnp.bfloat16))
 
 
@@ -193,7 +197,7 @@ def walk_grads(q, k, v, beta, G, t0, h_t, e, do, de_ext, dsf_t, *, scale, c, int
   de_t, dh_t, ds0_t = chunk_walk_reverse.chunk_walk_reverse(
       bf(q), bf(k), t0, gate_rows, beta_rows, bf(do), None if de_ext is None else bf(de_ext),
       dsf_t, scale=float(scale), gated=G is not None, overlap=walk_opts.overlap,
-      interpret=interpret)
+      approx_math=walk_opts.approx_math, interpret=interpret)
   b, t, h, dk = q.shape
   hv, dv = v.shape[2:]
   if chunk_grads.supported(c, dk, dv) is not None:   # (linear attention never walks there)
@@ -283,9 +287,10 @@ def _piece_products(x, y):
 
 
 def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, chains, *,
-                         save_states):
+                         save_states, approx_math):
   """(o, e, s_final[, residuals]) of the walks with every row in `pieces` pieces, the maps'
-  walk with `chains` chains per CTA; arguments as `walk_core`'s (T a multiple of 64·pieces)."""
+  walk with `chains` chains per CTA; arguments as `walk_core`'s (T a multiple of 64·pieces).
+  approx_math reaches the main walk (the maps' walk takes no such option)."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   b, hv, dk = q.shape[0], v.shape[2], q.shape[-1]
   q_p, k_p, v_p, beta_p = (_pieces_time(x, pieces) for x in (q, k, v, beta))
@@ -308,7 +313,7 @@ def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, chai
   outs = chunk_walk.chunk_walk(bf(q_p), bf(k_p), bf(v_p), t0_p, gate_rows, beta_rows,
                                from_pieces(jnp.swapaxes(starts, -1, -2)), scale=float(scale),
                                gated=G is not None, save_states=save_states,
-                               interpret=interpret)
+                               approx_math=approx_math, interpret=interpret)
   o, e = (_rows_time(x, b).astype(_F32) for x in outs[:2])
   s_final = jnp.swapaxes(by_piece(outs[2], b)[-1], -1, -2)
   if not save_states:
@@ -321,14 +326,15 @@ def walk_pieces_core(q, k, v, beta, G, s0, scale, c, interpret, walk_opts, piece
   """`walk_core` with every row cut into `pieces` pieces (T a multiple of 64·pieces), the
   maps' walk with `chains` (1 or 2) chains per CTA."""
   return _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, chains,
-                              save_states=False)
+                              save_states=False, approx_math=walk_opts.approx_math)
 
 
 def _walk_pieces_core_fwd(q, k, v, beta, G, s0, scale, c, interpret, walk_opts, pieces,
                           chains):
   q, k, v, beta, G, s0 = primal_values(q, k, v, beta, G, s0)   # (symbolic_zeros)
   o, e, s_final, (t0_p, h_t, phi_t) = _walk_pieces_forward(
-      q, k, v, beta, G, s0, scale, c, interpret, pieces, chains, save_states=True)
+      q, k, v, beta, G, s0, scale, c, interpret, pieces, chains, save_states=True,
+      approx_math=walk_opts.approx_math)
   return (o, e, s_final), (q, k, v, beta, G, t0_p, h_t, phi_t, e.astype(jnp.bfloat16))
 
 
@@ -354,7 +360,7 @@ def _walk_pieces_core_bwd(scale, c, interpret, walk_opts, pieces, chains, res, c
         bf(q_p), bf(k_p), t0_p, gate_p, beta_rows_p, bf(do_p),
         None if de_p is None else bf(de_p), jnp.zeros((b * pieces, hv, dv, dk), _F32),
         scale=float(scale), gated=G is not None, states_only=True, overlap=walk_opts.overlap,
-        interpret=interpret)[0], b)                              # [P, B, HV, V, K]
+        approx_math=walk_opts.approx_math, interpret=interpret)[0], b)                              # [P, B, HV, V, K]
   # dS_in = Φᵀ dS_out + D, from the final state's cotangent back to every piece's end.
   ends = gpu_pieces.exit_cotangents(jnp.swapaxes(phi_t, -1, -2),
                                     jnp.swapaxes(local_t, -1, -2), ds_final)
