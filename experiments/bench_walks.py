@@ -54,8 +54,8 @@ _OVERLAP = flags.DEFINE_list("overlap", "false", "`overlap` values of the forwar
 _MADE_M = flags.DEFINE_bool("made_m", False, "Also time the forward walk reading M̃ made ahead "
                              "(`chunk_walk(made_m=True)`: no M̃ made by its output warpgroup, no "
                              "wait for it in the chain), as one more row, overlap 'made_m'.")
-_APPROX = flags.DEFINE_bool("approx_math", False, "The forward and reverse walks with e^x as "
-                             "ex2.approx (their `approx_math`), every row.")
+_APPROX = flags.DEFINE_bool("approx_math", False, "Every walk (forward, reverse, maps') with "
+                             "e^x as ex2.approx (their `approx_math`), every row.")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "The rows, with every round's time, as JSON.")
 
 
@@ -97,7 +97,7 @@ def _walk_call(kernel, x, d, gated, interpret, overlap=False, approx_math=False)
   wide = lambda s: jnp.concatenate([jnp.broadcast_to(jnp.eye(d, dtype=s.dtype), s.shape), s], 2)
   return jax.jit(lambda a: maps_walk.maps_walk(
       a["k"], a["v"], a["t0"], a["g"], a["beta"], wide(a["s"]), gated=gated, chains=chains,
-      interpret=interpret)), -(-2 * blocks // chains)
+      approx_math=approx_math, interpret=interpret)), -(-2 * blocks // chains)
 
 
 def main(argv):

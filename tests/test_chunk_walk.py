@@ -114,7 +114,7 @@ def test_kernel_reading_a_made_m_matches_its_reference(case):
     cw.chunk_walk(q, k, v, None, g, beta, s0t, scale=1.0, made_m=True, interpret=INTERPRET)
 
 
-def test_approximate_exponentials_keep_both_walks_within_their_bounds():
+def test_approximate_exponentials_keep_the_walks_within_their_bounds():
   # approx_math: e^x as ex2.approx in the walks' gates (decay masks, entry / exit factors). The
   # interpreter computes e^x exactly either way, so off GPU this checks the option's path; on
   # the GPU it checks the approximation against the float32 references at the kernel tests'
@@ -129,6 +129,11 @@ def test_approximate_exponentials_keep_both_walks_within_their_bounds():
   assert_close(sf, rsf, 5e-4, "final state")
   for name, got, want in (("o", o, ro), ("e", e, re)):
     assert_close(got.astype(jnp.float32), want, 1e-2, f"{name} (bf16)")
+  # The maps' walk (no leading columns: the walk's own state chain, no outputs).
+  from pallas_kernels.gpu import maps_walk as mw  # pylint: disable=g-import-not-at-top
+  msf, = jax.jit(lambda *a: mw.maps_walk(*a, gated=gated, approx_math=True,
+                                          interpret=INTERPRET))(k, v, t0, g, beta, s0t)
+  assert_close(msf, rsf, 5e-4, "maps' walk final state")
   r = np.random.default_rng(7)
   do = jnp.asarray(r.standard_normal((b, t, hv, dv)), jnp.bfloat16)
   dsf = jnp.asarray(0.1 * r.standard_normal((b, hv, dv, dk)), jnp.float32)
@@ -393,9 +398,10 @@ def test_walk_overlap_reaches_the_reverse_walks_and_keeps_the_gradients(monkeypa
   # GpuTuning(walk_overlap=True) reaches the reverse walk and, with rows in pieces, the
   # states-only reverse walk of the entry cotangents, not the forward walk (whose overlap
   # gained nothing on the H200); outputs and gradients stay the scan's. The default
-  # approx_math reaches every one of those walks.
+  # approx_math reaches every one of those walks, and the maps' walk of the pieces.
+  from pallas_kernels.gpu import maps_walk as mw  # pylint: disable=g-import-not-at-top
   seen = []
-  for mod, name in ((cw, "chunk_walk"), (cwr, "chunk_walk_reverse")):
+  for mod, name in ((cw, "chunk_walk"), (cwr, "chunk_walk_reverse"), (mw, "maps_walk")):
     real = getattr(mod, name)
     monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: seen.append(
         (name, k.get("states_only", False), k.get("overlap", False),
@@ -410,7 +416,7 @@ def test_walk_overlap_reaches_the_reverse_walks_and_keeps_the_gradients(monkeypa
   got = grads("pallas_gpu", tuning)
   want = {("chunk_walk", False, False, True), ("chunk_walk_reverse", False, True, True)}
   if pieces > 1:
-    want.add(("chunk_walk_reverse", True, True, True))
+    want |= {("chunk_walk_reverse", True, True, True), ("maps_walk", False, False, True)}
   assert set(seen) == want
   names = ["q", "k", "v"] + (["g", "beta"] if mixer == "gated_delta_rule" else ["beta"])
   for name, g, w in zip(names, got, grads("scan", None)):

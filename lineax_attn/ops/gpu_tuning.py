@@ -151,8 +151,8 @@ class GpuTuning:
       5.65 to 4.62 ms and GDN-2 from 5.82 to 4.84 (docs/KERNELS_GPU.md, "Toward KDA / GDN-2").
     approx_math: whether the walk path's kernels compute e^x as ex2.approx (relative error
       ~2⁻²², far below their bf16 operands') instead of the exact float32 exp: the per-chunk
-      backward (`pallas_kernels.gpu.chunk_grads`) and, since 2026-12-05, the forward and
-      reverse walks (the maps' walk of rows in pieces takes no such option). On by default: on
+      backward (`pallas_kernels.gpu.chunk_grads`) and, since 2026-12-05, the walks (forward,
+      reverse, and the maps' walk of rows in pieces). On by default: on
       the H200 (2026-12-04, B4 T4096 H16 D128, `bench_ab`, 5 rounds) GDN fwd+bwd took 1.164 ms
       with it in `chunk_grads` against 1.202 without (jla 0.878); standalone the gated
       kernel's mean CTA span fell from 26.5 to 24.7 µs (`experiments.bench_chunk_grads`). In

@@ -135,7 +135,7 @@ def walk_core(q, k, v, beta, G, s0, scale, c, interpret, walk_opts):
 
 class WalkOptions(NamedTuple):
   """What a tuning sets for the walks' path (hashable: a nondiff argument of its VJPs): the
-  `chunk_grads` options (approx_math also reaches the forward and reverse walks) and the reverse
+  `chunk_grads` options (approx_math also reaches every walk) and the reverse
   walks' `overlap` (`GpuTuning.walk_overlap`)."""
   approx_math: bool
   join_exit: bool
@@ -263,7 +263,7 @@ def _rows_heads(x, b):
   return x.reshape((b, hv, -1) + x.shape[4:])
 
 
-def _piece_maps(k, v, t0, gate_rows, beta_rows, gated, interpret, chains):
+def _piece_maps(k, v, t0, gate_rows, beta_rows, gated, interpret, chains, approx_math):
   """The maps of every piece (inputs already in pieces): the walk from [I | 0] whose first K
   state columns walk with v = 0 (`maps_walk`, `chains` 64-column chains per CTA), its
   transposed end state `[B·P, HV, K + V, K]` float32 holding Φᵀ in rows :K and Ψᵀ in rows K:."""
@@ -272,7 +272,7 @@ def _piece_maps(k, v, t0, gate_rows, beta_rows, gated, interpret, chains):
   bf = lambda x: x.astype(jnp.bfloat16)
   start_t = jnp.swapaxes(gpu_pieces.map_start(bp, hv, k.shape[-1], dv), -1, -2)
   return maps_walk.maps_walk(bf(k), bf(v), t0, gate_rows, beta_rows, start_t, gated=gated,
-                             chains=chains, interpret=interpret)[0]
+                             chains=chains, approx_math=approx_math, interpret=interpret)[0]
 
 
 def _piece_products(x, y):
@@ -290,7 +290,7 @@ def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, chai
                          save_states, approx_math):
   """(o, e, s_final[, residuals]) of the walks with every row in `pieces` pieces, the maps'
   walk with `chains` chains per CTA; arguments as `walk_core`'s (T a multiple of 64·pieces).
-  approx_math reaches the main walk (the maps' walk takes no such option)."""
+  approx_math reaches both walks."""
   from pallas_kernels.gpu import chunk_walk  # pylint: disable=g-import-not-at-top
   b, hv, dk = q.shape[0], v.shape[2], q.shape[-1]
   q_p, k_p, v_p, beta_p = (_pieces_time(x, pieces) for x in (q, k, v, beta))
@@ -304,7 +304,7 @@ def _walk_pieces_forward(q, k, v, beta, G, s0, scale, c, interpret, pieces, chai
     starts = gpu_pieces.entry_states(phi_t, psi, s0)
   else:
     end_t = by_piece(_piece_maps(k_p, v_p, t0_p, gate_rows, beta_rows, G is not None,
-                                 interpret, chains), b)          # [P, B, HV, K + V, K]
+                                 interpret, chains, approx_math), b)   # [P, B, HV, K + V, K]
     # (The walks hold states transposed: end_t holds Φᵀ in rows :K, Ψᵀ in rows K:.)
     phi_t = end_t[:, :, :, :dk]
     starts = gpu_pieces.entry_states(jnp.swapaxes(phi_t, -1, -2),

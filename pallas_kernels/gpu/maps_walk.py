@@ -70,7 +70,7 @@ def ring_stages(dk: int, chains: int) -> int:
 
 
 def maps_walk(k, v, t0, g, beta, s0t, *, gated: bool = True, chains: int = 1,
-              interpret=None):
+              approx_math: bool = False, interpret=None):
   """(s_final_t,): the delta rule's final state from s0t, no outputs.
 
   Args:
@@ -81,6 +81,7 @@ def maps_walk(k, v, t0, g, beta, s0t, *, gated: bool = True, chains: int = 1,
     s0t: `[B, HV, L + V, K]` float32, the initial state transposed; its first L columns (L ≥ 0
       a multiple of 64) walk with v = 0.
     chains: 64-column blocks per CTA, 1 or 2 (two chains in flight per SM).
+    approx_math: e^x as ex2.approx, as `chunk_walk` takes it.
   Returns:
     (s_final_t,) `[B, HV, L + V, K]` float32, the final state transposed.
   """
@@ -93,12 +94,12 @@ def maps_walk(k, v, t0, g, beta, s0t, *, gated: bool = True, chains: int = 1,
   if t0 is None:
     raise ValueError("maps_walk: t0 is None; linear attention's maps are products, not a walk.")
   out = _maps_walk(k, v, t0, g, beta, s0t, gated=bool(gated), chains=int(chains),
-                   interpret=interpret)
+                   approx_math=bool(approx_math), interpret=interpret)
   return mc.sync_if_interpreted(out, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("gated", "chains", "interpret"))
-def _maps_walk(k, v, t0, g, beta, s0t, *, gated, chains, interpret):
+@functools.partial(jax.jit, static_argnames=("gated", "chains", "approx_math", "interpret"))
+def _maps_walk(k, v, t0, g, beta, s0t, *, gated, chains, approx_math, interpret):
   b, t, h, dk = k.shape
   hv, dv = v.shape[2], v.shape[3]
   f32 = jnp.float32
@@ -216,5 +217,6 @@ def _maps_walk(k, v, t0, g, beta, s0t, *, gated, chains, interpret):
   return plgpu.kernel(body, out_type=(jax.ShapeDtypeStruct(s0t.shape, f32),),
                       scratch_types=tuple(scratch.values()),
                       grid=(b, hv, -(-blocks // chains)), grid_names=("b", "h", "v"),
-                      num_threads=chains + 2, thread_name="wg",
-                      interpret=interpret)(k, v, t0, g, beta, s0t)
+                      num_threads=chains + 2, thread_name="wg", interpret=interpret,
+                      compiler_params=mc.compiler_params(approx_math=approx_math))(
+                          k, v, t0, g, beta, s0t)
