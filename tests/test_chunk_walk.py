@@ -478,7 +478,8 @@ def test_kernel_refuses_sizes_it_does_not_take():
 @pytest.mark.parametrize("dk", [64, 128])
 def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
   # Mosaic GPU's layout inference runs at lowering: register-operand wgmma, transposed tiles
-  # and 1-D gate vectors the interpreter accepts but the compiler would reject fail here.
+  # and 1-D gate vectors the interpreter accepts but the compiler would reject fail here. The
+  # gated, serial walks are lowered as the op runs them, with approx_math (e^x as ex2.approx).
   estimates = record_smem_estimates(monkeypatch)
   b, t, h, hv, dv = 2, 256, 2, 4, 128
   sds = jax.ShapeDtypeStruct
@@ -490,7 +491,7 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
                                (True, True, True), (False, False, True)):
     fn = lambda *a, gated=gated, save=save, overlap=overlap: cw._chunk_walk(
         *a, scale=0.1, gated=gated, save_states=save, overlap=cw.overlap_parts(overlap),
-        interpret=None)
+        approx_math=gated and not overlap, interpret=None)
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert 0 < estimates[-1] <= cw.SMEM_LIMIT, (dk, gated, save, overlap, estimates[-1])
@@ -501,7 +502,7 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
   maps_args = args[1:6] + (sds((b, hv, dk + dv, dk), f32),)
   for gated, chains in ((True, 1), (True, 2), (False, 2)):
     fn = lambda *a, gated=gated, chains=chains: mw._maps_walk(*a, gated=gated, chains=chains,
-                                                              interpret=None)
+                                                              approx_math=gated, interpret=None)
     text = jax.jit(fn).trace(*maps_args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert 0 < estimates[-1] <= cw.SMEM_LIMIT, ("maps", dk, gated, chains, estimates[-1])
@@ -512,7 +513,8 @@ def test_lowers_for_cuda_within_shared_memory(monkeypatch, dk):
   for gated, alone, overlap in ((True, False, False), (False, False, False), (True, True, False),
                                 (True, False, True), (False, False, True), (True, True, True)):
     fn = lambda *a, gated=gated, alone=alone, overlap=overlap: cwr._chunk_walk_reverse(
-        *a, scale=0.1, gated=gated, states_only=alone, overlap=overlap, interpret=None)
+        *a, scale=0.1, gated=gated, states_only=alone, overlap=overlap,
+        approx_math=gated and not overlap, interpret=None)
     text = jax.jit(fn).trace(*rev_args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
     assert 0 < estimates[-1] <= cw.SMEM_LIMIT, ("reverse", dk, gated, alone, overlap,

@@ -99,7 +99,7 @@ def maps_walk(k, v, t0, g, beta, s0t, *, gated: bool = True, chains: int = 1,
 
 
 @functools.partial(jax.jit, static_argnames=("gated", "chains", "approx_math", "interpret"))
-def _maps_walk(k, v, t0, g, beta, s0t, *, gated, chains, approx_math, interpret):
+def _maps_walk(k, v, t0, g, beta, s0t, *, gated, chains, interpret, approx_math=False):
   b, t, h, dk = k.shape
   hv, dv = v.shape[2], v.shape[3]
   f32 = jnp.float32
