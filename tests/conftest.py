@@ -52,10 +52,11 @@ def pytest_unconfigure(config):
 def fresh_compiles():
   """The persistent compilation cache off for one test: every jit in it is an XLA backend
   compile of its own (what tests of compile-dependent behaviour and compile counts need)."""
+  before = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   compilation_cache.reset_cache()   # (jax decides whether to use the cache once, at first use)
   yield
-  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_enable_compilation_cache", before)
   compilation_cache.reset_cache()
 
 

@@ -360,7 +360,7 @@ def _walk_pieces_core_bwd(scale, c, interpret, walk_opts, pieces, chains, res, c
         bf(q_p), bf(k_p), t0_p, gate_p, beta_rows_p, bf(do_p),
         None if de_p is None else bf(de_p), jnp.zeros((b * pieces, hv, dv, dk), _F32),
         scale=float(scale), gated=G is not None, states_only=True, overlap=walk_opts.overlap,
-        approx_math=walk_opts.approx_math, interpret=interpret)[0], b)                              # [P, B, HV, V, K]
+        approx_math=walk_opts.approx_math, interpret=interpret)[0], b)   # [P, B, HV, V, K]
   # dS_in = Φᵀ dS_out + D, from the final state's cotangent back to every piece's end.
   ends = gpu_pieces.exit_cotangents(jnp.swapaxes(phi_t, -1, -2),
                                     jnp.swapaxes(local_t, -1, -2), ds_final)
