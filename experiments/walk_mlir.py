@@ -70,7 +70,7 @@ def _kernels(dk: int, overlap: bool):
   wide = sds((b, hv, dk + dv, dk), f32)
   for chains in (1, 2):
     fn = lambda k, v, t0, g, beta, s, chains=chains: maps_walk._maps_walk(
-        k, v, t0, g, beta, s, gated=True, chains=chains, approx_math=False, interpret=None)
+        k, v, t0, g, beta, s, gated=True, chains=chains, interpret=None)
     out.append((f"maps, {chains} chain{'s' if chains > 1 else ''}", fn,
                 (k, v, t0, rows, rows, wide)))
   return out

@@ -135,8 +135,8 @@ def walk_core(q, k, v, beta, G, s0, scale, c, interpret, walk_opts):
 
 class WalkOptions(NamedTuple):
   """What a tuning sets for the walks' path (hashable: a nondiff argument of its VJPs): the
-  `chunk_grads` options (approx_math also reaches every walk) and the reverse
-  walks' `overlap` (`GpuTuning.walk_overlap`)."""
+  `chunk_grads` options (approx_math also reaches every walk) and the reverse walks'
+  `overlap` (`GpuTuning.walk_overlap`)."""
   approx_math: bool
   join_exit: bool
   grads_warpgroups: int

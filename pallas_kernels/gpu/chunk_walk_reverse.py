@@ -76,9 +76,9 @@ def chunk_walk_reverse(q, k, t0, g, beta, do, de_ext, dsf_t, *, scale: float, ga
       (three waits a chunk instead of five), the copies out of dS and dE running beside them.
       The same results (`GpuTuning.walk_overlap`; off by default, docs/BENCHMARKS.md
       "twenty-fifth stage").
-    approx_math: e^x as ex2.approx, as `chunk_walk` takes it. Timed on the H100 (2026-12-05,
-      B4 T16384 H16 D128): no gain (gated 3.00 → 3.07 µs a step, ungated 3.02 → 3.02), so no
-      caller passes it.
+    approx_math: e^x as ex2.approx, as `chunk_walk` takes it. Timed (2026-12-05, B4 T16384
+      H16 D128): the gated step 2.49 → 2.44 µs on the H200, 3.00 → 3.07 on the H100 (noise);
+      the op passes `GpuTuning.approx_math` to every walk alike.
   Returns:
     de_t `[B, HV, Nc, V, C]` bf16 (dE of each chunk, transposed), dh_t `[B, HV, Nc, V, K]`
     bf16 (dS leaving each chunk, transposed, exactly as used), ds0_t `[B, HV, V, K]` float32.
