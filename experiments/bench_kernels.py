@@ -375,6 +375,7 @@ def to_markdown(results, meta):
   mixers = [m for m in _MIXERS.value if any(r.mixer == m for r in results)]
   merged_note = (f" (merged with the earlier run(s) of {', '.join(meta['merged'])} for what "
                  "this run skipped)") if meta.get("merged") else ""
+  tb_s = bench.hbm_tb_s(meta["device"])
   lines = [f"Run {meta['date']}{merged_note} on {meta['device']}; jax {meta['jax']}"
            f"{', torch ' + meta['torch'] if meta.get('torch') else ''}"
            f"{', jla ' + meta['jla'] if meta.get('jla') else ''}"
@@ -386,7 +387,7 @@ def to_markdown(results, meta):
            "(`err triton` likewise). "
            "`floor` = the HBM-traffic floor (`lineax_attn.bench.traffic_floor_ms`: bf16 q, k, "
            "v, o, do and their cotangents, float32 gates, each moved once, at "
-           f"{bench.H200_HBM_TB_S} TB/s).",
+           f"{tb_s} TB/s, this GPU's peak).",
            "",
            "| B,T,H,D | mixer | mode | pallas_gpu | chunk | scan | jla | FLA | cuDNN attn | "
            "SDPA | ours/jla | ours/FLA | ours/chunk | ours/cuDNN | peak ours | peak chunk | "
@@ -408,7 +409,7 @@ def to_markdown(results, meta):
         peak = lambda impl: getattr(get(impl), "peak_gib", None)
         b, t, h, d = shape
         floor = bench.traffic_floor_ms(mixer, mode, batch=b, seq_len=t, heads=h, v_heads=h,
-                                       head_dim_k=d, head_dim_v=d)
+                                       head_dim_k=d, head_dim_v=d, tb_s=tb_s)
         lines.append(
             f"| {','.join(map(str, shape))} | {mixer} | {mode} | {_fmt(ours)} | "
             f"{_fmt(ms('chunk'))} | {_fmt(ms('scan'))} | {_fmt(ms('jla'))} | {_fmt(ms('fla'))} | "

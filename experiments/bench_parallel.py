@@ -208,6 +208,7 @@ def _train(config, count: int, steps: int, head: dict, label: str):
     row["device_peak_mib"] = max(peaks) / 2**20
   row["losses"] = losses
   row["run"] = experiment.describe(exp)
+  row["device"] = devices[0].device_kind   # experiments/must_line.py checks the GPU
   return row, trainer
 
 

@@ -29,7 +29,14 @@ The targets (the issue's words; where it gives no number, our reading, written h
 * `--sweep` (`experiments.bench_kernels --sweep_tokens` JSON): "time must stay flat" from T 1K
   to 64K at fixed tokens. Our reading: the slowest point of the sweep within `--flat_tolerance`
   (1.10) of the fastest, per mixer; jla's rise is printed beside ours.
+  Every mixer of `SWEEP_MIXERS` (run_gpu_must.sh's default sweep) gets a row; where jla's
+  points cover a shorter range than ours (its long rows cut by the time budget), its rise is
+  marked with its range.
 * `--tests` (pytest logs of the compiled GPU suite): no test failed or errored in any of them.
+* The machine: the issue measures on one H200, so every file that names its GPU (bench_ab and
+  bench_kernels in their meta, bench_parallel per row since 2026-12-05) must name an H200.
+  Files of another GPU still get their ratios judged, but the table says they are not the
+  issue's machine.
 
 A target whose file is not given, or holds no row for it, reads "not measured". The program
 exits 0 whatever it finds: the table is the verdict.
@@ -54,6 +61,7 @@ FWD_ERR_MIXERS = ("gated_delta_rule", "delta_rule", "kda", "gdn2", "linear_atten
 TRAIN_FLOORS = {"gdn": 190_000, "kda": 150_000, "gdn2": 150_000}
 NAMES = {"gated_delta_rule": "GDN", "delta_rule": "DeltaNet", "kda": "KDA", "gdn2": "GDN-2",
          "linear_attention": "linear attention"}
+SWEEP_MIXERS = ("gated_delta_rule", "delta_rule", "kda")
 ARM_NAMES = {"gdn": "GDN 2:1", "kda": "KDA 2:1", "gdn2": "GDN-2 2:1"}   # configs/mixers.py arms
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 
@@ -220,21 +228,42 @@ def sweep_rises(files: Sequence[dict]) -> dict[tuple[str, str], tuple[float, lis
   return rises
 
 
+def _lengths(pts: list) -> str:
+  return f"T {pts[0][0][1]}-{pts[-1][0][1]}"
+
+
 def sweep_rows(files: Sequence[dict], tolerance: float) -> list[dict[str, str]]:
   rises = sweep_rises(files)
-  mixers = sorted({m for m, impl in rises if impl == "pallas_gpu"})
+  measured = {m for m, impl in rises if impl == "pallas_gpu"}
   target = f"the T sweep at fixed tokens stays flat (slowest ≤ {tolerance:.2f}x fastest)"
-  if not mixers:
-    return [_row(target, "", NOT_MEASURED)]
   rows = []
-  for mixer in mixers:
+  for mixer in [m for m in NAMES if m in measured or m in SWEEP_MIXERS]:
+    if mixer not in measured:
+      rows.append(_row(f"{NAMES[mixer]}: {target}", "", NOT_MEASURED))
+      continue
     rise, pts = rises[(mixer, "pallas_gpu")]
-    lengths = f"T {pts[0][0][1]}-{pts[-1][0][1]}"
     jla = rises.get((mixer, "jla"))
-    beside = f"; jla {jla[0]:.2f}x" if jla else ""
-    rows.append(_row(f"{NAMES[mixer]}: {target}", f"{rise:.2f}x over {lengths}{beside}",
+    beside = ""
+    if jla:
+      only = f" over {_lengths(jla[1])} only" if _lengths(jla[1]) != _lengths(pts) else ""
+      beside = f"; jla {jla[0]:.2f}x{only}"
+    rows.append(_row(f"{NAMES[mixer]}: {target}", f"{rise:.2f}x over {_lengths(pts)}{beside}",
                      MET if rise <= tolerance else NOT_MET, "bench_kernels"))
   return rows
+
+
+def device_rows(ops, fwd_err, train, sweep) -> list[dict[str, str]]:
+  """One row: do the files name one H200? (bench_parallel rows before 2026-12-05 name none.)"""
+  named = [d["meta"].get("device") for d in [*ops, *fwd_err, *sweep]]
+  named += [r.get("device") for data in train for r in data]
+  devices = sorted({d for d in named if d})
+  unnamed = sum(d is None for d in named)
+  target = "measured on one H200 (the issue's machine)"
+  if not devices:
+    return [_row(target, "", NOT_MEASURED)]
+  note = f" ({unnamed} of {len(named)} results without a GPU name)" if unnamed else ""
+  ok = all("H200" in d for d in devices)
+  return [_row(target, ", ".join(devices) + note, MET if ok else NOT_MET, "meta")]
 
 
 def pytest_summary(text: str) -> dict[str, int]:
@@ -258,7 +287,8 @@ def tests_rows(texts: Sequence[str]) -> list[dict[str, str]]:
 
 def must_rows(ops, fwd_err, train, sweep, tests, tolerance) -> list[dict[str, str]]:
   return (op_rows(ops) + fwd_err_rows(fwd_err) + train_rows(train)
-          + sweep_rows(sweep, tolerance) + tests_rows(tests))
+          + sweep_rows(sweep, tolerance) + tests_rows(tests)
+          + device_rows(ops, fwd_err, train, sweep))
 
 
 COLUMNS = [("target", "target"), ("measured", "measured"), ("status", "status"),

@@ -18,14 +18,19 @@
 # MUST_VARIANTS (the op table's bench_ab variants, default pallas_gpu,jla; e.g.
 # "pallas_gpu,pallas_gpu@walk_overlap=false,jla" times a new default against the old one in the
 # same rounds; the must line reads the `pallas_gpu` rows) and MUST_AB_MODES (default
-# fwdbwd,fwdbwd_dep; fwdbwd alone where a third variant would not fit the 280 s).
+# fwdbwd,fwdbwd_dep; fwdbwd alone where a third variant would not fit the 280 s), SWEEP_BUDGET
+# and SWEEP_TIMEOUT (the sweep's time budget and hard limit, default 500 and 540 s; the budget
+# skips the points it would overrun, so on an H100 the KDA rows need a call of their own:
+# SWEEP_MIXERS=kda), MUST_MEM_FRACTION (the train phase's XLA memory fraction, default 0.95).
 set -u
 PHASE=${1:?phase: tests, ops, train or sweep}
 TAG=${MUST_TAG:-$(date -u +%F)}
 KEEP=/tmp/must_$PHASE; mkdir -p $KEEP
 if [ "$PHASE" = train ]; then
   # run_gpu_train.sh installs its own wheels and writes paper.tgz (one bench_parallel file per arm).
-  timeout 560 bash experiments/run_gpu_train.sh paper softmax,gdn,kda,gdn2 6
+  # 95 % of the GPU's memory for XLA: JAX's default 75 % is 105 GiB on an H200 but 58 GiB on an
+  # H100 (~59 GiB), where the GDN 2:1 step (68 GiB) then fails and GDN-2's is squeezed (2026-12-05i).
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${MUST_MEM_FRACTION:-0.95} timeout 560 bash experiments/run_gpu_train.sh paper softmax,gdn,kda,gdn2 6
   mv $OUT/paper.tgz $OUT/must_train.tgz 2>/dev/null
   exit 0
 fi
@@ -38,7 +43,8 @@ export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > $KEEP/gpu.txt
 git log -1 --format=%H > $KEEP/rev.txt 2>/dev/null
 date -u +%FT%TZ > $KEEP/date.txt
-H200=h200_$TAG
+# Files are named by the GPU that made them (h200_TAG, h100_TAG): a call may land on either.
+GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr H h)_$TAG
 case $PHASE in
 tests)
   # Every file with compiled GPU tests (docs/KERNELS_GPU.md "Testing"); the GPU machine's 16
@@ -49,7 +55,7 @@ tests)
     tests/test_channel_pair_kernel.py tests/test_attention.py tests/test_large_index.py
     tests/test_triton_ffi_call.py tests/test_triton_path.py tests/test_bench_ops.py"
   timeout 540 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest $FILES ${XD:--n 10} -v \
-    -p no:cacheprovider -rs --durations=15 > $KEEP/test_gpu_${H200}_compiled_suite.log 2>&1
+    -p no:cacheprovider -rs --durations=15 > $KEEP/test_gpu_${GPU_TAG}_compiled_suite.log 2>&1
   echo "pytest rc=$?"; grep -E "FAILED|ERROR" $KEEP/test_gpu_*.log | head -20
   tail -1 $KEEP/test_gpu_*.log
   ;;
@@ -57,22 +63,22 @@ ops)
   AB="python3 -u -m experiments.bench_ab --timing=queued --baseline=jla"
   timeout 280 $AB --mixers=gated_delta_rule,delta_rule,kda,gdn2 --modes=${MUST_AB_MODES:-fwdbwd,fwdbwd_dep} \
     --variants=${MUST_VARIANTS:-pallas_gpu,jla} --rounds=5 --shape=4,4096,16,128 \
-    --out_json=$KEEP/bench_ab_${H200}_must_table.json --out_md=$KEEP/bench_ab_${H200}_must_table.md \
+    --out_json=$KEEP/bench_ab_${GPU_TAG}_must_table.json --out_md=$KEEP/bench_ab_${GPU_TAG}_must_table.md \
     > $KEEP/ab_table.log 2>&1
   echo "table rc=$?"
   timeout 50 python3 -u -m experiments.bench_ab --mixers=linear_attention --modes=fwdbwd \
     --timing=queued --baseline=pallas_gpu --variants=pallas_gpu --rounds=5 --shape=4,4096,16,128 \
-    --out_json=$KEEP/bench_ab_${H200}_must_linear_attention.json \
-    --out_md=$KEEP/bench_ab_${H200}_must_linear_attention.md > $KEEP/ab_la.log 2>&1
+    --out_json=$KEEP/bench_ab_${GPU_TAG}_must_linear_attention.json \
+    --out_md=$KEEP/bench_ab_${GPU_TAG}_must_linear_attention.md > $KEEP/ab_la.log 2>&1
   echo "linear attention rc=$?"
   timeout 100 python3 -u -m experiments.bench_kernels --shapes=4,4096,16,128 --modes=fwd \
     --impls=pallas_gpu --mixers=gated_delta_rule,delta_rule,kda,gdn2,linear_attention \
-    --out_json=$KEEP/bench_kernels_${H200}_must_fwd_err.json \
-    --out_md=$KEEP/bench_kernels_${H200}_must_fwd_err.md > $KEEP/fwd_err.log 2>&1
+    --out_json=$KEEP/bench_kernels_${GPU_TAG}_must_fwd_err.json \
+    --out_md=$KEEP/bench_kernels_${GPU_TAG}_must_fwd_err.md > $KEEP/fwd_err.log 2>&1
   echo "fwd_err rc=$?"
   [ "${MUST_D64:-1}" = 0 ] || timeout 150 $AB --mixers=gated_delta_rule,delta_rule,kda,gdn2 --modes=fwdbwd \
-    --variants=pallas_gpu,jla --rounds=3 --shape=4,4096,32,64 --out_json=$KEEP/bench_ab_${H200}_must_d64.json \
-    --out_md=$KEEP/bench_ab_${H200}_must_d64.md > $KEEP/ab_d64.log 2>&1
+    --variants=pallas_gpu,jla --rounds=3 --shape=4,4096,32,64 --out_json=$KEEP/bench_ab_${GPU_TAG}_must_d64.json \
+    --out_md=$KEEP/bench_ab_${GPU_TAG}_must_d64.md > $KEEP/ab_d64.log 2>&1
   echo "d64 rc=$? (MUST_D64=${MUST_D64:-1})"
   grep -hE "^\*\*|^\| (pallas|jla)" $KEEP/*.md | head -40
   ;;
@@ -80,8 +86,8 @@ sweep)
   timeout 540 python3 -u -m experiments.bench_kernels --impls=pallas_gpu,jla \
     --mixers=${SWEEP_MIXERS:-gated_delta_rule,delta_rule,kda} --modes=fwdbwd --shapes=1,8192,96,128 \
     --sweep_tokens=65536 --err_tol=1 --time_budget_s=500 \
-    --out_json=$KEEP/bench_kernels_${H200}_must_sweep.json \
-    --out_md=$KEEP/bench_kernels_${H200}_must_sweep.md > $KEEP/sweep.log 2>&1
+    --out_json=$KEEP/bench_kernels_${GPU_TAG}_must_sweep.json \
+    --out_md=$KEEP/bench_kernels_${GPU_TAG}_must_sweep.md > $KEEP/sweep.log 2>&1
   echo "sweep rc=$?"; grep -A12 "T sweep at" $KEEP/sweep.log
   ;;
 *)

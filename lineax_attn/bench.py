@@ -200,6 +200,17 @@ def max_rel_err(x, ref) -> float:
 
 
 H200_HBM_TB_S = 4.8   # HBM3e peak of an H200 (the floor's bandwidth; copies reach ~4.3)
+H100_HBM_TB_S = 3.35  # HBM3 peak of an H100 SXM ("NVIDIA H100 80GB HBM3")
+
+
+def hbm_tb_s(device_kind: str) -> float:
+  """The peak HBM bandwidth (TB/s) of the GPU `device_kind` names, for the traffic floor: an
+  H100 SXM's, else an H200's (the issue's machine; other GPUs have no floor of their own yet)."""
+  if not isinstance(device_kind, str):
+    raise ValueError(f"device_kind must be a str, got {device_kind!r}.")
+  if "H100" in device_kind and "HBM3" in device_kind:
+    return H100_HBM_TB_S
+  return H200_HBM_TB_S
 
 
 def traffic_floor_ms(mixer: str, mode: str, *, batch: int, seq_len: int, heads: int,

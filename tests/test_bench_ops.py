@@ -240,6 +240,14 @@ def test_traffic_floor_counts_each_tensor_once():
   # out) = 744.5 MB: 0.155 ms at 4.8 TB/s.
   assert bench.traffic_floor_ms("gdn", "fwdbwd", batch=4, seq_len=4096, heads=16, v_heads=16,
                                 head_dim_k=128, head_dim_v=128) == pytest.approx(0.1551, rel=1e-3)
+  # The same bytes at an H100 SXM's 3.35 TB/s (the name its device_kind gives): 0.222 ms.
+  tb_s = bench.hbm_tb_s("NVIDIA H100 80GB HBM3")
+  assert tb_s == 3.35 and bench.hbm_tb_s("NVIDIA H200") == 4.8 and bench.hbm_tb_s("cpu") == 4.8
+  assert bench.traffic_floor_ms("gdn", "fwdbwd", batch=4, seq_len=4096, heads=16, v_heads=16,
+                                head_dim_k=128, head_dim_v=128, tb_s=tb_s) == pytest.approx(
+                                    0.7445 / 3.35, rel=1e-3)
+  with pytest.raises(ValueError, match="device_kind"):
+    bench.hbm_tb_s(None)
 
 
 def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():

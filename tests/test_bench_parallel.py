@@ -53,6 +53,7 @@ def test_meshes_rows_losses_and_table(tmp_path):
   one = rows[0]
   for row in rows[:2]:
     assert len(row["losses"]) == 2 and row["tokens_per_s"] > 0, row
+    assert row["device"] == "cpu", row   # the GPU that ran it, for experiments/must_line.py
     rel = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], one["losses"]))
     assert rel <= LOSS_RTOL, (row["spec"], row["losses"], one["losses"])
     assert row["matches"] == "yes"
