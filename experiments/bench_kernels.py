@@ -453,24 +453,28 @@ def sweep_shapes() -> list[tuple]:
   return [(_SWEEP_TOKENS.value // t, t, h, d) for t in lengths]
 
 
-def sweep_lines(results) -> list[str]:
+def sweep_lines(results, shapes=None) -> list[str]:
   """The T sweep as a table (markdown lines; none without a sweep): per mixer, implementation
   and mode the time at each T and the rise, slowest over fastest, that issue #17 asks to stay
-  flat."""
-  shapes = sweep_shapes()
+  flat. A rise over fewer points than the sweep has (some skipped by the time budget) says
+  so. `shapes`: the sweep's, by default those of the flags."""
+  shapes = sweep_shapes() if shapes is None else shapes
   by = {(r.shape, r.mixer, r.impl, r.mode): r.ms for r in results if r.ms is not None}
   lines = sorted({key[1:] for key in by if key[0] in shapes})
   if not lines:
     return []
-  out = ["", f"T sweep at {_SWEEP_TOKENS.value:,} tokens (ms; rise = slowest / fastest):", "",
+  tokens = shapes[0][0] * shapes[0][1]
+  out = ["", f"T sweep at {tokens:,} tokens (ms; rise = slowest / fastest):", "",
          "| mixer | impl | mode | " + " | ".join(f"B{b} T{t}" for b, t, _, _ in shapes)
          + " | rise |", "|" + "---|" * (len(shapes) + 4)]
   for mixer, impl, mode in lines:
     times = [by.get((shape, mixer, impl, mode)) for shape in shapes]
     known = [x for x in times if x is not None]
-    rise = max(known) / min(known) if len(known) > 1 else None
+    rise = "–" if len(known) < 2 else f"{max(known) / min(known):.2f}x"
+    if len(known) >= 2 and len(known) < len(times):
+      rise += f" ({len(known)} of {len(times)} points)"
     out.append(f"| {mixer} | {impl} | {mode} | " + " | ".join(_fmt(x, 3) for x in times)
-               + f" | {'–' if rise is None else f'{rise:.2f}x'} |")
+               + f" | {rise} |")
   return out
 
 
