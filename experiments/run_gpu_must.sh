@@ -28,9 +28,10 @@ TAG=${MUST_TAG:-$(date -u +%F)}
 KEEP=/tmp/must_$PHASE; mkdir -p $KEEP
 if [ "$PHASE" = train ]; then
   # run_gpu_train.sh installs its own wheels and writes paper.tgz (one bench_parallel file per arm).
-  # 95 % of the GPU's memory for XLA: JAX's default 75 % is 105 GiB on an H200 but 58 GiB on an
-  # H100 (~59 GiB), where the GDN 2:1 step (68 GiB) then fails and GDN-2's is squeezed (2026-12-05i).
-  XLA_PYTHON_CLIENT_MEM_FRACTION=${MUST_MEM_FRACTION:-0.95} timeout 560 bash experiments/run_gpu_train.sh paper softmax,gdn,kda,gdn2 6
+  # 95 % of the GPU's memory for XLA: JAX's default 75 % is 105 GiB on an H200 but ~59 GiB on an
+  # H100, where the GDN 2:1 step (68 GiB) then fails and GDN-2's is squeezed (2026-12-05i).
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${MUST_MEM_FRACTION:-0.95} timeout 560 \
+    bash experiments/run_gpu_train.sh paper softmax,gdn,kda,gdn2 6
   mv $OUT/paper.tgz $OUT/must_train.tgz 2>/dev/null
   exit 0
 fi
@@ -44,7 +45,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 git log -1 --format=%H > $KEEP/rev.txt 2>/dev/null
 date -u +%FT%TZ > $KEEP/date.txt
 # Files are named by the GPU that made them (h200_TAG, h100_TAG): a call may land on either.
-GPU_TAG=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr H h)_$TAG
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr H h)
+GPU_TAG=${GPU:-gpu}_$TAG
 case $PHASE in
 tests)
   # Every file with compiled GPU tests (docs/KERNELS_GPU.md "Testing"); the GPU machine's 16
@@ -83,9 +85,9 @@ ops)
   grep -hE "^\*\*|^\| (pallas|jla)" $KEEP/*.md | head -40
   ;;
 sweep)
-  timeout 540 python3 -u -m experiments.bench_kernels --impls=pallas_gpu,jla \
+  timeout ${SWEEP_TIMEOUT:-540} python3 -u -m experiments.bench_kernels --impls=pallas_gpu,jla \
     --mixers=${SWEEP_MIXERS:-gated_delta_rule,delta_rule,kda} --modes=fwdbwd --shapes=1,8192,96,128 \
-    --sweep_tokens=65536 --err_tol=1 --time_budget_s=500 \
+    --sweep_tokens=65536 --err_tol=1 --time_budget_s=${SWEEP_BUDGET:-500} \
     --out_json=$KEEP/bench_kernels_${GPU_TAG}_must_sweep.json \
     --out_md=$KEEP/bench_kernels_${GPU_TAG}_must_sweep.md > $KEEP/sweep.log 2>&1
   echo "sweep rc=$?"; grep -A12 "T sweep at" $KEEP/sweep.log

@@ -167,9 +167,34 @@ def test_sweep_table_says_when_a_rise_misses_points():
        res(shapes[0], "chunk", 2.0), res(shapes[1], "chunk", 2.0), res(shapes[2], "chunk", 3.0),
        res(shapes[0], "scan", 5.0)], shapes=shapes)
   rows = {line.split(" | ")[1]: line for line in lines if line.startswith("| gated_delta_rule")}
-  assert rows["jla"] == "| gated_delta_rule | jla | fwdbwd | 3.000 | 3.300 | – | 1.10x (2 of 3 points) |"
+  assert rows["jla"] == ("| gated_delta_rule | jla | fwdbwd | 3.000 | 3.300 | – "
+                         "| 1.10x (2 of 3 points) |")
   assert rows["chunk"].endswith("| 3.000 | 1.50x |")
   assert rows["scan"].endswith("| 5.000 | – | – | – |")
+
+
+def test_bench_kernels_past_its_time_budget_makes_no_inputs(tmp_path):
+  # Past --time_budget_s every point is skipped, and a skipped shape's host inputs are never
+  # made (on an H100 making KDA's at B1 T65536 H16 overran a device call): the program runs
+  # with make_inputs replaced by one that fails.
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  js = tmp_path / "b.json"
+  code = ("import sys; from absl import app; from experiments import bench_kernels as bk, cli\n"
+          "def made(*a): raise AssertionError(f'inputs made for {a}')\n"
+          "bk.make_inputs = made\n"
+          "app.run(bk.main, argv=sys.argv, flags_parser=cli.parse_flags)\n")
+  proc = subprocess.run(
+      [sys.executable, "-c", code, "--shapes=", "--sweep_tokens=256", "--sweep_lengths=64,256",
+       "--sweep_hd=2,32", "--impls=chunk", "--modes=fwd", "--mixers=kda,gated_delta_rule",
+       "--time_budget_s=0", f"--out_json={js}"],
+      cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+      timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  rows = json.load(open(js))["results"]
+  assert len(rows) == 4 and all(r["note"] == "skipped (time budget)" for r in rows), rows
 
 
 def test_error_verdict_marks_nan_inf_and_large_errors():
