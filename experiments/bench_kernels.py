@@ -453,12 +453,11 @@ def sweep_shapes() -> list[tuple]:
   return [(_SWEEP_TOKENS.value // t, t, h, d) for t in lengths]
 
 
-def sweep_lines(results, shapes=None) -> list[str]:
+def sweep_lines(results) -> list[str]:
   """The T sweep as a table (markdown lines; none without a sweep): per mixer, implementation
   and mode the time at each T and the rise, slowest over fastest, that issue #17 asks to stay
-  flat. A rise over fewer points than the sweep has (some skipped by the time budget) says
-  so. `shapes`: the sweep's, by default those of the flags."""
-  shapes = sweep_shapes() if shapes is None else shapes
+  flat (`bench.sweep_rise`: it says so where points are missing)."""
+  shapes = sweep_shapes()
   by = {(r.shape, r.mixer, r.impl, r.mode): r.ms for r in results if r.ms is not None}
   lines = sorted({key[1:] for key in by if key[0] in shapes})
   if not lines:
@@ -469,12 +468,8 @@ def sweep_lines(results, shapes=None) -> list[str]:
          + " | rise |", "|" + "---|" * (len(shapes) + 4)]
   for mixer, impl, mode in lines:
     times = [by.get((shape, mixer, impl, mode)) for shape in shapes]
-    known = [x for x in times if x is not None]
-    rise = "–" if len(known) < 2 else f"{max(known) / min(known):.2f}x"
-    if len(known) >= 2 and len(known) < len(times):
-      rise += f" ({len(known)} of {len(times)} points)"
     out.append(f"| {mixer} | {impl} | {mode} | " + " | ".join(_fmt(x, 3) for x in times)
-               + f" | {rise} |")
+               + f" | {bench.sweep_rise(times)} |")
   return out
 
 

@@ -213,6 +213,17 @@ def hbm_tb_s(device_kind: str) -> float:
   return H200_HBM_TB_S
 
 
+def sweep_rise(times) -> str:
+  """The rise of a T sweep at fixed tokens, slowest over fastest, as its table prints it: "–"
+  below two known points, and "(n of m points)" after it where some points have no time (None:
+  skipped by a time budget, or failed)."""
+  known = [x for x in times if x is not None]
+  if len(known) < 2:
+    return "–"
+  rise = f"{max(known) / min(known):.2f}x"
+  return rise if len(known) == len(times) else f"{rise} ({len(known)} of {len(times)} points)"
+
+
 def traffic_floor_ms(mixer: str, mode: str, *, batch: int, seq_len: int, heads: int,
                      v_heads: int, head_dim_k: int, head_dim_v: int, io_bytes: int = 2,
                      gate_bytes: int = 4, tb_s: float = H200_HBM_TB_S) -> float:
