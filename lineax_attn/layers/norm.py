@@ -5,6 +5,8 @@ All three compute in float32 and cast back to the input dtype (docs/MATH.md §1.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -63,10 +65,21 @@ class GatedHeadNorm(nnx.Module):
     self.eps = eps
     self.weight = partition.param(None, nnx.initializers.ones, (head_dim,), param_dtype, (None,))
 
-  def __call__(self, o: jax.Array, z: jax.Array | None = None) -> jax.Array:
-    y = rms_normalize(o, self.eps) * self.weight[...].astype(jnp.float32)
-    if self.gate != "none":
-      if z is None:
-        raise ValueError(f"output gate {self.gate!r} needs gate logits z.")
-      y = y * gate_activation(z.astype(jnp.float32), self.gate)
-    return y.astype(o.dtype)
+  def __call__(self, o: jax.Array, z: jax.Array | None = None, *, remat: bool = False
+               ) -> jax.Array:
+    """remat: recompute the norm in the backward (`jax.checkpoint`) instead of keeping its
+    float32 intermediates until then; the same values either way."""
+    if self.gate != "none" and z is None:
+      raise ValueError(f"output gate {self.gate!r} needs gate logits z.")
+    norm = functools.partial(gated_head_norm, eps=self.eps, gate=self.gate)
+    return (jax.checkpoint(norm) if remat else norm)(o, z, self.weight[...])
+
+
+def gated_head_norm(o: jax.Array, z: jax.Array | None, weight: jax.Array, *, eps: float,
+                    gate: str) -> jax.Array:
+  """`GatedHeadNorm` as a pure function: RMSNorm of o over its last axis times weight, times
+  act(z) unless gate is "none"; float32 inside, o's dtype out."""
+  y = rms_normalize(o, eps) * weight.astype(jnp.float32)
+  if gate != "none":
+    y = y * gate_activation(z.astype(jnp.float32), gate)
+  return y.astype(o.dtype)

@@ -68,7 +68,8 @@ def make_mixer(config: ModelConfig, kind: str, *, rngs: nnx.Rngs):
       output_gate=config.output_gate, gate_rank=config.gate_rank, gate_init=config.gate_init,
       gate_lower_bound=config.gate_lower_bound, allow_neg_eigval=config.allow_neg_eigval,
       norm_eps=config.norm_eps, chunk_size=config.chunk_size,
-      implementation=config.implementation, gpu_tuning=config.gpu_tuning, **common)
+      implementation=config.implementation, gpu_tuning=config.gpu_tuning,
+      remat_conv_norm=config.remat_conv_norm, **common)
 
 
 class Block(nnx.Module):
