@@ -17,6 +17,8 @@ Hopper GPU the same tests run the compiled kernel. Oracles:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,7 +127,8 @@ def test_approximate_exponentials_keep_the_walks_within_their_bounds():
   kw = dict(scale=dk ** -0.5, gated=gated)
   o, e, sf = jax.jit(lambda *a: cw.chunk_walk(*a, **kw, approx_math=True, interpret=INTERPRET))(
       q, k, v, t0, g, beta, s0t)
-  ro, re, rsf, _ = cw.chunk_walk_reference(q, k, v, t0, g, beta, s0t, **kw)
+  ro, re, rsf, _ = jax.jit(lambda *a: cw.chunk_walk_reference(*a, **kw))(
+      q, k, v, t0, g, beta, s0t)
   assert_close(sf, rsf, 5e-4, "final state")
   for name, got, want in (("o", o, ro), ("e", e, re)):
     assert_close(got.astype(jnp.float32), want, 1e-2, f"{name} (bf16)")
@@ -140,7 +143,8 @@ def test_approximate_exponentials_keep_the_walks_within_their_bounds():
   de, dh, ds0 = jax.jit(lambda *a: cwr.chunk_walk_reverse(*a, **kw, approx_math=True,
                                                           interpret=INTERPRET))(
       q, k, t0, g, beta, do, None, dsf)
-  rde, rdh, rds0 = cwr.chunk_walk_reverse_reference(q, k, t0, g, beta, do, None, dsf, **kw)
+  rde, rdh, rds0 = jax.jit(lambda *a: cwr.chunk_walk_reverse_reference(*a, None, dsf, **kw))(
+      q, k, t0, g, beta, do)
   assert_close(de.astype(jnp.float32), rde, 1e-2, "dE (bf16)")
   assert_close(ds0, rds0, 5e-4, "dS0")
   assert_close(dh.astype(jnp.float32), rdh, 5e-3, "dh (bf16)")
@@ -175,10 +179,11 @@ def test_reverse_kernel_matches_its_rounded_reference(case):
 
 
 # (mixer: "gdn" | "deltanet" | "linear", T, K, V): the overlapped walks against the serial ones.
-# Both rings wrap: K 64 holds four chunks, K 128 two (where the forward's next M̃ waits for
-# its chunk to land).
-OVERLAP_CASES = [("gdn", 320, 64, 64), ("gdn", 192, 128, 64), ("deltanet", 192, 64, 64),
-                 ("linear", 192, 64, 64)]
+# GDN's rings wrap: K 64 holds four chunks, K 128 two (where the forward's next M̃ waits for
+# its chunk to land). DeltaNet's and linear attention's branches at two chunks (at K 64 their
+# rings wrapped at neither 192 nor 128 rows; the wrap is GDN's cases').
+OVERLAP_CASES = [("gdn", 320, 64, 64), ("gdn", 192, 128, 64), ("deltanet", 128, 64, 64),
+                 ("linear", 128, 64, 64)]
 if ON_GPU:
   OVERLAP_CASES += [("gdn", 1024, 128, 128), ("deltanet", 1024, 128, 256)]
 
@@ -232,7 +237,8 @@ def test_overlapped_walks_hand_over_tiles_without_races(dk):
   assert gpu_callbacks.get_races().races_found is False
 
 
-LINEAR_KERNEL_CASES = [(1, 192, 1, 2, 64, 128)]
+# Two chunks (the state carried across; neither ring wraps at K 64 below five), GVA, two V tiles.
+LINEAR_KERNEL_CASES = [(1, 128, 1, 2, 64, 128)]
 if ON_GPU:
   LINEAR_KERNEL_CASES += [(2, 1024, 2, 4, 128, 128)]
 
@@ -245,8 +251,9 @@ def test_linear_attention_walks_match_their_references(b, t, h, hv, dk, dv):
   o, e, sf, hs = jax.jit(lambda *a: cw.chunk_walk(*a, scale=scale, gated=False, save_states=True,
                                                   interpret=INTERPRET))(q, k, v, None, g, beta,
                                                                        s0t)
-  ro, re, rsf, rh = cw.chunk_walk_reference(q, k, v, None, g, beta, s0t, scale=scale,
-                                            gated=False)
+  ro, re, rsf, rh = jax.jit(lambda *a: cw.chunk_walk_reference(*a[:3], None, *a[3:],
+                                                               scale=scale, gated=False))(
+      q, k, v, g, beta, s0t)
   np.testing.assert_array_equal(np.asarray(e, np.float32), np.asarray(v, np.float32))
   assert_close(sf, rsf, 5e-4, "final state")
   assert_close(hs.astype(jnp.float32), rh, 5e-3, "chunk states")
@@ -257,7 +264,8 @@ def test_linear_attention_walks_match_their_references(b, t, h, hv, dk, dv):
   args = (q, k, None, g, beta, do, None, dsf)
   de, dh, ds0 = jax.jit(lambda *a: cwr.chunk_walk_reverse(*a, scale=scale, gated=False,
                                                           interpret=INTERPRET))(*args)
-  rde, rdh, rds0 = cwr.chunk_walk_reverse_reference(*args, scale=scale, gated=False)
+  rde, rdh, rds0 = jax.jit(lambda *a: cwr.chunk_walk_reverse_reference(
+      *a[:2], None, *a[2:5], None, a[5], scale=scale, gated=False))(q, k, g, beta, do, dsf)
   assert_close(de.astype(jnp.float32), rde, 1e-2, "dE")
   assert_close(ds0, rds0, 5e-4, "dS0")
   assert_close(dh.astype(jnp.float32), rdh, 5e-3, "dh")
@@ -294,11 +302,14 @@ def test_reference_is_the_delta_rule():
   assert_close(e, want_r, FWD_TOL, "e = write residual")
 
 
-OP_CASES = [("gated_delta_rule", 100, 1.0), ("delta_rule", 100, 1.0), ("gated_delta_rule", 1, 1.0),
+# (GDN's ragged two chunks on the CPU at T = 65, chunk + 1; T = 100 is DeltaNet's and linear
+# attention's.)
+OP_CASES = [("delta_rule", 100, 1.0), ("gated_delta_rule", 1, 1.0),
             ("gated_delta_rule", 65, 1.0), ("linear_attention", 100, 1.0),
             ("linear_attention", 1, 1.0)]
 if ON_GPU:
-  OP_CASES += [("gated_delta_rule", 63, 1.0), ("gated_delta_rule", 64, 1.0),
+  OP_CASES += [("gated_delta_rule", 100, 1.0), ("gated_delta_rule", 63, 1.0),
+               ("gated_delta_rule", 64, 1.0),
                ("delta_rule", 128, 1.0), ("gated_delta_rule", 1000, 1e4)]
 
 
@@ -341,8 +352,8 @@ def test_training_through_both_walks_matches_scan(mixer, t, hv):
 def test_training_with_unused_outputs_matches_scan(used):
   # Outputs a loss does not read reach the walk's backward as symbolic zeros (no residual:
   # the reverse walk runs without its dE_ext copies; no final state, or no o): every gradient
-  # still matches the scan's.
-  args, kw = make_inputs("gated_delta_rule", b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=31)
+  # still matches the scan's. (One value head: GVA's gradients are the training test's.)
+  args, kw = make_inputs("gated_delta_rule", b=1, t=96, h=1, hv=1, dk=64, dv=64, seed=31)
   w = jax.random.normal(jax.random.key(3), args[2].shape)
 
   def loss(impl, tuning):
@@ -355,6 +366,24 @@ def test_training_with_unused_outputs_matches_scan(used):
   for name, g, want in zip(["q", "k", "v", "g", "beta"], loss("pallas_gpu", WALK),
                            loss("scan", None)):
     assert_close(g, want, GRAD_TOL, f"{used} only: d{name}")
+
+
+def _square_loss_grads_uncached(mixer, t, hv, impl, tuning):
+  """Gradients of Σ o² with respect to the positional inputs (B1 H1 K=V=64, seed 41)."""
+  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=hv, dk=64, dv=64, seed=41)
+  f = lambda *a: jnp.sum(run_jit(mixer, a, **kw, implementation=impl, tuning=tuning)[0] ** 2)
+  return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
+
+
+# The scan's gradients once per (mixer, T, HV): two option cases below share their inputs.
+_square_loss_scan_grads = functools.cache(
+    lambda mixer, t, hv: _square_loss_grads_uncached(mixer, t, hv, "scan", None))
+
+
+def _square_loss_grads(mixer, t, hv, impl, tuning):
+  if impl == "scan":
+    return _square_loss_scan_grads(mixer, t, hv)
+  return _square_loss_grads_uncached(mixer, t, hv, impl, tuning)
 
 
 @pytest.mark.parametrize("mixer,approx_math,join_exit,warpgroups", [
@@ -374,20 +403,13 @@ def test_grads_options_reach_chunk_grads_and_keep_the_gradients(monkeypatch, mix
   for mod, name in ((cw, "chunk_walk"), (cwr, "chunk_walk_reverse")):
     monkeypatch.setattr(mod, name, lambda *a, real=getattr(mod, name), name=name, **k: (
         walks.append((name, k.get("approx_math", False))) or real(*a, **k)))
-  args, kw = make_inputs(mixer, b=1, t=64 if warpgroups == 1 else 96, h=1,
-                         hv=warpgroups, dk=64, dv=64, seed=41)
-
-  def grads(impl, tuning):
-    f = lambda *a: jnp.sum(run_jit(mixer, a, **kw, implementation=impl, tuning=tuning)[0] ** 2)
-    return jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args)
-
-  got = grads("pallas_gpu", pallas_gpu.GpuTuning(forward="walk", approx_math=approx_math,
-                                                 join_exit=join_exit,
-                                                 grads_warpgroups=warpgroups))
+  t = 64 if warpgroups == 1 else 96
+  got = _square_loss_grads(mixer, t, warpgroups, "pallas_gpu", pallas_gpu.GpuTuning(
+      forward="walk", approx_math=approx_math, join_exit=join_exit, grads_warpgroups=warpgroups))
   assert seen == [(approx_math, join_exit, warpgroups)]
   assert set(walks) == {("chunk_walk", approx_math), ("chunk_walk_reverse", approx_math)}
   names = ["q", "k", "v"] + (["g", "beta"] if mixer == "gated_delta_rule" else ["beta"])
-  for name, g, want in zip(names, got, grads("scan", None)):
+  for name, g, want in zip(names, got, _square_loss_grads(mixer, t, warpgroups, "scan", None)):
     assert_close(g, want, GRAD_TOL, f"{mixer} approx_math={approx_math}, join_exit={join_exit}, "
                                     f"warpgroups={warpgroups}: d{name}")
 
@@ -406,7 +428,9 @@ def test_walk_overlap_reaches_the_reverse_walks_and_keeps_the_gradients(monkeypa
     monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **k: seen.append(
         (name, k.get("states_only", False), k.get("overlap", False),
          k.get("approx_math", False))) or real(*a, **k))
-  args, kw = make_inputs(mixer, b=1, t=256, h=1, hv=1, dk=64, dv=64, seed=43)
+  # Two chunks (one a piece): the options' routing and the gradients; the overlapped walks'
+  # rings wrapping is test_overlapped_products_change_no_result's.
+  args, kw = make_inputs(mixer, b=1, t=128, h=1, hv=1, dk=64, dv=64, seed=43)
   tuning = pallas_gpu.GpuTuning(forward="walk", walk_overlap=True, row_pieces=pieces)
 
   def grads(impl, tuning):

@@ -73,8 +73,11 @@ def test_op_forward_matches_scan(mixer):
     assert_close(g, w, FWD_TOL, f"{mixer} {name} vs scan")
 
 
-@pytest.mark.parametrize("mixer,intra", [("gated_delta_rule", "kernel"), ("gated_delta_rule", "xla"),
-                                         ("kda", "kernel")])
+# (GDN with the intra kernel only where "auto" may walk: off GPU, where the triton extra does not
+# run, "auto" is "split" and this case is tests/test_pallas_gpu_intra.py's
+# test_op_gradients_match_scan, the same inputs, tuning and oracle.)
+@pytest.mark.parametrize("mixer,intra", [("gated_delta_rule", "xla"), ("kda", "kernel")]
+                         + ([("gated_delta_rule", "kernel")] if ON_GPU else []))
 def test_op_gradients_match_scan(mixer, intra):
   # intra: who computes GDN's intra-chunk part (the Mosaic GPU kernel by default; the XLA path
   # is what runs under shard_map, and KDA/GDN-2 always take it).

@@ -48,16 +48,17 @@ def _spy_state_passes(monkeypatch):
 def test_states_only_passes_give_the_whole_passes_ends():
   x = kernel_cases.state_pass_inputs(0, nc=3)
   kw = dict(interpret=INTERPRET)
-  _, _, s_final = sp.state_passing_fwd(**x, **kw)
-  (alone,) = sp.state_passing_fwd(**x, states_only=True, **kw)
+  # Jitted: one compile each (eager dispatch compiles every primitive on its own).
+  _, _, s_final = jax.jit(lambda x: sp.state_passing_fwd(**x, **kw))(x)
+  (alone,) = jax.jit(lambda x: sp.state_passing_fwd(**x, states_only=True, **kw))(x)
   assert_close(alone, s_final, 1e-6, "final state, states_only against the whole pass")
   r = jax.random.split(jax.random.key(1), 3)
   do = jax.random.normal(r[0], x["u"].shape).astype(jnp.bfloat16)
   dx = jax.random.normal(r[1], x["u"].shape)
   dsf = jax.random.normal(r[2], x["s0"].shape)
   args = (x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, dx, dsf)
-  ds0 = sp.state_passing_bwd(*args, **kw)[2]
-  (alone,) = sp.state_passing_bwd(*args, states_only=True, **kw)
+  ds0 = jax.jit(lambda *a: sp.state_passing_bwd(*a, **kw))(*args)[2]
+  (alone,) = jax.jit(lambda *a: sp.state_passing_bwd(*a, states_only=True, **kw))(*args)
   assert_close(alone, ds0, 1e-6, "entry cotangent, states_only against the whole pass")
 
 
@@ -139,9 +140,10 @@ def test_pieces_gradients_match_scan(mixer, b, t, pieces):
 
 def test_pieces_carry_the_cotangent_back():
   # GDN-2, a loss on the outputs of the last piece alone, slow gates (τ = 8): the earlier
-  # pieces' inputs get their gradients only through the entry cotangents carried back.
+  # pieces' inputs get their gradients only through the entry cotangents carried back. One
+  # value head: the carry is per head (GVA's gradients are test_pieces_gradients_match_scan's).
   mixer, t, pieces = "gdn2", 192, 3
-  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=2, dk=64, dv=64, tau=8.0, seed=t)
+  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=1, dk=64, dv=64, tau=8.0, seed=t)
   last = 128
   grads = lambda impl, tuning: kernel_cases.late_output_grads(mixer, args, kw, last, impl,
                                                               tuning)
@@ -162,10 +164,11 @@ def _packed_ids(t):
 def test_packed_rows_in_pieces_match_scan(monkeypatch, mixer):
   # segment_ids cut the carried state at resets, whichever piece they fall in: the maps'
   # pass sees the reset as a zero decay, so a piece after it does not depend on the ones
-  # before. Output, final state, residual, and the gradients of <o, W> against the scan.
+  # before. Output, final state, residual, and the gradients of <o, W> against the scan. One
+  # value head: the resets are per row (GVA in pieces is the other op tests').
   calls = _spy_state_passes(monkeypatch)
   t, pieces = 300, 3
-  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=2, dk=64, dv=64, seed=21)
+  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=1, dk=64, dv=64, seed=21)
   kw = dict(kw, segment_ids=_packed_ids(t))
   got = run_jit(mixer, args, **kw, output_final_state=True, return_residual=True,
                 implementation="pallas_gpu", tuning=_pieces(pieces))

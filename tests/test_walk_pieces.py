@@ -86,10 +86,10 @@ def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces, chains):
 
 def test_pieces_forward_at_k_v_128_on_two_chains(monkeypatch):
   # K = V = 128: the maps' state [I | S] is 4 blocks, the first two Φ's (v = 0), so with two
-  # chains one CTA walks Φ alone and the other Ψ alone.
+  # chains one CTA walks Φ alone and the other Ψ alone. T = 128: two pieces of one chunk.
   ran = []
   widths = _count_walk_widths(monkeypatch, ran)
-  args, kw = make_inputs("gated_delta_rule", b=1, t=256, h=1, hv=1, dk=128, dv=128, seed=5)
+  args, kw = make_inputs("gated_delta_rule", b=1, t=128, h=1, hv=1, dk=128, dv=128, seed=5)
   kwargs = dict(kw, output_final_state=True)
   got = run_jit("gated_delta_rule", args, **kwargs, implementation="pallas_gpu",
                 tuning=_pieces(2, 2))
@@ -103,8 +103,8 @@ def test_pieces_take_log_gates_down_to_minus_1e4():
   # Every 37th token's log gate at −1e4 (a state wiped almost to zero, e^{−1e4} = 0 in
   # float32), some in the middle of a piece: Φ of those pieces is ~0 and their Ψ the state
   # after the wipe, so the composed entry states stay finite and the output exact. T = 200 in
-  # 2 pieces.
-  args, kw = make_inputs("gated_delta_rule", b=1, t=200, h=1, hv=2, dk=64, dv=64, seed=7)
+  # 2 pieces; one value head (GVA in pieces is the forward cases').
+  args, kw = make_inputs("gated_delta_rule", b=1, t=200, h=1, hv=1, dk=64, dv=64, seed=7)
   q, k, v, g, beta = args
   g = jnp.where((jnp.arange(200) % 37 == 5)[None, :, None], -1e4, g)
   kwargs = dict(kw, output_final_state=True)
@@ -116,18 +116,19 @@ def test_pieces_take_log_gates_down_to_minus_1e4():
     assert_close(x, w, FWD_TOL, f"log gates at -1e4 in 2 pieces: {name}")
 
 
-# (GDN's gradients on CPU: the carry test below.)
-GRAD_CASES = [("delta_rule", 2, 128, 2), ("linear_attention", 1, 100, 2)]
+# (mixer, B, HV, T, pieces). GDN's gradients on CPU: the carry test below. Two rows (B = 2) of
+# two pieces for DeltaNet, GVA for linear attention: each feature once (B2 HV2 took 22 s).
+GRAD_CASES = [("delta_rule", 2, 1, 128, 2), ("linear_attention", 1, 2, 100, 2)]
 if ON_GPU:
-  GRAD_CASES += [("gated_delta_rule", 1, 150, 2), ("gated_delta_rule", 1, 2048, 8),
-                 ("gated_delta_rule", 2, 333, 3)]
+  GRAD_CASES += [("delta_rule", 2, 2, 128, 2), ("gated_delta_rule", 1, 2, 150, 2),
+                 ("gated_delta_rule", 1, 2, 2048, 8), ("gated_delta_rule", 2, 2, 333, 3)]
 
 
-@pytest.mark.parametrize("mixer,b,t,pieces", GRAD_CASES)
-def test_pieces_gradients_match_scan(mixer, b, t, pieces):
+@pytest.mark.parametrize("mixer,b,hv,t,pieces", GRAD_CASES)
+def test_pieces_gradients_match_scan(mixer, b, hv, t, pieces):
   # Every gradient, the initial state's and the residual's included, against the scan's: the
   # entry cotangents carried back across the pieces (D and the maps) are what this checks.
-  args, kw = make_inputs(mixer, b=b, t=t, h=1, hv=2, dk=64, dv=64, seed=3 * t + pieces)
+  args, kw = make_inputs(mixer, b=b, t=t, h=1, hv=hv, dk=64, dv=64, seed=3 * t + pieces)
   kernel_cases.assert_training_grads_match_scan(mixer, args, kw["initial_state"], _pieces(pieces),
                                                 GRAD_TOL, f"{mixer} B={b} T={t} P={pieces}")
 
@@ -141,8 +142,9 @@ def test_pieces_carry_the_cotangent_back(mixer, t, pieces, chains):
   # A loss on the outputs of the last piece only, with slow gates (τ = 8): the earlier pieces'
   # inputs get their gradients only through the entry cotangents carried back across the
   # pieces (without the carried local terms D, their dk was off by 1.0). The loss reads o
-  # alone, so the final state's and the residual's cotangents come as symbolic zeros.
-  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=2, dk=64, dv=64, tau=8.0, seed=t)
+  # alone, so the final state's and the residual's cotangents come as symbolic zeros. One
+  # value head: the carry is per head (GVA's gradients are test_pieces_gradients_match_scan's).
+  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=1, dk=64, dv=64, tau=8.0, seed=t)
   last = -(-t // (64 * pieces)) * 64 * (pieces - 1)     # where the last piece starts
   loss = lambda impl, tuning: kernel_cases.late_output_grads(mixer, args, kw, last, impl, tuning)
   names = kernel_cases.GRAD_NAMES[mixer][:len(args)]
@@ -164,14 +166,18 @@ def test_maps_walk_gives_the_whole_walks_final_states(gated, chains, dk, dv):
   # [A | S0]: its last V columns must end as the whole walk's from S0, and its first 64 as a
   # whole walk's from A with v = 0 (the maps' Φ columns). 64 + V 128 is 3 blocks: with two
   # chains the second CTA's spare chain must store nothing over them; 64 + V 64 at K 128 is 2,
-  # the second chain of the one CTA a value block.
-  q, k, v, t0, g, beta, s0t = kernel_cases.walk_inputs(1, 320, 1, 2, dk, dv, seed=9)
+  # the second chain of the one CTA a value block. The rings wrap: five chunks at K 64 (the
+  # walks' rings hold four), four at K 128 (the maps' ring holds three, the walk's two). One
+  # value head: the chains and blocks are per head (GVA through the maps' walk is
+  # test_pieces_forward_matches_scan's).
+  t = 320 if dk == 64 else 256
+  q, k, v, t0, g, beta, s0t = kernel_cases.walk_inputs(1, t, 1, 1, dk, dv, seed=9)
   walk = jax.jit(lambda *a: cw.chunk_walk(*a, scale=0.125, gated=gated, interpret=INTERPRET))
   lead = s0t[:, :, :64] * 0.5                                      # A: [B, HV, 64, K]
   (maps,) = jax.jit(lambda *a: mw.maps_walk(*a, gated=gated, chains=chains,
                                             interpret=INTERPRET))(
       k, v, t0, g, beta, jnp.concatenate([lead, s0t], axis=2))
-  assert maps.shape == (1, 2, 64 + dv, dk) and bool(jnp.any(maps != 0))
+  assert maps.shape == (1, 1, 64 + dv, dk) and bool(jnp.any(maps != 0))
   assert_close(maps[:, :, 64:], walk(q, k, v, t0, g, beta, s0t)[2], 1e-5,
                "the value columns, maps' walk against the whole walk")
   assert_close(maps[:, :, :64], walk(q, k, jnp.zeros_like(v[..., :64]), t0, g, beta, lead)[2],
@@ -192,9 +198,10 @@ def test_maps_walk_chains_share_the_ring_without_races():
 
 @pytest.mark.parametrize("delta,gated", [(True, True), (False, False)])
 def test_states_only_reverse_walk_gives_the_whole_walks_entry_cotangent(delta, gated):
-  q, k, _, t0, g, beta, dsf_t = kernel_cases.walk_inputs(1, 320, 1, 2, 64, 128, seed=8)
+  # Four chunks: the reverse walk's ring (three at K 64) wraps.
+  q, k, _, t0, g, beta, dsf_t = kernel_cases.walk_inputs(1, 256, 1, 2, 64, 128, seed=8)
   r = jax.random.split(jax.random.key(2), 2)
-  do, dx = (jax.random.normal(x, (1, 320, 2, 128)).astype(jnp.bfloat16) for x in r)
+  do, dx = (jax.random.normal(x, (1, 256, 2, 128)).astype(jnp.bfloat16) for x in r)
   t0 = t0 if delta else None
   kw = dict(scale=0.125, gated=gated, interpret=INTERPRET)
   args = (q, k, t0, g, beta, do, dx, dsf_t)
