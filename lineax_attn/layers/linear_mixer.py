@@ -107,8 +107,9 @@ def conv_silu_l2n(u: jax.Array, conv_weight: jax.Array, valid: jax.Array | None,
 
   `LinearMixer(remat_conv_norm=True)` wraps it in `jax.checkpoint`: the conv's float32 taps and
   the norms' intermediates are then recomputed in the backward from u (kept anyway) rather than
-  kept from the forward. In the 350M GDN 2:1 hybrid at 16 x 4096 tokens on an H100 that is
-  6-7 GiB less memory and a slightly faster step (docs/BENCHMARKS.md, "twenty-eighth stage")."""
+  kept from the forward. A probe that did the same took the 350M GDN 2:1 hybrid's train step
+  (16 x 4096 tokens, one H100) from 69.8 to 62.8 GiB (docs/BENCHMARKS.md, "twenty-eighth
+  stage")."""
   (h, hv), (dk, dv) = heads, head_dims
   b, t = u.shape[:2]
   y, conv_cache = conv_lib.causal_depthwise_conv(u, conv_weight, valid=valid, segidx=segidx,
@@ -147,7 +148,7 @@ class LinearMixer(nnx.Module):
     remat_conv_norm: recompute the front (short conv, SiLU, L2N: `conv_silu_l2n`) and the
       gated output norm in the backward instead of keeping their float32 intermediates (the
       same values either way; `jax.checkpoint`). On by default: it costs a few elementwise
-      passes and saved 6-7 GiB in the 350M GDN hybrid's train step.
+      passes, and a probe doing the same saved 6.9 GiB in the 350M GDN hybrid's train step.
     context_axis: mesh axis of context parallelism: when the current mesh (`jax.set_mesh`) has
       it with size P > 1 and P divides T, the op runs under `jax.shard_map` over it with the
       time axis split P ways (`lineax_attn.parallel.sharded_mixer`); None turns this off. The
