@@ -98,3 +98,5 @@ def test_model_config_passes_the_option_and_validates_it():
              if isinstance(m, LinearMixer))
   with pytest.raises(ValueError, match="remat_conv_norm"):
     config_lib.tiny(mixer="gdn", remat_conv_norm="yes")
+  with pytest.raises(ValueError, match="remat_conv_norm"):
+    LinearMixer("gdn", D, **DIMS, remat_conv_norm=1, rngs=nnx.Rngs(0))

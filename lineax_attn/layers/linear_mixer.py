@@ -212,7 +212,9 @@ class LinearMixer(nnx.Module):
     self.implementation = implementation
     self.gpu_tuning = gpu_tuning
     self.decode_implementation = decode_implementation
-    self.remat_conv_norm = bool(remat_conv_norm)
+    if not isinstance(remat_conv_norm, bool):
+      raise ValueError(f"remat_conv_norm must be a bool, got {remat_conv_norm!r}.")
+    self.remat_conv_norm = remat_conv_norm
     self.context_axis = context_axis
     self.dtype = dtype
     gate_rank = head_dim_v if gate_rank is None else gate_rank
