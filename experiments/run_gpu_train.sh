@@ -140,15 +140,19 @@ paper)
   # of 4096 per step without micro-batches (issue #17's throughput rows), one arm per process.
   # An arm may name its implementation, ARM@IMPL (e.g. gdn@triton, gdn@chunk): its files are then
   # paper_ARM@IMPL.*, so one call can compare implementations of one arm. The files travel in one
-  # archive, paper.tgz (the device tool brings back only a few files a call).
+  # archive, paper.tgz (the device tool brings back only a few files a call). PAPER_SUFFIX
+  # (e.g. _remat_off) is added to the file names, so a second call with other flags keeps the
+  # first call's files beside its own.
   ARMS=${1:-softmax,gdn,kda,gdn2}; STEPS=${2:-8}; shift 2
   mkdir -p /tmp/paper
   for spec in ${ARMS//,/ }; do
     arm=${spec%@*}; impl=(); [ "$spec" != "$arm" ] && impl=(--config.model.implementation=${spec#*@})
     python3 -u -m experiments.bench_parallel --config=configs/mixers.py:paper --config.arm=$arm \
       --config.train.global_batch_size=16 --config.train.grad_accum_steps=1 --meshes=data=1 \
-      --steps=$STEPS --out_md=/tmp/paper/paper_$spec.md "${impl[@]}" "$@" > /tmp/paper/paper_$spec.log 2>&1
-    echo "$spec rc=$?"; grep -E "^\| *data=1|tokens/s" /tmp/paper/paper_$spec.md 2>/dev/null | head -3
+      --steps=$STEPS --out_md=/tmp/paper/paper_$spec${PAPER_SUFFIX:-}.md "${impl[@]}" "$@" \
+      > /tmp/paper/paper_$spec${PAPER_SUFFIX:-}.log 2>&1
+    echo "$spec${PAPER_SUFFIX:-} rc=$?"
+    grep -E "^\| *data=1|tokens/s" /tmp/paper/paper_$spec${PAPER_SUFFIX:-}.md 2>/dev/null | head -3
   done
   tar czf $OUT/paper.tgz -C /tmp/paper .
   ;;
