@@ -100,3 +100,23 @@ def test_model_config_passes_the_option_and_validates_it():
     config_lib.tiny(mixer="gdn", remat_conv_norm="yes")
   with pytest.raises(ValueError, match="remat_conv_norm"):
     LinearMixer("gdn", D, **DIMS, remat_conv_norm=1, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("t", [1, 16])   # one token; exactly one chunk
+def test_remat_forward_only_and_decoding_at_the_edges(t):
+  # Forward only under jit (no VJP: the checkpoint is only a wrapper), fresh compiles for both
+  # settings, then a one-token decoding step from the cache the first call returned (the conv
+  # cache passes through the checkpointed front).
+  x = jax.random.normal(jax.random.key(5), (B, t + 1, D), jnp.float32)
+
+  @nnx.jit
+  def run(layer):
+    out = layer.forward(x[:, :t], max_len=t + 1)
+    step = layer.decode_step(x[:, t], out.cache)
+    return out.y, out.cache["conv"], step.y
+
+  got = run(_layer("gdn", True))
+  want = run(_layer("gdn", False))
+  for name, a, b in zip(("y", "conv cache", "decoded y"), got, want):
+    assert a.shape == b.shape and np.all(np.isfinite(np.asarray(a))), name
+    assert rel_err(a, b) <= 1e-6, name
