@@ -83,7 +83,9 @@ def test_tiny_mqar_run_beats_chance():
 def test_vmapped_lrs_equal_separate_runs():
   # One layer: vmapped-vs-alone is a property of the training loop, not of the depth.
   cfg = _tiny_config("deltanet").replace(n_layers=1)
-  settings = recall.TrainSettings(steps=6, batch_size=8, steps_per_call=3)
+  # The settings of the deadline and stop_loss tests below: the compiled runners (one per
+  # config, settings and LR count) of both runs here are theirs.
+  settings = recall.TrainSettings(steps=12, batch_size=8, steps_per_call=4)
   both = recall.train_mqar_lrs(cfg, TASK, [3e-3, 1e-2], settings, seed=0)
   alone = recall.train_mqar_lrs(cfg, TASK, [1e-2], settings, seed=0)
   np.testing.assert_allclose(both.losses[:, 1], alone.losses[:, 0], rtol=1e-4)
