@@ -212,13 +212,16 @@ def test_channel_backward_glue_from_exact_pair_grads_equals_autodiff(packed):
   segidx = jnp.asarray([[0] * 20 + [1] * 44], jnp.int32) if packed else None
   c = 32
   exact = _exact_channel_preparation(segidx, c)
-  outs = exact(q, k, kt, vt, g)
+  # Each side one jitted program (eager dispatch compiled ~120 primitives one by one).
+  outs = jax.eval_shape(exact, q, k, kt, vt, g)
   cts = tuple(jax.random.normal(jax.random.key(i), o.shape) for i, o in enumerate(outs))
-  _, vjp = jax.vjp(exact, q, k, kt, vt, g)
-  want = vjp(cts)
-  pair_grads = gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, cts[0],
-                                                            cts[2], cts[3], c=c)
-  got = gpu_prepare.channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, c=c)
+  want = jax.jit(lambda p, cts: jax.vjp(exact, *p)[1](cts))((q, k, kt, vt, g), cts)
+
+  def glue(q, k, kt, vt, g, cts):
+    pair_grads = gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, cts[0],
+                                                              cts[2], cts[3], c=c)
+    return gpu_prepare.channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, c=c)
+  got = jax.jit(glue)(q, k, kt, vt, g, cts)
   for name, g_, w_ in zip(("q", "k", "kt", "vt", "g"), got, want):
     assert_close(g_, w_, 1e-5, f"d{name} (glue)")
   # The custom VJP around the GPU-only kernels, with their oracles standing in for them: the
@@ -314,7 +317,7 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
                                "mosaic")
 
   primals = (q, k, v, beta, g, s0)
-  got, want = fused(*primals), split(*primals)
+  got, want = jax.jit(fused)(*primals), jax.jit(split)(*primals)   # (eager: ~130 compiles)
   for name, a, b in zip(("o", "e", "s_final"), got, want):
     assert_close(a, b, 1e-6, name)
   grad = lambda f: jax.jit(jax.grad(lambda *a: loss(f(*a)), argnums=range(6)))(*primals)
