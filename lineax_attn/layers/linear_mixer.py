@@ -107,9 +107,9 @@ def conv_silu_l2n(u: jax.Array, conv_weight: jax.Array, valid: jax.Array | None,
 
   `LinearMixer(remat_conv_norm=True)` wraps it in `jax.checkpoint`: the conv's float32 taps and
   the norms' intermediates are then recomputed in the backward from u (kept anyway) rather than
-  kept from the forward. A probe that did the same took the 350M GDN 2:1 hybrid's train step
-  (16 x 4096 tokens, one H100) from 69.8 to 62.8 GiB (docs/BENCHMARKS.md, "twenty-eighth
-  stage")."""
+  kept from the forward. It took the 350M GDN 2:1 hybrid's train step (16 x 4096 tokens, one
+  H100) from 69.8 to 60.0 GiB and 5 % faster; KDA and GDN-2 saved no memory there and lost ~2 %
+  (docs/BENCHMARKS.md, "twenty-ninth stage")."""
   (h, hv), (dk, dv) = heads, head_dims
   b, t = u.shape[:2]
   y, conv_cache = conv_lib.causal_depthwise_conv(u, conv_weight, valid=valid, segidx=segidx,
