@@ -148,7 +148,8 @@ class LinearMixer(nnx.Module):
     remat_conv_norm: recompute the front (short conv, SiLU, L2N: `conv_silu_l2n`) and the
       gated output norm in the backward instead of keeping their float32 intermediates (the
       same values either way; `jax.checkpoint`). On by default: it costs a few elementwise
-      passes, and a probe doing the same saved 6.9 GiB in the 350M GDN hybrid's train step.
+      passes and saved 9.5 GiB in the 350M GDN hybrid's train step on an H100 (KDA, GDN-2:
+      no memory there, ~2 % slower; docs/BENCHMARKS.md "twenty-ninth stage").
     context_axis: mesh axis of context parallelism: when the current mesh (`jax.set_mesh`) has
       it with size P > 1 and P divides T, the op runs under `jax.shard_map` over it with the
       time axis split P ways (`lineax_attn.parallel.sharded_mixer`); None turns this off. The
