@@ -270,15 +270,16 @@ def test_predicted_steps_and_chains_by_hand():
 def test_auto_row_pieces_reach_the_op(monkeypatch):
   # row_pieces=0, the default, asks the rule at trace time with the call's sizes (B1 HV2
   # K=V=64: 2 heads of one 64-column block each, 2 chunks, up to two chains per maps' CTA);
-  # a rule answering 2 makes the maps' walk run, and the op still matches the scan.
+  # a rule answering 2 makes the maps' walk run. Traced only: those are trace-time facts, and
+  # the op's values in 2 pieces (GDN, B1, HV2, the rule's chains) are
+  # test_pieces_forward_matches_scan[gated_delta_rule-1-200-2-0]'s.
   asked = kernel_cases.answer_auto_rule(monkeypatch, 2)
   assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(row_pieces=3), 1, 2, 64, 64, 128, 64) == 3
   assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(row_pieces=1), 1, 2, 64, 64, 128, 64) == 1
   assert not asked
   assert pallas_gpu.GpuTuning().row_pieces == 0      # the rule is the default
   widths = _count_walk_widths(monkeypatch)
-  kernel_cases.assert_auto_pieces_match_scan("gated_delta_rule", pallas_gpu.GpuTuning(
-      forward="walk"), FWD_TOL)
+  kernel_cases.trace_auto_pieces("gated_delta_rule", pallas_gpu.GpuTuning(forward="walk"))
   # (B·HV, K/64, V/64, chunks, SMs, the walks' chains)
   assert asked == [(2, 1, 1, 2, gpu_pieces.device_sms(), 2)], asked
   assert sorted(widths) == [64, 128], widths
