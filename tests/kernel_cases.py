@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from helpers import assert_close, make_inputs, run, run_jit
+from helpers import assert_close, make_inputs, run_jit
 from lineax_attn.ops import gpu_chunks
 from pallas_kernels.gpu import intra_chunk as ic
 
@@ -206,15 +206,6 @@ def answer_auto_rule(monkeypatch, pieces):
     return pieces
   monkeypatch.setattr(gpu_pieces, "auto_row_pieces", rule)
   return asked
-
-
-def trace_auto_pieces(mixer, tuning):
-  """Traces (`jax.eval_shape`: nothing compiled or run) `mixer` through `pallas_gpu` with
-  `tuning` at B1 T128 HV2 K=V=64: what the auto rule is asked and which kernels it leads to
-  are trace-time facts."""
-  args, kw = make_inputs(mixer, b=1, t=128, h=1, hv=2, dk=64, dv=64, seed=12)
-  return jax.eval_shape(lambda a, kw: run(mixer, a, **kw, output_final_state=True,
-                                          implementation="pallas_gpu", tuning=tuning), args, kw)
 
 
 def late_output_grads(mixer, args, kw, last, implementation, tuning):

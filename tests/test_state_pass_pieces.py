@@ -105,22 +105,31 @@ def _pieces(p):
   return pallas_gpu.GpuTuning(row_pieces=p)
 
 
-# (mixer, B, T, pieces): T = 200 pads to 4 chunks, 2 pieces; T = 130 is 3 chunks in 2 pieces
-# (one identity chunk of padding); T = 1 is one chunk, the second piece all identity; GDN on
-# the split path (forward="split").
-FWD_CASES = [("kda", 1, 200, 2), ("gdn2", 2, 130, 2), ("kda", 1, 1, 2)]
+# (mixer, B, T, pieces, by_rule): T = 200 pads to 4 chunks, 2 pieces; T = 130 is 3 chunks in 2
+# pieces (one identity chunk of padding); T = 1 is one chunk, the second piece all identity;
+# GDN on the split path (forward="split"). by_rule: row_pieces=0, the default, and an auto rule
+# answering `pieces` (one run checks both the rule's plumbing and the values in pieces; it was a
+# test of its own at T = 128).
+FWD_CASES = [("kda", 1, 200, 2, True), ("gdn2", 2, 130, 2, False), ("kda", 1, 1, 2, False)]
 if ON_GPU:
-  FWD_CASES += [("kda", 1, 4096, 8), ("gdn2", 1, 1000, 4), ("gated_delta_rule", 1, 700, 3)]
+  FWD_CASES += [("kda", 1, 4096, 8, False), ("gdn2", 1, 1000, 4, False),
+                ("gated_delta_rule", 1, 700, 3, False)]
 
 
-@pytest.mark.parametrize("mixer,b,t,pieces", FWD_CASES)
-def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces):
+@pytest.mark.parametrize("mixer,b,t,pieces,by_rule", FWD_CASES)
+def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces, by_rule):
+  # by_rule: row_pieces=0 asks `gpu_pieces.auto_row_pieces` at trace time with the pass's sizes
+  # (B·HV heads of one 64-column block each, the chunks), and its answer is the pass's pieces.
+  from lineax_attn.ops import gpu_pieces  # pylint: disable=g-import-not-at-top
+  asked = kernel_cases.answer_auto_rule(monkeypatch, pieces) if by_rule else None
   calls = _spy_state_passes(monkeypatch)
   args, kw = make_inputs(mixer, b=b, t=t, h=1, hv=2, dk=64, dv=64, seed=t + pieces)
   kwargs = dict(kw, output_final_state=True, return_residual=True)
-  tuning = pallas_gpu.GpuTuning(row_pieces=pieces, forward="split")
+  tuning = pallas_gpu.GpuTuning(row_pieces=0 if by_rule else pieces, forward="split")
   got = run_jit(mixer, args, **kwargs, implementation="pallas_gpu", tuning=tuning)
   want = run_jit(mixer, args, **kwargs, implementation="scan")
+  if by_rule:   # (B·HV, K/64, V/64, chunks, SMs, one chain per CTA: the state pass's)
+    assert asked == [(b * 2, 1, 1, -(-t // 64), gpu_pieces.device_sms(), 1)], asked
   assert sorted(calls) == [(False, pieces), (True, pieces)], calls   # pieces' and maps' pass
   for name, g, w in zip(("o", "final state", "residual"), got, want):
     assert_close(g, w, FWD_TOL, f"{mixer} B={b} T={t} P={pieces}: {name}")
@@ -190,17 +199,3 @@ def test_packed_rows_in_pieces_match_scan(monkeypatch, mixer):
   names = kernel_cases.GRAD_NAMES[mixer]
   for name, g, w in zip(names, g_args + (g_s0,), w_args + (w_s0,)):
     assert_close(g, w, GRAD_TOL, f"{mixer} packed P={pieces}: d{name}")
-
-
-def test_auto_row_pieces_reach_the_state_pass(monkeypatch):
-  # row_pieces=0 asks `gpu_pieces.auto_row_pieces` at trace time with the pass's sizes (KDA at
-  # B1 HV2 K=V=64: 2 heads of one 64-column block each, 2 chunks); a rule answering 2 makes
-  # the pass run in 2 pieces. Traced only: those are trace-time facts, and the op's values in
-  # 2 pieces (KDA, B1, HV2) are test_pieces_forward_matches_scan[kda-1-200-2]'s.
-  from lineax_attn.ops import gpu_pieces  # pylint: disable=g-import-not-at-top
-  asked = kernel_cases.answer_auto_rule(monkeypatch, 2)
-  calls = _spy_state_passes(monkeypatch)
-  kernel_cases.trace_auto_pieces("kda", _pieces(0))
-  # (B·HV, K/64, V/64, chunks, SMs, one chain per CTA: the state pass's)
-  assert asked == [(2, 1, 1, 2, gpu_pieces.device_sms(), 1)], asked
-  assert sorted(calls) == [(False, 2), (True, 2)], calls

@@ -59,24 +59,32 @@ def _count_walk_widths(monkeypatch, chains=None):
   return widths
 
 
-# (mixer, B, T, pieces, maps' chains per CTA; 0: the rule's, one at these sizes): T = 200 in 2
-# pieces pads to 256 (two chunks each); 130 in 3 pads to 192 (one chunk each, the last mostly
-# padding); T = 1 leaves the second piece all padding.
-FWD_CASES = [("gated_delta_rule", 1, 200, 2, 0), ("delta_rule", 2, 130, 3, 2),
-             ("linear_attention", 1, 100, 2, 0), ("gated_delta_rule", 1, 1, 2, 2)]
+# (mixer, B, T, pieces, maps' chains per CTA; 0: the rule's, one at these sizes, by_rule):
+# T = 200 in 2 pieces pads to 256 (two chunks each); 130 in 3 pads to 192 (one chunk each, the
+# last mostly padding); T = 1 leaves the second piece all padding. by_rule: row_pieces=0, the
+# default, and an auto rule answering `pieces` (one run checks both the rule's plumbing and the
+# values in pieces; it was a test of its own at T = 128).
+FWD_CASES = [("gated_delta_rule", 1, 200, 2, 0, True), ("delta_rule", 2, 130, 3, 2, False),
+             ("linear_attention", 1, 100, 2, 0, False), ("gated_delta_rule", 1, 1, 2, 2, False)]
 if ON_GPU:
-  FWD_CASES += [("gated_delta_rule", 1, 4096, 8, 2), ("delta_rule", 1, 1000, 4, 0)]
+  FWD_CASES += [("gated_delta_rule", 1, 4096, 8, 2, False), ("delta_rule", 1, 1000, 4, 0, False)]
 
 
-@pytest.mark.parametrize("mixer,b,t,pieces,chains", FWD_CASES)
-def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces, chains):
+@pytest.mark.parametrize("mixer,b,t,pieces,chains,by_rule", FWD_CASES)
+def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces, chains, by_rule):
+  # by_rule: row_pieces=0 asks the rule at trace time with the call's sizes (B·HV heads of one
+  # 64-column block each, the chunks, up to two chains per maps' CTA), and its answer is the
+  # pieces the walks run.
+  asked = kernel_cases.answer_auto_rule(monkeypatch, pieces) if by_rule else None
   ran = []
   widths = _count_walk_widths(monkeypatch, ran)
   args, kw = make_inputs(mixer, b=b, t=t, h=1, hv=2, dk=64, dv=64, seed=t + pieces)
   kwargs = dict(kw, output_final_state=True, return_residual=True)
   got = run_jit(mixer, args, **kwargs, implementation="pallas_gpu",
-                tuning=_pieces(pieces, chains))
+                tuning=_pieces(0 if by_rule else pieces, chains))
   want = run_jit(mixer, args, **kwargs, implementation="scan")
+  if by_rule:   # (B·HV, K/64, V/64, chunks, SMs, the walks' chains)
+    assert asked == [(b * 2, 1, 1, -(-t // 64), gpu_pieces.device_sms(), 2)], asked
   # the pieces' walk and the maps' walk (linear attention: its maps are products, no walk)
   assert sorted(widths) == ([64] if mixer == "linear_attention" else [64, 128]), widths
   assert ran == ([] if mixer == "linear_attention" else [chains or 1]), ran
@@ -267,22 +275,13 @@ def test_predicted_steps_and_chains_by_hand():
   assert chains(128, 1, 2, 132) == 1       # 384 chains: 2 · 1.65 = 3.3 against 3
 
 
-def test_auto_row_pieces_reach_the_op(monkeypatch):
-  # row_pieces=0, the default, asks the rule at trace time with the call's sizes (B1 HV2
-  # K=V=64: 2 heads of one 64-column block each, 2 chunks, up to two chains per maps' CTA);
-  # a rule answering 2 makes the maps' walk run. Traced only: those are trace-time facts, and
-  # the op's values in 2 pieces (GDN, B1, HV2, the rule's chains) are
-  # test_pieces_forward_matches_scan[gated_delta_rule-1-200-2-0]'s.
+def test_explicit_row_pieces_skip_the_rule(monkeypatch):
+  # (The rule's answer reaching the walks: test_pieces_forward_matches_scan's by_rule case.)
   asked = kernel_cases.answer_auto_rule(monkeypatch, 2)
   assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(row_pieces=3), 1, 2, 64, 64, 128, 64) == 3
   assert gpu_pieces.row_pieces(pallas_gpu.GpuTuning(row_pieces=1), 1, 2, 64, 64, 128, 64) == 1
   assert not asked
   assert pallas_gpu.GpuTuning().row_pieces == 0      # the rule is the default
-  widths = _count_walk_widths(monkeypatch)
-  kernel_cases.trace_auto_pieces("gated_delta_rule", pallas_gpu.GpuTuning(forward="walk"))
-  # (B·HV, K/64, V/64, chunks, SMs, the walks' chains)
-  assert asked == [(2, 1, 1, 2, gpu_pieces.device_sms(), 2)], asked
-  assert sorted(widths) == [64, 128], widths
 
 
 @pytest.mark.parametrize("bad", [-1, 65, True, 2.0, "4"])
