@@ -11,13 +11,15 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = ("softmax", "gdn")
-STEPS = 4
+STEPS = 2
 # One layer per arm: the subject is the program's bookkeeping (table, JSON, plot, skip-finished,
 # --report_only), which does not depend on depth; each arm's step compiles in half the time.
+# The arms, steps, length and batch of test_eval_recall's NIAH pipeline: the same train and eval
+# programs, so whichever test runs second loads them from the suite's compilation cache.
 OVERRIDES = ["--config.model.n_layers=1", f"--config.train.steps={STEPS}",
-             "--config.train.seq_len=32",
+             "--config.train.seq_len=128",
              "--config.train.global_batch_size=2", "--config.optim.warmup_steps=1",
-             "--config.train.log_every=2", "--config.train.eval_every=2",
+             "--config.train.log_every=1", "--config.train.eval_every=2",
              "--config.train.eval_batches=1"]
 
 
