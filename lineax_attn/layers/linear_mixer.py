@@ -108,8 +108,9 @@ def conv_silu_l2n(u: jax.Array, conv_weight: jax.Array, valid: jax.Array | None,
   `LinearMixer(remat_conv_norm=True)` wraps it in `jax.checkpoint`: the conv's float32 taps and
   the norms' intermediates are then recomputed in the backward from u (kept anyway) rather than
   kept from the forward. It took the 350M GDN 2:1 hybrid's train step (16 x 4096 tokens) from
-  78.1 to 60.0 GiB and 1.7 % faster on an H200 (69.8 → 60.0 GiB, 5 % on an H100); KDA and GDN-2
-  saved no memory there and lost 1-2 % (docs/BENCHMARKS.md, "thirtieth stage")."""
+  78.1 to 60.0 GiB and 1.7 % faster on an H200 (69.8 → 60.0 GiB, 5 % on an H100); KDA's kept
+  its memory and time there, GDN-2's became 2.8 % slower and 2.6 GiB larger (docs/BENCHMARKS.md,
+  "thirtieth" and "thirty-first stage")."""
   (h, hv), (dk, dv) = heads, head_dims
   b, t = u.shape[:2]
   y, conv_cache = conv_lib.causal_depthwise_conv(u, conv_weight, valid=valid, segidx=segidx,
@@ -149,8 +150,9 @@ class LinearMixer(nnx.Module):
       gated output norm in the backward instead of keeping their float32 intermediates (the
       same values either way; `jax.checkpoint`). On by default for every mixer: it costs a few
       elementwise passes and saved 18 GiB (H200) and 9.5 GiB (H100) in the 350M GDN hybrid's
-      train step, faster too (KDA, GDN-2: no memory there, 1-2 % slower; docs/BENCHMARKS.md
-      "thirtieth stage").
+      train step, faster too; KDA's kept its memory. Pass False for GDN-2 on GPUs: its 350M
+      step was 2.8 % slower and 2.6 GiB larger with it on an H200 (docs/LAYERS.md, "Implementation choices";
+      docs/BENCHMARKS.md "thirty-first stage").
     context_axis: mesh axis of context parallelism: when the current mesh (`jax.set_mesh`) has
       it with size P > 1 and P divides T, the op runs under `jax.shard_map` over it with the
       time axis split P ways (`lineax_attn.parallel.sharded_mixer`); None turns this off. The
