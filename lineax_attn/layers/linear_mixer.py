@@ -151,8 +151,8 @@ class LinearMixer(nnx.Module):
       same values either way; `jax.checkpoint`). On by default for every mixer: it costs a few
       elementwise passes and saved 18 GiB (H200) and 9.5 GiB (H100) in the 350M GDN hybrid's
       train step, faster too; KDA's kept its memory. Pass False for GDN-2 on GPUs: its 350M
-      step was 2.8 % slower and 2.6 GiB larger with it on an H200 (docs/LAYERS.md, "Implementation choices";
-      docs/BENCHMARKS.md "thirty-first stage").
+      step was 2.8 % slower and 2.6 GiB larger with it on an H200 (docs/LAYERS.md,
+      "Implementation choices"; docs/BENCHMARKS.md "thirty-first stage").
     context_axis: mesh axis of context parallelism: when the current mesh (`jax.set_mesh`) has
       it with size P > 1 and P divides T, the op runs under `jax.shard_map` over it with the
       time axis split P ways (`lineax_attn.parallel.sharded_mixer`); None turns this off. The
