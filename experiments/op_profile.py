@@ -10,7 +10,11 @@ kernel and divided by the calls:
         --shape=4,4096,16,128 --modes=fwdbwd --out_md=/tmp/profile.md --out_json=/tmp/p.json
 
 Table: per op, each kernel's launches per call, µs per call and share of the device time, and
-the op's device time beside its wall time (their gap: launch overhead and idle device). A
+the op's device time beside its wall time (their gap: launch overhead and idle device). Where
+the trace has the device's "XLA Modules" line, each call's span on the device (its module's
+first start to last end) is split into busy (the union of its kernels' intervals) and idle
+(the gaps between them: launch latency, host work inside the call, waits), which the summed
+kernel times cannot show. A
 kernel is named by its CUDA name and, where the trace has it, the HLO op that launched it (so
 the `_fwd_kernel`s of different Triton modules are told apart by their custom call).
 """
@@ -48,6 +52,9 @@ _TOP = flags.DEFINE_integer("top", 25, "Kernels listed per op (the rest summed i
                             flag_values=FLAGS)
 _OUT_MD = flags.DEFINE_string("out_md", "", "Markdown tables.", flag_values=FLAGS)
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Rows as JSON.", flag_values=FLAGS)
+_HLO_DIR = flags.DEFINE_string("hlo_dir", "", "Where to write each op's compiled HLO text "
+                               "(MIXER_IMPL_MODE.hlo.txt): what XLA's fusions between the "
+                               "kernels are made of.", flag_values=FLAGS)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -88,6 +95,30 @@ def kernel_times(profile, *, plane_prefix: str = "/device:GPU",
   return dict(found), read
 
 
+def module_spans(profile, *, plane_prefix: str = "/device:GPU") -> list[tuple[float, float]]:
+  """(span, busy) in µs of every executable run on the device planes: a module event's length,
+  and the union of the kernel intervals inside it (stream lines only)."""
+  spans = []
+  for plane in profile.planes:
+    if not plane.name.startswith(plane_prefix):
+      continue
+    modules, kernels = [], []
+    for line in plane.lines:
+      if line.name == "XLA Modules":
+        modules += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+      elif line.name not in _SUMMARY_LINES:
+        kernels += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
+    kernels.sort()
+    for lo, hi in modules:
+      busy, end = 0.0, lo
+      for a, b in kernels:
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+          busy, end = busy + (b - a), b
+      spans.append(((hi - lo) / 1e3, busy / 1e3))
+  return spans
+
+
 def summarize(times: dict[str, list[float]], calls: int, top: int) -> list[dict]:
   """Rows {kernel, launches (per call), us (per call), share} by time, the tail summed."""
   total = sum(sum(v) for v in times.values()) or 1.0
@@ -113,7 +144,8 @@ def load_trace(directory: str):
 
 
 def profile_call(fn, args, *, iters: int, plane_prefix: str = "/device:GPU"):
-  """(kernel times, lines read, wall ms per call) of `fn(*args)` traced `iters` times."""
+  """(kernel times, lines read, wall ms per call, module spans) of `fn(*args)` traced `iters`
+  times (spans: `module_spans`, one (span, busy) per call where the trace has them)."""
   jax.block_until_ready(fn(*args))
   jax.block_until_ready(fn(*args))
   with tempfile.TemporaryDirectory() as directory:
@@ -122,8 +154,10 @@ def profile_call(fn, args, *, iters: int, plane_prefix: str = "/device:GPU"):
       for _ in range(iters):
         jax.block_until_ready(fn(*args))
       wall_ms = (time.perf_counter() - start) * 1e3 / iters
-    times, read = kernel_times(load_trace(directory), plane_prefix=plane_prefix)
-  return times, read, wall_ms
+    profile = load_trace(directory)
+    times, read = kernel_times(profile, plane_prefix=plane_prefix)
+    spans = module_spans(profile, plane_prefix=plane_prefix)
+  return times, read, wall_ms, spans
 
 
 def op_function(mixer: str, impl: str, mode: str, shape):
@@ -161,7 +195,12 @@ def main(argv):
         name = f"{mixer} {impl} {mode}"
         try:
           fn, args = op_function(mixer, impl, mode, shape)
-          times, read, wall_ms = profile_call(fn, args, iters=_ITERS.value)
+          if _HLO_DIR.value:
+            os.makedirs(_HLO_DIR.value, exist_ok=True)
+            path = os.path.join(_HLO_DIR.value, f"{mixer}_{impl}_{mode}.hlo.txt".replace("/", "_"))
+            with open(path, "w") as f:
+              f.write(fn.lower(*args).compile().as_text())
+          times, read, wall_ms, spans = profile_call(fn, args, iters=_ITERS.value)
         except Exception as e:  # noqa: BLE001 - one failing op must not stop the others
           log(f"[error] {name}: {type(e).__name__}: {str(e)[:300]}")
           continue
@@ -170,20 +209,27 @@ def main(argv):
           continue
         rows = summarize(times, _ITERS.value, _TOP.value)
         device_us = sum(sum(v) for v in times.values()) / _ITERS.value
+        span_text = ""
+        if spans:
+          span_us = sum(s for s, _ in spans) / len(spans)
+          busy_us = sum(b for _, b in spans) / len(spans)
+          span_text = (f"; on the device {span_us / 1e3:.3f} ms from first start to last end, "
+                       f"busy {busy_us / 1e3:.3f}, idle {(span_us - busy_us) / 1e3:.3f} "
+                       f"({len(spans)} module runs)")
         log(f"[ok] {name}: device {device_us / 1e3:.3f} ms, wall {wall_ms:.3f} ms per call, "
-            f"{sum(len(v) for v in times.values()) / _ITERS.value:.0f} launches")
+            f"{sum(len(v) for v in times.values()) / _ITERS.value:.0f} launches{span_text}")
         for r in rows:
           log(f"    {r['us']:9.1f} us  {100 * r['share']:5.1f} %  x{r['launches']:g}  "
               f"{r['kernel'][:150]}")
         all_rows += [dict(r, mixer=mixer, impl=impl, mode=mode, device_ms=device_us / 1e3,
-                          wall_ms=wall_ms) for r in rows]
+                          wall_ms=wall_ms, spans_us=spans) for r in rows]
         table = bench.markdown_table(
             [dict(r, us=f"{r['us']:.1f}", share=f"{100 * r['share']:.1f} %",
                   kernel=r["kernel"].replace("|", "/")[:160]) for r in rows],
             [("kernel", "kernel [HLO op]"), ("launches", "launches per call"),
              ("us", "µs per call"), ("share", "share")])
         sections.append(f"### {name}: device {device_us / 1e3:.3f} ms, wall {wall_ms:.3f} ms "
-                        f"per call\n\n{table}\n")
+                        f"per call{span_text}\n\n{table}\n")
   if _OUT_MD.value:
     with open(_OUT_MD.value, "w") as f:
       f.write(f"# Kernels per op call ({jax.devices()[0].device_kind}, shape "

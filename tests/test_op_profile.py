@@ -1,9 +1,11 @@
 """experiments/op_profile.py's trace reading on a CPU: events summed per name against known
-durations (annotated sleeps), and the per-call table arithmetic by hand."""
+durations (annotated sleeps), and the per-call table arithmetic and the device spans' busy /
+idle split by hand."""
 
 from __future__ import annotations
 
 import time
+import types
 
 import jax
 import pytest
@@ -22,7 +24,7 @@ def test_kernel_times_reads_annotated_regions_from_a_real_trace():
       probe()
     return jax.numpy.zeros(())
 
-  times, read, wall_ms = op_profile.profile_call(fn, (), iters=3, plane_prefix="/host:CPU")
+  times, read, wall_ms, _ = op_profile.profile_call(fn, (), iters=3, plane_prefix="/host:CPU")
   assert read, "no host line was read"
   got = times["op_profile_probe"]
   assert len(got) == 3
@@ -39,3 +41,24 @@ def test_summarize_per_call_rows_and_the_tail():
   assert [r["us"] for r in rows] == [40.0, 20.0, 2.0]
   assert sum(r["share"] for r in rows) == pytest.approx(1.0)
   assert rows[0]["share"] == pytest.approx(40 / 62)
+
+
+def _line(name, events):
+  return types.SimpleNamespace(
+      name=name, events=[types.SimpleNamespace(name="k", start_ns=a, duration_ns=b - a, stats={})
+                         for a, b in events])
+
+
+def test_module_spans_split_each_call_into_busy_and_idle():
+  # Two module runs on one GPU plane, kernels on two streams (times in ns). Run 1 spans
+  # 1,000-9,000: kernels 1,000-3,000 and 2,000-4,000 overlap (busy 3,000), then 6,000-9,000
+  # (3,000): busy 6,000 of 8,000. Run 2 spans 20,000-24,000, one kernel 21,000-23,000: busy
+  # 2,000. A kernel on another plane and the summary lines are not counted.
+  gpu = types.SimpleNamespace(name="/device:GPU:0", lines=[
+      _line("XLA Modules", [(1_000, 9_000), (20_000, 24_000)]),
+      _line("XLA Ops", [(1_000, 9_000)]),
+      _line("Stream #1", [(1_000, 3_000), (6_000, 9_000), (21_000, 23_000)]),
+      _line("Stream #2", [(2_000, 4_000)])])
+  other = types.SimpleNamespace(name="/host:CPU", lines=[_line("python", [(0, 30_000)])])
+  spans = op_profile.module_spans(types.SimpleNamespace(planes=[other, gpu]))
+  assert spans == [(8.0, 6.0), (4.0, 2.0)]
