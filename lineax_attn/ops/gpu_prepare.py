@@ -248,7 +248,8 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
 
 
 def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels, interpret,
-                       gates_on_chip=True, scale=1.0, products="channel"):
+                       gates_on_chip=True, scale=1.0, products="channel",
+                       out_dtype=jnp.float32):
   """KDA / GDN-2's chunk form on the Triton channel kernels and the state pass (`kernels`:
   "mosaic" or "triton") under one custom VJP (`GpuTuning(channel_grads="states")`).
 
@@ -264,22 +265,24 @@ def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels
   instead, inside the same VJP. products (`GpuTuning.state_products`): "channel" (the channel
   backward kernel makes the products, as above), "kernel" (the Triton products kernel, then
   the channel kernel fed them) or "xla" (XLA's products). Returns (o, e, s_final), o and e
-  chunk-major. Not under shard_map (as the channel kernels)."""
+  chunk-major in out_dtype (`gpu_vjps.state_pass_out_dtype`). Not under shard_map (as the
+  channel kernels)."""
   kernel_module(kernels, "state")  # validates `kernels`
   return _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, float(span), kernels,
-                            interpret, bool(gates_on_chip), float(scale), products)
+                            interpret, bool(gates_on_chip), float(scale), products,
+                            jnp.dtype(out_dtype))
 
 
 # write None: a pytree without leaves, whose cotangent is None.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15))
 def _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
-                       on_chip, scale, products):
+                       on_chip, scale, products, out_dtype):
   return _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels,
-                            interpret, on_chip, scale, products)[0]
+                            interpret, on_chip, scale, products, out_dtype)[0]
 
 
 def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
-                       on_chip, scale, products):
+                       on_chip, scale, products, out_dtype):
   del products   # (the backward's)
   q, k, v, erase, write, g, s0, segidx = primal_values(q, k, v, erase, write, g, s0, segidx)
   G = _chunk_gates(g, c)
@@ -290,11 +293,14 @@ def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, i
     outs = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span, q_scale=scale)
   ny, qg, p, u, kg, gc, m = outs
   o, e, s_final, h = kernel_module(kernels, "state").state_passing_fwd(
-      ny, qg, p, u, kg, gc, s0, save_states=True, **interpret_kw(kernels, interpret))
+      ny, qg, p, u, kg, gc, s0, save_states=True, out_dtype=out_dtype,
+      **interpret_kw(kernels, interpret))
   return (o, e, s_final), (q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h)
 
 
-def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, products, res, cts):
+def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, products, out_dtype, res,
+                       cts):
+  del out_dtype   # (o's and e's; the reverse pass and the products read them as bf16)
   q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h = res
   do, de_ext, ds_final = given_cotangents(cts)   # None: an output the caller did not use
   do = jnp.zeros(e.shape, _MM) if do is None else do.astype(_MM)

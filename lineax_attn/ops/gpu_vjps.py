@@ -83,11 +83,12 @@ def interpret_kw(kernels, interpret):
 
 
 def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic", products="xla",
-               pieces=1):
+               pieces=1, out_dtype=jnp.float32):
   """(o, e, s_final) of the state pass on chunk-major inputs (`state_passing_fwd`'s), under
   one custom VJP. pieces > 1 (the Mosaic kernels, outside shard_map): every row's chunks are
   cut into that many pieces passed at once (`gpu_pieces`), the chunks padded to a multiple of
-  it with identity chunks (no decay, no write, zero output)."""
+  it with identity chunks (no decay, no write, zero output). out_dtype: o's and e's
+  (`state_pass_out_dtype`)."""
   if pieces > 1:
     if kernels != "mosaic" or vma(ny, qg, p, u, kg, gc, s0):
       raise ValueError("state_pass: pieces > 1 needs the Mosaic state-pass kernels outside "
@@ -99,7 +100,7 @@ def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic", products="
                                          [(0, 0)] * (x.ndim - 3), constant_values=value)
       ny, qg, p, u, kg, gc = pad(ny), pad(qg), pad(p), pad(u), pad(kg), pad(gc, 1.0)
     o, e, s_final = _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, (), kernels, products,
-                                    pieces)
+                                    pieces, jnp.dtype(out_dtype))
     return o[:, :, :nc], e[:, :, :nc], s_final
   # Under shard_map(check_vma=True) (context parallelism, lineax_attn.parallel) every input,
   # output and cotangent must carry the varying axes its values have; the kernels' outputs carry
@@ -110,7 +111,15 @@ def state_pass(ny, qg, p, u, kg, gc, s0, interpret, kernels="mosaic", products="
   args = [vary(x, axes) for x in (ny, qg, p, u, kg, gc, s0)]
   kernel_module(kernels, "state")  # validates `kernels`
   # products: who makes the backward's products (`GpuTuning.state_products`).
-  return _state_pass_vjp(*args, interpret, tuple(sorted(axes)), kernels, products, 1)
+  return _state_pass_vjp(*args, interpret, tuple(sorted(axes)), kernels, products, 1,
+                         jnp.dtype(out_dtype))
+
+
+def state_pass_out_dtype(dtype):
+  """The dtype the state pass writes o and e in for a call whose values v have `dtype`:
+  bfloat16 for bf16 calls (the op returns them in bf16 anyway, and the backward's products
+  read e as a bf16 operand: the same values at half the bytes), float32 otherwise."""
+  return jnp.dtype(jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float32)
 
 
 def primal_values(*xs):
@@ -129,22 +138,24 @@ def given_cotangents(cts):
 # symbolic_zeros: E (the write residual) is rarely an output anyone reads; its cotangent then
 # reaches the reverse pass as None, which reads nothing in its place (no [B, T, HV, V] float32
 # zeros made and streamed: KDA fwd+bwd 4.050 -> 3.943 ms at B4 T4096 H16 D128 on the H200).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products, pieces):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
+def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products, pieces,
+                    out_dtype):
   del products
   axes = frozenset(axes)
   outs, _ = _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces,
-                          save_states=False)
+                          save_states=False, out_dtype=out_dtype)
   return tuple(vary(x, axes) for x in outs)
 
 
-def _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces, *, save_states):
+def _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces, *, save_states,
+                  out_dtype):
   """(outputs, Φ): the state pass's (o, e, s_final[, h]) and, with pieces, every piece's
   state map Φ `[P, B, HV, K, K]` (None otherwise)."""
   fwd = functools.partial(kernel_module(kernels, "state").state_passing_fwd,
                           **interpret_kw(kernels, interpret))
   if pieces == 1:
-    return fwd(ny, qg, p, u, kg, gc, s0, save_states=save_states), None
+    return fwd(ny, qg, p, u, kg, gc, s0, save_states=save_states, out_dtype=out_dtype), None
   (b, hv), dk, dv = u.shape[:2], ny.shape[-1], u.shape[-1]
   # The maps [Φ | Ψ]: every piece from [I | 0], its first K columns walking with U = 0.
   (maps,) = fwd(ny, qg, p, u, kg, gc, gpu_pieces.map_start(b * pieces, hv, dk, dv),
@@ -153,16 +164,17 @@ def _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces, *, save_
   phi = maps[..., :dk]
   starts = gpu_pieces.entry_states(phi, maps[..., dk:], s0)
   o, e, s_ends, *h = fwd(ny, qg, p, u, kg, gc, gpu_pieces.from_pieces(starts),
-                         save_states=save_states, pieces=pieces)
+                         save_states=save_states, pieces=pieces, out_dtype=out_dtype)
   return (o, e, gpu_pieces.by_piece(s_ends, b)[-1], *h), phi
 
 
-def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products, pieces):
+def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products, pieces,
+                    out_dtype):
   del products
   ny, qg, p, u, kg, gc, s0 = primal_values(ny, qg, p, u, kg, gc, s0)
   axes = frozenset(axes)
   outs, phi = _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces,
-                            save_states=True)
+                            save_states=True, out_dtype=out_dtype)
   o, e, s_final, h = (vary(x, axes) for x in outs)
   return (o, e, s_final), (ny, qg, p, kg, gc, h, e, phi)
 
@@ -195,7 +207,8 @@ def state_pass_products(de, do, e, h, dh):
   return d_ny, d_qg, d_p, d_kg, d_gc
 
 
-def _state_pass_bwd(interpret, axes, kernels, products, pieces, res, cts):
+def _state_pass_bwd(interpret, axes, kernels, products, pieces, out_dtype, res, cts):
+  del out_dtype   # (o's and e's cotangents arrive in it; the reverse pass reads dO as bf16)
   ny, qg, p, kg, gc, h, e, phi = res
   do, de_ext, ds_final = given_cotangents(cts)
   do = jnp.zeros(e.shape, _MM) if do is None else do

@@ -91,7 +91,7 @@ from lineax_attn.ops.gpu_tuning import (DEFAULT_TUNING, INTRA_CHOICES, PAIR_CHOI
                                         SOLVE_CHOICES, GpuTuning, check_tuning,
                                         fused_intra_grads)
 from lineax_attn.ops.gpu_vjps import (interpret_params, intra_kernel, kernel_module, state_pass,
-                                      vma)
+                                      state_pass_out_dtype, vma)
 from pallas_kernels.gpu import state_passing as sp
 
 __all__ = ["DEFAULT_TUNING", "INTRA_CHOICES", "PAIR_CHOICES", "SOLVE_CHOICES", "GpuTuning",
@@ -174,8 +174,10 @@ def _pass_pieces(tuning: GpuTuning, state: str, ny, u, s0) -> int:
   return gpu_pieces.row_pieces(tuning, b, hv, ny.shape[-1], dv, nc * c, c)
 
 
-def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernels):
-  """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final)."""
+def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernels,
+          out_dtype=jnp.float32):
+  """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final), o and e in
+  out_dtype (`gpu_vjps.state_pass_out_dtype`)."""
   if channel_kernel_applies(q, k_erase, v_write, g, c=c, tuning=tuning, kernels=kernels):
     ny, qg, p, u, kg, gc = channel_intra_kernel(q, k, k_erase, v_write, g, segidx, c,
                                                 tuning.channel_grads == "kernel",
@@ -185,12 +187,13 @@ def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernel
                                           tuning=tuning)
   state = state_kernels(tuning, kernels)
   o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state, state_products(tuning),
-                             _pass_pieces(tuning, state, ny, u, s0))
+                             _pass_pieces(tuning, state, ny, u, s0), out_dtype)
   return from_chunks(o), from_chunks(e), s_final
 
 
 def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, kernels,
-                       fused_grads=False, state="mosaic", tuning=DEFAULT_TUNING):
+                       fused_grads=False, state="mosaic", tuning=DEFAULT_TUNING,
+                       out_dtype=jnp.float32):
   """`_core` for DeltaNet / GDN with the intra-chunk kernel; q, k unrepeated and unscaled.
   state: whose state-pass kernels run ("mosaic" or "triton": `state_kernels`)."""
   b, t, hv = v.shape[:3]
@@ -207,7 +210,7 @@ def _core_intra_kernel(q, k, v, beta, g, s0, segidx, *, scale, c, interpret, ker
     gc = gc * segment_masks(segidx, c)[1][..., -1:]
   gc = jnp.broadcast_to(gc, G.shape[:3] + (dk,))
   o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state,
-                             pieces=_pass_pieces(tuning, state, ny, u, s0))
+                             pieces=_pass_pieces(tuning, state, ny, u, s0), out_dtype=out_dtype)
   return from_chunks(o), from_chunks(e), s_final
 
 
@@ -353,6 +356,8 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   hv, dv = v.shape[2], v.shape[3]
   q_in, k_in, v_in = q, k, v
   q, k, v = (x.astype(_F32) for x in (q, k, v))
+  # The state pass writes o and e in bf16 for bf16 calls (what the op returns anyway).
+  out_dtype = state_pass_out_dtype(v_in.dtype)
   g, erase, write = chunked.canonical_gates(mixer, v, gates)
   c = chunk_size
   t_pad = -(-t // c) * c
@@ -394,7 +399,8 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
       o, e, s_final = _core_intra_kernel(pad(q), pad(k), pad(v), pad(beta), pad(g), s0, segidx,
                                          scale=scale, c=c, interpret=interpret, kernels=kernels,
                                          fused_grads=fused_intra_grads(tuning, g is not None),
-                                         state=state_kernels(tuning, kernels), tuning=tuning)
+                                         state=state_kernels(tuning, kernels), tuning=tuning,
+                                         out_dtype=out_dtype)
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
   if (tuning.channel_grads == "states" and erase is not None
@@ -412,7 +418,7 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
                                        interpret=interpret,
                                        kernels=state_kernels(tuning, kernels),
                                        gates_on_chip=tuning.channel_gates == "kernel",
-                                       products=state_products(tuning))
+                                       products=state_products(tuning), out_dtype=out_dtype)
     return (from_chunks(o)[:, :t], (s_final if output_final_state else None),
             from_chunks(e)[:, :t])
   q = jnp.repeat(q, n_rep, axis=2) * scale
@@ -422,5 +428,6 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
   if m is not None:
     v_write = v_write * m[..., None]
   o, e, s_final = _core(pad(q), pad(k), pad(k_erase), pad(v_write), pad(g), s0, segidx, c=c,
-                        interpret=interpret, tuning=tuning, kernels=kernels)
+                        interpret=interpret, tuning=tuning, kernels=kernels,
+                        out_dtype=out_dtype)
   return o[:, :t], (s_final if output_final_state else None), e[:, :t]

@@ -80,6 +80,19 @@ def check_index_range(b: int, t: int, hv: int, dv: int) -> None:
     raise ValueError(f"pallas_kernels.gpu: {reason}.")
 
 
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def check_out_dtype(out_dtype):
+  """out_dtype as a numpy dtype, if the forward kernels write o and e in it (`OUT_DTYPES`);
+  else ValueError."""
+  dtype = jnp.dtype(out_dtype)
+  if dtype not in OUT_DTYPES:
+    raise ValueError(f"state pass: out_dtype={dtype} must be one of "
+                     f"{', '.join(map(str, OUT_DTYPES))}.")
+  return dtype
+
+
 def supported(chunk: int, dk: int, dv: int) -> str | None:
   """None if the kernels handle these sizes, else why not (for the caller's log line)."""
   if chunk != CHUNK:
@@ -159,7 +172,7 @@ def _chunk_loop(n, step_srcs, dsts, bars, body, init):
 
 
 def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, states_only=False,
-                      pieces=1, interpret=None):
+                      pieces=1, out_dtype=jnp.float32, interpret=None):
   """Forward state pass.
 
   Args:
@@ -169,6 +182,9 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, states_onl
     gc: `[B, HV, Nc, K]` float32 decay of the entry state across each chunk.
     s0: `[B·pieces, HV, K, V]` float32 state entering each piece (pieces 1: the initial state).
     save_states: also return the bf16 state entering every chunk (for the backward).
+    out_dtype: o's and e's dtype, float32 or bfloat16 (`OUT_DTYPES`). bf16 is the float32
+      results rounded once on chip (e is the bf16 operand the products already use), the
+      values a caller casting them to bf16 would get, at half their bytes.
     states_only: carry the state alone and return only the final state (the affine maps of
       rows cut into pieces, `lineax_attn.ops.gpu_vjps.state_pass`): qg and p are not read, O is
       not made, nothing is stored per chunk. s0 may then be wider than u, `[B·pieces, HV, K,
@@ -178,7 +194,7 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, states_onl
       multiple of it), piece j of row b from s0[b·pieces + j] (its own CTAs: small B·HV fill
       the GPU); the per-chunk outputs keep the `[B, HV, Nc, ...]` layout.
   Returns:
-    (o, e, s_final[, h]): o, e `[B, HV, Nc, C, V]` float32, s_final `[B·pieces, HV, K, V]`
+    (o, e, s_final[, h]): o, e `[B, HV, Nc, C, V]` in out_dtype, s_final `[B·pieces, HV, K, V]`
     float32 (the state leaving each piece), h `[B, HV, Nc, K, V]` bf16; with states_only
     `(s_final,)`, as wide as s0.
   """
@@ -191,22 +207,26 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, states_onl
   if lead and not (states_only and lead > 0 and lead % BLOCK_V == 0):
     raise ValueError(f"state_passing_fwd: s0 {tuple(s0.shape)} must be as wide as u "
                      f"{tuple(u.shape)}, or (states_only) wider by a multiple of {BLOCK_V}.")
+  out_dtype = check_out_dtype(out_dtype)
   outs = _state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=save_states,
-                            states_only=states_only, pieces=pieces, interpret=interpret)
+                            states_only=states_only, pieces=pieces, out_dtype=out_dtype,
+                            interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("save_states", "states_only", "pieces",
-                                             "interpret"))
+                                             "out_dtype", "interpret"))
 def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret, states_only=False,
-                       pieces=1):
+                       pieces=1, out_dtype=jnp.float32):
   b, hv, nc, c, dk = qg.shape
   dv = u.shape[-1]
   ncp = nc // pieces
   bv = BLOCK_V
   f32 = jnp.float32
-  out_type = [jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
-              jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
+  # bf16 outputs: e leaves from its bf16 operand copy (no float32 staging tile for it).
+  e_from_operand = jnp.dtype(out_dtype) == jnp.dtype(MM_DTYPE)
+  out_type = [jax.ShapeDtypeStruct((b, hv, nc, c, dv), out_dtype),
+              jax.ShapeDtypeStruct((b, hv, nc, c, dv), out_dtype),
               jax.ShapeDtypeStruct((b * pieces, hv, dk, dv), f32)]
   if save_states:
     out_type.append(jax.ShapeDtypeStruct((b, hv, nc, dk, dv), MM_DTYPE))
@@ -229,7 +249,9 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret, stat
       return (ny_ref.at[bi, hi, ci], qg_ref.at[bi, hi, ci], p_ref.at[bi, hi, ci],
               u_ref.at[bi, hi, ci, :, vs], kg_ref.at[bi, hi, ci], gc_ref.at[bi, hi, ci])
 
-    def loop(ny_s, qg_s, p_s, u_s, kg_s, gc_s, s_mm, e_mm, o_out, e_out, bars):
+    def loop(ny_s, qg_s, p_s, u_s, kg_s, gc_s, s_mm, e_mm, o_out, *rest):
+      *e_outs, bars = rest   # e's own staging tile unless it leaves from e_mm
+      e_out = None if e_from_operand else e_outs[0]
       s_mm[...] = state.astype(MM_DTYPE)
       plgpu.commit_smem()
 
@@ -244,7 +266,8 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret, stat
         gcv = plgpu.load(gc_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
         # The previous chunk's output copies must have read o_out / e_out (h may stay pending).
         plgpu.wait_smem_to_gmem(1 if save_states else 0, wait_read_only=True)
-        e_out[...] = e
+        if not e_from_operand:
+          e_out[...] = e.astype(e_out.dtype)
         e_mm[...] = e.astype(MM_DTYPE)
         plgpu.commit_smem()
 
@@ -253,12 +276,13 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret, stat
         o = o + pe
         s = s * mc.rows(gcv, s.shape) + ke
 
-        o_out[...] = o
+        o_out[...] = o.astype(o_out.dtype)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # h copy done reading s_mm
         s_mm[...] = s.astype(MM_DTYPE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_out, o_ref.at[bi, hi, c0 + ci, :, vs], commit_group=False)
-        plgpu.copy_smem_to_gmem(e_out, e_ref.at[bi, hi, c0 + ci, :, vs], commit_group=False)
+        plgpu.copy_smem_to_gmem(e_mm if e_from_operand else e_out,
+                                e_ref.at[bi, hi, c0 + ci, :, vs], commit_group=False)
         plgpu.commit_smem_to_gmem_group()
         return s
 
@@ -272,7 +296,8 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret, stat
         mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, c), MM_DTYPE),
         mc.smem((2, c, bv), f32), mc.smem((2, c, dk), MM_DTYPE), plgpu.SMEM((2, dk), f32),
         mc.smem((dk, bv), MM_DTYPE), mc.smem((c, bv), MM_DTYPE),
-        mc.smem((c, bv), f32), mc.smem((c, bv), f32), barriers)
+        mc.smem((c, bv), out_dtype),
+        *([] if e_from_operand else [mc.smem((c, bv), out_dtype)]), barriers)
     _store_tile(state, sf_ref.at[row, hi, :, vs])
 
   grid_v = s0.shape[-1] if states_only else dv

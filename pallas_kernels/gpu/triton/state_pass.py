@@ -77,8 +77,8 @@ def _fwd_kernel(ny_ptr, qg_ptr, p_ptr, u_ptr, kg_ptr, gc_ptr, s0_ptr, nc,
     o = tl.dot(p, e_mm, o)
     s = s * gc[:, None]
     s = tl.dot(tl.trans(kg), e_mm, s)
-    tl.store(o_ptr + chunk * C * V + cv, o)
-    tl.store(e_ptr + chunk * C * V + cv, e)
+    tl.store(o_ptr + chunk * C * V + cv, o.to(o_ptr.dtype.element_ty))
+    tl.store(e_ptr + chunk * C * V + cv, e.to(e_ptr.dtype.element_ty))
   tl.store(sf_ptr + bh * K * V + kv, s)
 
 
@@ -172,20 +172,24 @@ def _dims(qg, dv, launch_overrides, *, reverse):
   return b, hv, nc, c, dk, bv, launch
 
 
-@functools.partial(jax.jit, static_argnames=("save_states", "launch"))
-def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, launch=None):
+@functools.partial(jax.jit, static_argnames=("save_states", "out_dtype", "launch"))
+def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, out_dtype=jnp.float32,
+                      launch=None):
   """Forward state pass; arguments and results as `pallas_kernels.gpu.state_passing`'s.
 
   ny, qg, kg `[B, HV, Nc, C, K]` bf16; p `[B, HV, Nc, C, C]` bf16; u `[B, HV, Nc, C, V]` f32;
-  gc `[B, HV, Nc, K]` f32; s0 `[B, HV, K, V]` f32. Returns (o, e, s_final[, h]): o, e float32
-  like u, s_final like s0, h `[B, HV, Nc, K, V]` bf16 (the state entering each chunk).
+  gc `[B, HV, Nc, K]` f32; s0 `[B, HV, K, V]` f32. Returns (o, e, s_final[, h]): o, e like u
+  in out_dtype (float32 or bfloat16: the float32 results rounded once on chip), s_final like
+  s0, h `[B, HV, Nc, K, V]` bf16 (the state entering each chunk).
   launch: None (the sizes of `blocks`) or (block_v, num_warps, num_stages), None entries kept.
   """
+  from pallas_kernels.gpu import state_passing  # pylint: disable=g-import-not-at-top
+  out_dtype = state_passing.check_out_dtype(out_dtype)
   dv = u.shape[-1]
   b, hv, nc, c, dk, bv, launch = _dims(qg, dv, launch, reverse=False)
   f32 = jnp.float32
   # Without save_states the kernel never writes h: a one-element placeholder.
-  out_shape = _structs(((b, hv, nc, c, dv), f32), ((b, hv, nc, c, dv), f32),
+  out_shape = _structs(((b, hv, nc, c, dv), out_dtype), ((b, hv, nc, c, dv), out_dtype),
                        ((b, hv, dk, dv), f32),
                        ((b, hv, nc, dk, dv) if save_states else (1,), MM_DTYPE))
   o, e, s_final, h = _jax_triton().triton_call(
