@@ -31,7 +31,8 @@ cotangent (the composition: `lineax_attn.ops.gpu_pieces`).
 
 Array layout: chunk-major `[B, HV, Nc, C, D]`; C = 64, K = 64 or 128, V a multiple of 64
 (V-tile 64). Shared memory at K = 128: ~200 KiB forward (two input slots), ~200 KiB backward.
-Operands NY, QG, KG, P and dO are bf16; U, dE_ext, gc and the states are float32.
+Operands NY, QG, KG, P and dO are bf16; U, dE_ext, gc and the states are float32; O and E
+float32 or, `out_dtype=bfloat16`, rounded once to bf16 on chip.
 Written in `plgpu.kernel` style so JAX's Mosaic GPU interpreter runs them on CPU (`interpret=`).
 """
 
