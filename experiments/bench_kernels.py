@@ -99,10 +99,12 @@ _INTRA_GRADS = flags.DEFINE_enum("intra_grads", "auto", ["auto", "xla", "kernel"
                                  "triton DeltaNet / GDN: who finishes the intra backward "
                                  "(GpuTuning.intra_grads: auto = fused in the kernel for "
                                  "both; xla; or kernel).")
-_CHANNEL_GRADS = flags.DEFINE_enum("channel_grads", "kernel", ["xla", "kernel"],
+_CHANNEL_GRADS = flags.DEFINE_enum("channel_grads", "auto", ["auto", "xla", "kernel", "states"],
                                    "triton / pallas_gpu with the Triton channel kernels: who "
                                    "computes their backward's elementwise rest and dG "
-                                   "(GpuTuning.channel_grads: XLA, or fused in the kernel).")
+                                   "(GpuTuning.channel_grads: auto = the library's default; "
+                                   "XLA; fused in the kernel; or the kernels and the state "
+                                   "pass under one VJP).")
 _FORWARD = flags.DEFINE_enum("forward", "auto", ["auto", "split", "fused", "walk"],
                              "pallas_gpu / triton DeltaNet / GDN (GpuTuning.forward): auto (the "
                              "library's default: the walks on pallas_gpu where the triton extra "

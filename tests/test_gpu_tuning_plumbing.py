@@ -114,6 +114,20 @@ def test_the_model_builds_its_linear_layers_with_the_config_tuning():
                         for m in mixers)
 
 
+def test_channel_grads_auto_resolves_per_kernels_path():
+  # GpuTuning.channel_grads "auto" (the default): the kernels and the state pass under one VJP
+  # ("states", timed fastest on pallas_gpu's Mosaic path, 2026-12-06) there; the fused
+  # backward kernel ("kernel") on the triton implementation's path, where "states" is untimed.
+  # Named choices are kept on both paths.
+  from lineax_attn.ops.gpu_tuning import channel_grads_choice
+  assert ops.GpuTuning().channel_grads == "auto"
+  assert channel_grads_choice(ops.GpuTuning(), "mosaic") == "states"
+  assert channel_grads_choice(ops.GpuTuning(), "triton") == "kernel"
+  for named in ("xla", "kernel", "states"):
+    for kernels in ("mosaic", "triton"):
+      assert channel_grads_choice(ops.GpuTuning(channel_grads=named), kernels) == named
+
+
 def test_state_products_choice_is_checked_and_needs_the_triton_extra():
   # GpuTuning.state_products: "auto" (default: the Triton kernel where the extra runs, else
   # XLA's), "xla" or "kernel"; "kernel" asked for by name where the extra cannot run is refused

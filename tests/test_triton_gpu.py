@@ -1091,3 +1091,30 @@ def test_from_states_backward_matches_the_glue(d, slice_stages, vs):
                              cotangents=(d_qg, d_kg), scale=scale)
   for name, x, w in zip(("dq", "dk", "dv", "dbeta", "dG"), got, want):
     assert_close(x, w, 1e-2, f"{name} (d={d}, slice_stages={slice_stages}, vs={vs})")
+
+
+@pytest.mark.parametrize("mixer,t,pieces", [("kda", 300, 2), ("gdn2", 256, 4)])
+def test_pallas_gpu_default_runs_the_states_path_in_pieces(monkeypatch, mixer, t, pieces):
+  # The default tuning on pallas_gpu (channel_grads "auto" = "states", 2026-12-06) with rows
+  # cut into pieces (T padded to a multiple of 64·pieces with identity steps; the maps' pass
+  # and the carried cotangents of gpu_vjps.pass_forward / pass_backward): output, final state
+  # and every gradient against the scan, with weak decays so the carried states matter.
+  if not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
+    pytest.skip("pallas_gpu needs a Hopper GPU")
+  seen, real = [], gpu_prepare.channel_state_core
+  monkeypatch.setattr(gpu_prepare, "channel_state_core",
+                      lambda *a, **k: seen.append(k["pieces"]) or real(*a, **k))
+  monkeypatch.setattr(pallas_gpu, "channel_state_core", gpu_prepare.channel_state_core)
+  args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=2, dk=64, dv=64, seed=23)
+  args = args[:3] + (args[3] / 64.0,) + args[4:]   # g: weak decays
+  tuning = ops.GpuTuning(row_pieces=pieces)   # every other field the default
+  got = output_and_state_grads(mixer, args, kw["initial_state"], "pallas_gpu", tuning=tuning)
+  assert seen and set(seen) == {pieces}, seen
+  want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
+  for i, (g_, w) in enumerate(zip(got, want)):
+    assert_close(g_, w, GRAD_TOL, f"{mixer} default tuning, {pieces} pieces, grad {i}")
+  fwd = lambda impl, tun: jax.jit(lambda *a: run(mixer, a, implementation=impl, tuning=tun,
+                                                 output_final_state=True, **kw))(*args)
+  (o, s), (want_o, want_s) = fwd("pallas_gpu", tuning), fwd("scan", None)
+  assert_close(o, want_o, FWD_TOL, f"{mixer} o")
+  assert_close(s, want_s, FWD_TOL, f"{mixer} final state")

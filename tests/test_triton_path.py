@@ -262,7 +262,10 @@ def test_channel_backward_glue_from_exact_pair_grads_equals_autodiff(packed):
       setattr(gpu_prepare, name, fn)
 
 
-def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch):
+# pieces 2: every row cut in two (T = 256, two chunks a piece), the maps' pass and the carried
+# cotangents of `gpu_vjps.pass_forward` / `pass_backward`, as the split composition's pass.
+@pytest.mark.parametrize("pieces", [1, 2])
+def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch, pieces):
   # gpu_prepare.channel_state_core (GpuTuning.channel_grads="states"): the channel kernels, with
   # KDA's β applied on chip, and the state pass under one custom VJP, whose backward runs the
   # state pass's reverse kernel and hands E, dE, dO and the chunk states to one
@@ -273,8 +276,9 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
   # and values and every gradient must equal the split composition: s q, k̃ = k ⊙ β, ṽ = v ⊙ β
   # and the same preparation differentiated by autodiff, into `gpu_vjps.state_pass`.
   from lineax_attn.ops import gpu_prepare, gpu_vjps  # pylint: disable=g-import-not-at-top
-  args, _ = make_inputs("kda", b=1, t=128, h=1, hv=1, dk=64, dv=64, seed=13)
+  args, _ = make_inputs("kda", b=1, t=128 * pieces, h=1, hv=1, dk=64, dv=64, seed=13)
   q, k, v, g, beta = args
+  g = g / 64.0   # weak decays: the state carried across chunks (and pieces) matters
   beta = beta[..., None]                      # [B, T, HV, 1]: one factor per row
   s0 = jax.random.normal(jax.random.key(14), (1, 1, 64, 64))
   c = 64
@@ -305,16 +309,17 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
           q * q_scale, k, kt * erase, vt * write, g) + (jnp.zeros(()),))
   monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call", states_call)
   w = [jax.random.normal(jax.random.key(20 + i), s) for i, s in
-       enumerate([(1, 1, 2, 64, 64), (1, 1, 2, 64, 64), (1, 1, 64, 64)])]
+       enumerate([(1, 1, 2 * pieces, 64, 64), (1, 1, 2 * pieces, 64, 64), (1, 1, 64, 64)])]
   loss = lambda outs: sum(jnp.sum(o * w_) for o, w_ in zip(outs, w))
 
   def fused(q, k, v, beta, g, s0):
     return gpu_prepare.channel_state_core(q, k, v, beta, beta, g, s0, None, c=c, span=80.0,
-                                          kernels="mosaic", interpret=interpret, scale=0.5)
+                                          kernels="mosaic", interpret=interpret, scale=0.5,
+                                          pieces=pieces)
 
   def split(q, k, v, beta, g, s0):   # q's scale applied outside, as the other paths do
     return gpu_vjps.state_pass(*prep(q * 0.5, k, k * beta, v * beta, g), s0, interpret,
-                               "mosaic")
+                               "mosaic", pieces=pieces)
 
   primals = (q, k, v, beta, g, s0)
   got, want = jax.jit(fused)(*primals), jax.jit(split)(*primals)   # (eager: ~130 compiles)

@@ -249,7 +249,7 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
 
 def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels, interpret,
                        gates_on_chip=True, scale=1.0, products="channel",
-                       out_dtype=jnp.float32):
+                       out_dtype=jnp.float32, pieces=1):
   """KDA / GDN-2's chunk form on the Triton channel kernels and the state pass (`kernels`:
   "mosaic" or "triton") under one custom VJP (`GpuTuning(channel_grads="states")`).
 
@@ -265,24 +265,28 @@ def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels
   instead, inside the same VJP. products (`GpuTuning.state_products`): "channel" (the channel
   backward kernel makes the products, as above), "kernel" (the Triton products kernel, then
   the channel kernel fed them) or "xla" (XLA's products). Returns (o, e, s_final), o and e
-  chunk-major in out_dtype (`gpu_vjps.state_pass_out_dtype`). Not under shard_map (as the
-  channel kernels)."""
+  chunk-major in out_dtype (`gpu_vjps.state_pass_out_dtype`). pieces > 1 (the Mosaic pass, T
+  a multiple of c·pieces): the state pass cuts every row into that many pieces, as
+  `gpu_vjps.state_pass` does (`gpu_pieces`). Not under shard_map (as the channel kernels)."""
   kernel_module(kernels, "state")  # validates `kernels`
+  if pieces > 1 and (kernels != "mosaic" or (q.shape[1] // c) % pieces):
+    raise ValueError(f"channel_state_core: pieces={pieces} needs the Mosaic state pass and a "
+                     f"chunk count it divides (kernels={kernels!r}, T={q.shape[1]}).")
   return _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, float(span), kernels,
                             interpret, bool(gates_on_chip), float(scale), products,
-                            jnp.dtype(out_dtype))
+                            jnp.dtype(out_dtype), int(pieces))
 
 
 # write None: a pytree without leaves, whose cotangent is None.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15, 16))
 def _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
-                       on_chip, scale, products, out_dtype):
+                       on_chip, scale, products, out_dtype, pieces):
   return _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels,
-                            interpret, on_chip, scale, products, out_dtype)[0]
+                            interpret, on_chip, scale, products, out_dtype, pieces)[0]
 
 
 def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
-                       on_chip, scale, products, out_dtype):
+                       on_chip, scale, products, out_dtype, pieces):
   del products   # (the backward's)
   q, k, v, erase, write, g, s0, segidx = primal_values(q, k, v, erase, write, g, s0, segidx)
   G = _chunk_gates(g, c)
@@ -292,22 +296,19 @@ def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, i
     kt, vt = _erased_and_written(k, v, erase, write)
     outs = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span, q_scale=scale)
   ny, qg, p, u, kg, gc, m = outs
-  o, e, s_final, h = kernel_module(kernels, "state").state_passing_fwd(
-      ny, qg, p, u, kg, gc, s0, save_states=True, out_dtype=out_dtype,
-      **interpret_kw(kernels, interpret))
-  return (o, e, s_final), (q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h)
+  (o, e, s_final, h), phi = gpu_vjps.pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels,
+                                                  pieces, save_states=True, out_dtype=out_dtype)
+  return (o, e, s_final), (q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h, phi)
 
 
-def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, products, out_dtype, res,
-                       cts):
+def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, products, out_dtype, pieces,
+                       res, cts):
   del out_dtype   # (o's and e's; the reverse pass and the products read them as bf16)
-  q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h = res
+  q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h, phi = res
   do, de_ext, ds_final = given_cotangents(cts)   # None: an output the caller did not use
   do = jnp.zeros(e.shape, _MM) if do is None else do.astype(_MM)
-  ds_final = jnp.zeros(h.shape[:2] + h.shape[3:], _F32) if ds_final is None else ds_final
-  de, dh, ds0 = kernel_module(kernels, "state").state_passing_bwd(
-      ny, qg, p, kg, gc, do, None if de_ext is None else de_ext.astype(_F32),
-      ds_final.astype(_F32), **interpret_kw(kernels, interpret))
+  de, dh, ds0 = gpu_vjps.pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final,
+                                       interpret=interpret, kernels=kernels, pieces=pieces)
   dq, dk, dv, dg, d_erase, d_write = _channel_kernel_states_call(
       q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c, span, on_chip, scale,
       products=products)

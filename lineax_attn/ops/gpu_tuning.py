@@ -12,7 +12,7 @@ import dataclasses
 INTRA_CHOICES = ("kernel", "xla")
 TRITON_INTRA_CHOICES = ("auto", "kernel", "xla")
 CHANNEL_INTRA_CHOICES = ("auto", "xla", "triton")
-CHANNEL_GRADS_CHOICES = ("xla", "kernel", "states")
+CHANNEL_GRADS_CHOICES = ("auto", "xla", "kernel", "states")
 CHANNEL_GATES_CHOICES = ("kernel", "xla")
 INTRA_GRADS_CHOICES = ("auto", "xla", "kernel")
 PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
@@ -82,9 +82,14 @@ class GpuTuning:
       erase and write gates there, `state_products` who makes the products: the channel kernel
       as described with "channel", XLA or the products kernel otherwise. Tested in the
       interpreters against the split composition and the scan, compiled tests passed; timed on
-      the H200 (2026-12-04, docs/BENCHMARKS.md "eighteenth stage") it is slower: KDA fwd+bwd
-      5.14 ms against the default's 4.05, its backward kernel 3.48 ms against 1.90; with the
-      products kernel 3.89 against the default's 3.82 ("nineteenth stage"), so it stays opt-in).
+      the H200 (2026-12-04, docs/BENCHMARKS.md "eighteenth stage") it was slower with the
+      channel kernel making the products: KDA fwd+bwd 5.14 ms against 4.05, its backward kernel
+      3.48 ms against 1.90; with the products kernel and the gates in XLA 3.89 against 3.82
+      ("nineteenth stage"). With the products kernel and the gates on chip (the combination not
+      timed then) it is the fastest: on an H100 (2026-12-06, "thirty-second stage") KDA 4.04 ms
+      against 4.27, GDN-2 4.38 against 4.53) or "auto" (the default: "states" on
+      pallas_gpu's Mosaic path, "kernel" on the `triton` implementation, where "states" is
+      untimed).
     channel_gates: with channel_grads="states", who makes k̃ = k ⊙ erase and ṽ = v ⊙ write:
       "kernel" (the channel kernels on chip, from k, v and the gates; the backward kernel then
       writes k's and v's whole gradients and the gates' own, so k̃, ṽ, dk̃, dṽ never exist in
@@ -176,8 +181,8 @@ class GpuTuning:
       kernel took 370 µs a call against 493 and the ungated 332 against 486; GDN fwd+bwd
       0.778 ms against 0.902, DeltaNet 0.706 against 0.854 (`bench_ab` queued, 5 rounds).
     row_pieces: cut every row into this many pieces that walk at once, on the walks (linear
-      attention, DeltaNet, GDN) and on the Mosaic state pass (KDA, GDN-2, the split path; not
-      on the Triton pass, with `channel_grads="states"` or under `shard_map`); 1: rows whole;
+      attention, DeltaNet, GDN) and on the Mosaic state pass (KDA, GDN-2; not on the Triton
+      pass or under `shard_map`); 1: rows whole;
       0 ("auto", the default): `gpu_pieces.auto_row_pieces` picks 1, 2, 4 or 8 (each piece ≥
       8 chunks) by a model of latency-bound passes in waves of one CTA per SM, with step
       costs and a fixed cost measured on the H200 (`gpu_pieces`). For small B·HV and long T,
@@ -220,7 +225,7 @@ class GpuTuning:
   remat_intra: bool = True
   triton_intra: str = "auto"
   channel_intra: str = "auto"
-  channel_grads: str = "kernel"
+  channel_grads: str = "auto"
   channel_gates: str = "kernel"
   intra_grads: str = "auto"
   state_pass: str = "mosaic"
@@ -310,6 +315,14 @@ def fused_intra_grads(tuning: GpuTuning, gated: bool) -> bool:
   skips the gate's work). `gated` is kept so that a future default can differ by mixer."""
   del gated
   return tuning.intra_grads in ("auto", "kernel")
+
+
+def channel_grads_choice(tuning: GpuTuning, kernels: str) -> str:
+  """`tuning.channel_grads` with "auto" resolved for the kernels' path: "states" on the Mosaic
+  path (`pallas_gpu`, timed fastest there), "kernel" on the Triton one (`triton`)."""
+  if tuning.channel_grads != "auto":
+    return tuning.channel_grads
+  return "states" if kernels == "mosaic" else "kernel"
 
 
 def check_tuning(tuning) -> GpuTuning:

@@ -143,13 +143,13 @@ def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products
                     out_dtype):
   del products
   axes = frozenset(axes)
-  outs, _ = _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces,
+  outs, _ = pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces,
                           save_states=False, out_dtype=out_dtype)
   return tuple(vary(x, axes) for x in outs)
 
 
-def _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces, *, save_states,
-                  out_dtype):
+def pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces, *, save_states,
+                 out_dtype):
   """(outputs, Φ): the state pass's (o, e, s_final[, h]) and, with pieces, every piece's
   state map Φ `[P, B, HV, K, K]` (None otherwise)."""
   fwd = functools.partial(kernel_module(kernels, "state").state_passing_fwd,
@@ -173,7 +173,7 @@ def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products
   del products
   ny, qg, p, u, kg, gc, s0 = primal_values(ny, qg, p, u, kg, gc, s0)
   axes = frozenset(axes)
-  outs, phi = _pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces,
+  outs, phi = pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces,
                             save_states=True, out_dtype=out_dtype)
   o, e, s_final, h = (vary(x, axes) for x in outs)
   return (o, e, s_final), (ny, qg, p, kg, gc, h, e, phi)
@@ -207,24 +207,34 @@ def state_pass_products(de, do, e, h, dh):
   return d_ny, d_qg, d_p, d_kg, d_gc
 
 
-def _state_pass_bwd(interpret, axes, kernels, products, pieces, out_dtype, res, cts):
-  del out_dtype   # (o's and e's cotangents arrive in it; the reverse pass reads dO as bf16)
-  ny, qg, p, kg, gc, h, e, phi = res
-  do, de_ext, ds_final = given_cotangents(cts)
-  do = jnp.zeros(e.shape, _MM) if do is None else do
+def pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final, *, interpret, kernels,
+                  pieces):
+  """The reverse state pass: (dE, dh, ds0) from the cotangents of o, e and the final state
+  (do bf16 or None, de_ext and ds_final None where unused), h the saved chunk states and phi
+  `pass_forward`'s maps (pieces > 1)."""
+  do = jnp.zeros(h.shape[:3] + (ny.shape[-2], h.shape[-1]), _MM) if do is None else do
   bwd = functools.partial(kernel_module(kernels, "state").state_passing_bwd, ny, qg, p, kg, gc,
                           do.astype(_MM), None if de_ext is None else de_ext.astype(_F32),
                           **interpret_kw(kernels, interpret))
   if pieces == 1:
     ds_final = jnp.zeros(h.shape[:2] + h.shape[3:], _F32) if ds_final is None else ds_final
-    de, dh, ds0 = bwd(ds_final.astype(_F32))
-  else:   # every piece's own entry cotangent, carried back to every piece's end (gpu_pieces)
-    b = h.shape[0]
-    (local,) = bwd(jnp.zeros((b * pieces,) + h.shape[1:2] + h.shape[3:], _F32),
-                   states_only=True, pieces=pieces)
-    ends = gpu_pieces.exit_cotangents(phi, gpu_pieces.by_piece(local, b), ds_final)
-    de, dh, ds0 = bwd(gpu_pieces.from_pieces(ends), pieces=pieces)
-    ds0 = gpu_pieces.by_piece(ds0, b)[0]
+    return bwd(ds_final.astype(_F32))
+  # every piece's own entry cotangent, carried back to every piece's end (gpu_pieces)
+  b = h.shape[0]
+  (local,) = bwd(jnp.zeros((b * pieces,) + h.shape[1:2] + h.shape[3:], _F32),
+                 states_only=True, pieces=pieces)
+  ends = gpu_pieces.exit_cotangents(phi, gpu_pieces.by_piece(local, b), ds_final)
+  de, dh, ds0 = bwd(gpu_pieces.from_pieces(ends), pieces=pieces)
+  return de, dh, gpu_pieces.by_piece(ds0, b)[0]
+
+
+def _state_pass_bwd(interpret, axes, kernels, products, pieces, out_dtype, res, cts):
+  del out_dtype   # (o's and e's cotangents arrive in it; the reverse pass reads dO as bf16)
+  ny, qg, p, kg, gc, h, e, phi = res
+  do, de_ext, ds_final = given_cotangents(cts)
+  do = jnp.zeros(e.shape, _MM) if do is None else do
+  de, dh, ds0 = pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final,
+                              interpret=interpret, kernels=kernels, pieces=pieces)
   c, (dk, dv) = e.shape[-2], h.shape[-2:]
   if products == "kernel" and _triton_blocks().supported(c, dk, dv) is None:
     d_ny, d_qg, d_p, d_kg, d_gc = products_kernel(de, do.astype(_MM), e, h, dh)

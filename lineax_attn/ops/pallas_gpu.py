@@ -31,11 +31,13 @@ resources:
   wired in `gpu_walks.walk_core`. On the H200 (2026-12-04) fwd+bwd GDN 1.16 ms, DeltaNet 1.24,
   linear attention 0.67 against the split's 2.36 / 2.15 / 1.95 (docs/BENCHMARKS.md "fifteenth
   stage"). Packed rows keep the split.
-* **KDA / GDN-2 under one VJP (`GpuTuning(channel_grads="states")`, opt-in):** the Triton
-  channel kernels and the state pass in `gpu_prepare.channel_state_core`; the state pass's
-  products made by the channel backward kernel itself (`state_products="channel"`: timed
-  slower, docs/BENCHMARKS.md "eighteenth stage"), the products kernel or XLA, and with
-  `channel_gates="kernel"` the erase / write gates applied on chip.
+* **KDA / GDN-2 under one VJP (`GpuTuning(channel_grads="states")`, the default here since
+  2026-12-06):** the Triton channel kernels and the state pass in
+  `gpu_prepare.channel_state_core`, reading q, k, v in the caller's dtype; the state pass's
+  products made by the products kernel (the default), XLA, or the channel backward kernel
+  itself (`state_products="channel"`: timed slower, docs/BENCHMARKS.md "eighteenth stage"),
+  and with `channel_gates="kernel"` (the default) the erase / write gates applied on chip, so
+  k̃, ṽ and their float32 gradients never reach HBM. Rows in pieces as on the split.
 * **Fused (DeltaNet / GDN, `GpuTuning(forward="fused")`, opt-in; on the H200 slower than the
   split in fwd+bwd, docs/BENCHMARKS.md "twelfth stage"):** the Triton
   kernels of `pallas_kernels.gpu.triton.fused_forward` instead of the intra-chunk kernel and
@@ -88,8 +90,8 @@ from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, segment_mas
 from lineax_attn.ops.gpu_prepare import (channel_intra_kernel, channel_kernel_applies,
                                          channel_state_core, prepare_chunks)
 from lineax_attn.ops.gpu_tuning import (DEFAULT_TUNING, INTRA_CHOICES, PAIR_CHOICES,
-                                        SOLVE_CHOICES, GpuTuning, check_tuning,
-                                        fused_intra_grads)
+                                        SOLVE_CHOICES, GpuTuning, channel_grads_choice,
+                                        check_tuning, fused_intra_grads)
 from lineax_attn.ops.gpu_vjps import (interpret_params, intra_kernel, kernel_module, state_pass,
                                       state_pass_out_dtype, vma)
 from pallas_kernels.gpu import state_passing as sp
@@ -179,8 +181,9 @@ def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernel
   """Chunk form on [B, T, HV, ...] inputs (T a multiple of c): (o, e, s_final), o and e in
   out_dtype (`gpu_vjps.state_pass_out_dtype`)."""
   if channel_kernel_applies(q, k_erase, v_write, g, c=c, tuning=tuning, kernels=kernels):
-    ny, qg, p, u, kg, gc = channel_intra_kernel(q, k, k_erase, v_write, g, segidx, c,
-                                                tuning.channel_grads == "kernel",
+    # (The backward's rest fused in its kernel unless "xla" is asked for by name.)
+    fused = channel_grads_choice(tuning, kernels) != "xla"
+    ny, qg, p, u, kg, gc = channel_intra_kernel(q, k, k_erase, v_write, g, segidx, c, fused,
                                                 float(tuning.channel_span))
   else:
     ny, qg, p, u, kg, gc = prepare_chunks(q, k, k_erase, v_write, g, segidx, c=c,
@@ -403,22 +406,31 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
                                          out_dtype=out_dtype)
     return o[:, :t], (s_final if output_final_state else None), e[:, :t]
   n_rep = hv // h
-  if (tuning.channel_grads == "states" and erase is not None
+  if (channel_grads_choice(tuning, kernels) == "states" and erase is not None
       and channel_kernel_applies(q, k, v, g, c=c, tuning=tuning, kernels=kernels)):
     # KDA / GDN-2's channel kernels and state pass under one custom VJP; the erase / write
     # gates go to the kernels (padding rows: a zero write, as on the split path below).
     if m is not None:
       write = m[..., None] if write is None else write * m[..., None]
+    # Rows cut into pieces as on the split path (the Mosaic pass only): T padded to a multiple
+    # of c·pieces with identity steps (zero q, k, gates and writes), as `pad` does to c.
+    state = state_kernels(tuning, kernels)
+    pieces = (gpu_pieces.row_pieces(tuning, b, hv, dk, dv, t_pad, c) if state == "mosaic"
+              else 1)
+    t_cut = -(-t // (c * pieces)) * c * pieces
+    pad_cut = functools.partial(chunked.pad_time, t_pad=t_cut)
+    seg_cut = (None if layout.segidx is None
+               else chunked.pad_time(layout.segidx, t_cut, mode="edge"))
     # q, k, v as the caller gave them (bf16 stays bf16 in memory; the kernels widen it on chip
     # and scale q there).
     rep = lambda x: jnp.repeat(x, n_rep, axis=2)
-    o, e, s_final = channel_state_core(pad(rep(q_in)), pad(rep(k_in)), pad(v_in), pad(erase),
-                                       pad(write), pad(g), s0, segidx, c=c, scale=float(scale),
-                                       span=tuning.channel_span,
-                                       interpret=interpret,
-                                       kernels=state_kernels(tuning, kernels),
+    o, e, s_final = channel_state_core(pad_cut(rep(q_in)), pad_cut(rep(k_in)), pad_cut(v_in),
+                                       pad_cut(erase), pad_cut(write), pad_cut(g), s0, seg_cut,
+                                       c=c, scale=float(scale), span=tuning.channel_span,
+                                       interpret=interpret, kernels=state,
                                        gates_on_chip=tuning.channel_gates == "kernel",
-                                       products=state_products(tuning), out_dtype=out_dtype)
+                                       products=state_products(tuning), out_dtype=out_dtype,
+                                       pieces=pieces)
     return (from_chunks(o)[:, :t], (s_final if output_final_state else None),
             from_chunks(e)[:, :t])
   q = jnp.repeat(q, n_rep, axis=2) * scale
