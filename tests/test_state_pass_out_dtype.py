@@ -6,9 +6,10 @@ bytes written and read for nothing (KDA / GDN-2 run this pass at every shape).
 Oracles: the same kernel writing float32 (the pass before 2026-12-06): its o and e rounded to
 bf16 must equal the bf16 pass's to the bit (one rounding of the same float32 accumulators), and
 the final and chunk states must not change at all; whole rows and rows in pieces. Through the
-op: a bf16 call must equal the same values passed as float32, its output and every gradient
-rounded to bf16, also to the bit (forward-only under jit too), on the split path (KDA, GDN-2
-and GDN with `forward="split"`), T a whole chunk, padded (100) and T = 1.
+op: a bf16 call must equal the same values passed as float32, its output, write residual and
+final state rounded to bf16 to the bit (forward-only under jit), every gradient to 1e-5 (the
+glue's float32 sums may round their last bit otherwise), on the split path (KDA, GDN-2 and GDN
+with `forward="split"`), T a whole chunk, padded (100) and T = 1.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import make_inputs, mosaic_gpu_or_skip, run
+from helpers import assert_close, make_inputs, mosaic_gpu_or_skip, run
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -101,4 +102,9 @@ def test_bf16_calls_equal_float32_calls_rounded(mixer, t, monkeypatch):
   n = len(args16) + 1
   grad = jax.jit(jax.grad(loss, argnums=tuple(range(n))))
   for i, (g16, g32) in enumerate(zip(grad(*args16, s0), grad(*args_wide, s0))):
-    _same_bits(g16, g32.astype(g16.dtype), f"gradient of argument {i}")
+    assert g16.dtype == args16[i].dtype if i < len(args16) else g16.dtype == s0.dtype
+    # The two programs differ in their dtypes, so XLA may fuse the glue around the kernels
+    # differently and round a float32 sum's last bit otherwise (seen compiled for GDN's dβ on
+    # an H100: 3 of 100 entries, 1e-6 apart). A float32 o or e would be ~1e-3 off.
+    assert_close(g16.astype(jnp.float32), g32.astype(g16.dtype).astype(jnp.float32), 1e-5,
+                 f"gradient of argument {i}")
