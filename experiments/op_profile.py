@@ -10,11 +10,12 @@ kernel and divided by the calls:
         --shape=4,4096,16,128 --modes=fwdbwd --out_md=/tmp/profile.md --out_json=/tmp/p.json
 
 Table: per op, each kernel's launches per call, µs per call and share of the device time, and
-the op's device time beside its wall time (their gap: launch overhead and idle device). Where
-the trace has the device's "XLA Modules" line, each call's span on the device (its module's
-first start to last end) is split into busy (the union of its kernels' intervals) and idle
-(the gaps between them: launch latency, host work inside the call, waits), which the summed
-kernel times cannot show. A
+the op's device time beside its wall time (their gap: launch overhead and idle device). Each
+call's span on the device (first kernel start to last kernel end: the device's "XLA Modules"
+line where the trace has one, else the calls cut at the kernels' widest gaps) is split into
+busy (the union of its kernels' intervals) and idle (the gaps: launch latency, host work
+inside the call, waits). Summed kernel times above busy mean kernels ran side by side (e.g.
+independent nodes of a CUDA graph). A
 kernel is named by its CUDA name and, where the trace has it, the HLO op that launched it (so
 the `_fwd_kernel`s of different Triton modules are told apart by their custom call).
 """
@@ -95,9 +96,23 @@ def kernel_times(profile, *, plane_prefix: str = "/device:GPU",
   return dict(found), read
 
 
-def module_spans(profile, *, plane_prefix: str = "/device:GPU") -> list[tuple[float, float]]:
-  """(span, busy) in µs of every executable run on the device planes: a module event's length,
-  and the union of the kernel intervals inside it (stream lines only)."""
+def _busy(kernels, lo, hi) -> float:
+  """The union of the (sorted) kernel intervals inside [lo, hi], in the same units."""
+  busy, end = 0.0, lo
+  for a, b in kernels:
+    a, b = max(a, end), min(b, hi)
+    if b > a:
+      busy, end = busy + (b - a), b
+  return busy
+
+
+def module_spans(profile, *, calls: int = 0,
+                 plane_prefix: str = "/device:GPU") -> list[tuple[float, float]]:
+  """(span, busy) in µs of every call on the device planes: from the device's "XLA Modules"
+  line where the trace has one (a module event's length, and the union of the kernel
+  intervals inside it); else, with `calls` given, by cutting the kernels, sorted by start, at
+  their calls − 1 widest gaps (each traced call is waited for, so the host's dispatch of the
+  next one separates them)."""
   spans = []
   for plane in profile.planes:
     if not plane.name.startswith(plane_prefix):
@@ -109,13 +124,16 @@ def module_spans(profile, *, plane_prefix: str = "/device:GPU") -> list[tuple[fl
       elif line.name not in _SUMMARY_LINES:
         kernels += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events]
     kernels.sort()
+    if not modules and calls > 0 and len(kernels) >= calls:
+      ends = [kernels[0][1]]
+      for _, b in kernels[1:]:
+        ends.append(max(ends[-1], b))        # the latest end so far: gaps between kernels
+      gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i][0] - ends[i - 1])
+      cuts = sorted(gaps[len(gaps) - (calls - 1):]) if calls > 1 else []
+      bounds = [0] + cuts + [len(kernels)]
+      modules = [(kernels[i][0], ends[j - 1]) for i, j in zip(bounds, bounds[1:])]
     for lo, hi in modules:
-      busy, end = 0.0, lo
-      for a, b in kernels:
-        a, b = max(a, end), min(b, hi)
-        if b > a:
-          busy, end = busy + (b - a), b
-      spans.append(((hi - lo) / 1e3, busy / 1e3))
+      spans.append(((hi - lo) / 1e3, _busy(kernels, lo, hi) / 1e3))
   return spans
 
 
@@ -156,7 +174,7 @@ def profile_call(fn, args, *, iters: int, plane_prefix: str = "/device:GPU"):
       wall_ms = (time.perf_counter() - start) * 1e3 / iters
     profile = load_trace(directory)
     times, read = kernel_times(profile, plane_prefix=plane_prefix)
-    spans = module_spans(profile, plane_prefix=plane_prefix)
+    spans = module_spans(profile, calls=iters, plane_prefix=plane_prefix)
   return times, read, wall_ms, spans
 
 

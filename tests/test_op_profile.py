@@ -62,3 +62,16 @@ def test_module_spans_split_each_call_into_busy_and_idle():
   other = types.SimpleNamespace(name="/host:CPU", lines=[_line("python", [(0, 30_000)])])
   spans = op_profile.module_spans(types.SimpleNamespace(planes=[other, gpu]))
   assert spans == [(8.0, 6.0), (4.0, 2.0)]
+
+
+def test_module_spans_without_a_module_line_cut_the_calls_at_the_widest_gaps():
+  # No "XLA Modules" line: three calls of two kernels each, 1,000 ns between a call's kernels
+  # and >= 5,000 between calls (the host's dispatch). Call 2's kernels overlap (busy 3,000 of
+  # its span 3,000); a one-kernel gap inside a call is narrower than any between calls.
+  gpu = types.SimpleNamespace(name="/device:GPU:0", lines=[_line("Stream #1", [
+      (0, 1_000), (2_000, 3_000),                      # call 1: span 3,000, busy 2,000
+      (10_000, 12_000), (11_000, 13_000),              # call 2: span 3,000, busy 3,000
+      (20_000, 21_000), (22_500, 24_000)])])           # call 3: span 4,000, busy 2,500
+  spans = op_profile.module_spans(types.SimpleNamespace(planes=[gpu]), calls=3)
+  assert spans == [(3.0, 2.0), (3.0, 3.0), (4.0, 2.5)]
+  assert op_profile.module_spans(types.SimpleNamespace(planes=[gpu])) == []   # calls unknown
