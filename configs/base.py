@@ -56,7 +56,7 @@ def defaults() -> ml_collections.ConfigDict:
       num_heads=2, num_v_heads=_opt(int), head_dim_k=_opt(int), head_dim_v=_opt(int),
       conv_width=4, output_gate=_opt(str), gate_rank=_opt(int), gate_init="repo",
       gate_lower_bound=_opt(float), allow_neg_eigval=False, implementation=_opt(str),
-      gpu_tuning=_opt(str), remat_conv_norm=True, chunk_size=64,
+      gpu_tuning=_opt(str), remat_conv_norm=_opt(bool), chunk_size=64,
       attn_heads=2, attn_kv_heads=_opt(int), attn_head_dim=_opt(int),
       attn_output_gate=_opt(bool), attn_implementation=_opt(str), rope_base=500000.0,
       window=_opt(int),

@@ -22,8 +22,8 @@
 # and SWEEP_TIMEOUT (the sweep's time budget and hard limit, default 500 and 540 s; the budget
 # skips the points it would overrun, so on an H100 the KDA rows need a call of their own:
 # SWEEP_MIXERS=kda), MUST_MEM_FRACTION (the train phase's XLA memory fraction, default 0.95),
-# MUST_REMAT_AB=1 (the train phase also runs GDN, KDA and GDN-2 with model.remat_conv_norm=false,
-# within the same call), MUST_MEM075=1 (and GDN at JAX's default memory fraction 0.75; its 90 s
+# MUST_REMAT_AB=1 (the train phase also runs GDN and KDA with model.remat_conv_norm=false and
+# GDN-2 with it true, the other side of each default, within the same call), MUST_MEM075=1 (and GDN at JAX's default memory fraction 0.75; its 90 s
 # come off the main arms' limit, so with MUST_REMAT_AB=1 too those may be cut: take it apart).
 set -u
 PHASE=${1:?phase: tests, ops, train or sweep}
@@ -39,12 +39,15 @@ if [ "$PHASE" = train ]; then
   XLA_PYTHON_CLIENT_MEM_FRACTION=${MUST_MEM_FRACTION:-0.95} timeout $LIMIT \
     bash experiments/run_gpu_train.sh paper softmax,gdn,kda,gdn2 6
   if [ "${MUST_REMAT_AB:-0}" = 1 ]; then
-    # `model.remat_conv_norm` against the layers as they were. An arm takes 65-90 s on an H200
-    # (~50 s of it compiling); 190 s for three cut GDN-2's off (thirtieth stage), so the three get
-    # 250 s, and GDN at JAX's default memory fraction (where it did not fit before the option;
-    # measured on both cards by now) runs only when asked.
-    XLA_PYTHON_CLIENT_MEM_FRACTION=${MUST_MEM_FRACTION:-0.95} PAPER_SUFFIX=_remat_off timeout 250 \
-      bash experiments/run_gpu_train.sh paper gdn,kda,gdn2 6 --config.model.remat_conv_norm=false
+    # `model.remat_conv_norm` against each mixer's default (on for GDN and KDA, off for GDN-2:
+    # thirty-first stage). An arm takes 65-90 s on an H200 (~50 s of it compiling); 190 s for
+    # three cut one off (thirtieth stage), so the three get 250 s, and GDN at JAX's default
+    # memory fraction (where it did not fit before the option; measured on both cards by now)
+    # runs only when asked.
+    XLA_PYTHON_CLIENT_MEM_FRACTION=${MUST_MEM_FRACTION:-0.95} PAPER_SUFFIX=_remat_off timeout 165 \
+      bash experiments/run_gpu_train.sh paper gdn,kda 6 --config.model.remat_conv_norm=false
+    XLA_PYTHON_CLIENT_MEM_FRACTION=${MUST_MEM_FRACTION:-0.95} PAPER_SUFFIX=_remat_on timeout 85 \
+      bash experiments/run_gpu_train.sh paper gdn2 6 --config.model.remat_conv_norm=true
   fi
   if [ "${MUST_MEM075:-0}" = 1 ]; then
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.75 PAPER_SUFFIX=_mem075 timeout 90 \

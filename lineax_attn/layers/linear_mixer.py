@@ -109,8 +109,8 @@ def conv_silu_l2n(u: jax.Array, conv_weight: jax.Array, valid: jax.Array | None,
   the norms' intermediates are then recomputed in the backward from u (kept anyway) rather than
   kept from the forward. It took the 350M GDN 2:1 hybrid's train step (16 x 4096 tokens) from
   78.1 to 60.0 GiB and 1.7 % faster on an H200 (69.8 → 60.0 GiB, 5 % on an H100); KDA's kept
-  its memory and time there, GDN-2's became 2.8 % slower and 2.6 GiB larger (docs/BENCHMARKS.md,
-  "thirtieth" and "thirty-first stage")."""
+  its time and memory there, GDN-2's became 2.8 % slower and 2.6 GiB larger, so GDN-2 keeps
+  the front by default (docs/BENCHMARKS.md, "thirtieth" and "thirty-first stage")."""
   (h, hv), (dk, dv) = heads, head_dims
   b, t = u.shape[:2]
   y, conv_cache = conv_lib.causal_depthwise_conv(u, conv_weight, valid=valid, segidx=segidx,
@@ -148,11 +148,11 @@ class LinearMixer(nnx.Module):
     decode_implementation: op implementation for one-token steps ("scan").
     remat_conv_norm: recompute the front (short conv, SiLU, L2N: `conv_silu_l2n`) and the
       gated output norm in the backward instead of keeping their float32 intermediates (the
-      same values either way; `jax.checkpoint`). On by default for every mixer: it costs a few
-      elementwise passes and saved 18 GiB (H200) and 9.5 GiB (H100) in the 350M GDN hybrid's
-      train step, faster too; KDA's kept its memory. Pass False for GDN-2 on GPUs: its 350M
-      step was 2.8 % slower and 2.6 GiB larger with it on an H200 (docs/LAYERS.md,
-      "Implementation choices"; docs/BENCHMARKS.md "thirty-first stage").
+      same values either way; `jax.checkpoint`). None (the default) takes the mixer's
+      `LayerSpec.remat_conv_norm`: on for every mixer but GDN-2. In the 350M hybrids' train
+      step on an H200 it saved GDN 18 GiB and made it faster, cost KDA nothing, and made
+      GDN-2's step 2.8 % slower and its peak 2.6 GiB larger (docs/LAYERS.md,
+      "Implementation choices").
     context_axis: mesh axis of context parallelism: when the current mesh (`jax.set_mesh`) has
       it with size P > 1 and P divides T, the op runs under `jax.shard_map` over it with the
       time axis split P ways (`lineax_attn.parallel.sharded_mixer`); None turns this off. The
@@ -167,7 +167,7 @@ class LinearMixer(nnx.Module):
                gate_init: str = "repo", gate_lower_bound: float | None = None,
                allow_neg_eigval: bool = False, norm_eps: float = 1e-5, chunk_size: int = 64,
                implementation: str | None = None, gpu_tuning: GpuTuning | None = None,
-               decode_implementation: str = "scan", remat_conv_norm: bool = True,
+               decode_implementation: str = "scan", remat_conv_norm: bool | None = None,
                context_axis: str | None = context_parallel.SEQUENCE_AXIS,
                init_std: float = 0.02, out_init_std: float | None = None, dtype=jnp.float32,
                param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -216,8 +216,11 @@ class LinearMixer(nnx.Module):
     self.implementation = implementation
     self.gpu_tuning = gpu_tuning
     self.decode_implementation = decode_implementation
+    if remat_conv_norm is None:
+      remat_conv_norm = spec.layer.remat_conv_norm
     if not isinstance(remat_conv_norm, bool):
-      raise ValueError(f"remat_conv_norm must be a bool, got {remat_conv_norm!r}.")
+      raise ValueError(f"remat_conv_norm must be a bool or None (the mixer's default), got "
+                       f"{remat_conv_norm!r}.")
     self.remat_conv_norm = remat_conv_norm
     self.context_axis = context_axis
     self.dtype = dtype

@@ -68,7 +68,8 @@ class ModelConfig:
       mapping (what `dataclasses.asdict` gives back), or None (the defaults); stored as a
       GpuTuning.
     remat_conv_norm: the linear layers recompute their short conv and norms in the backward
-      (`LinearMixer`'s option: less activation memory, the same values).
+      (`LinearMixer`'s option: less activation memory, the same values); None = each mixer's
+      default (on but for GDN-2).
     attn_heads, attn_kv_heads, attn_head_dim, attn_output_gate (None = on when the linear mixer
       is GDN, KDA or GDN-2, as in the repo's runs), attn_implementation, rope_base, window.
     mlp_hidden (default round(mlp_ratio · d_model)), tie_embeddings.
@@ -105,7 +106,7 @@ class ModelConfig:
   allow_neg_eigval: bool = False
   implementation: str | None = None
   gpu_tuning: Any = None
-  remat_conv_norm: bool = True
+  remat_conv_norm: bool | None = None
   chunk_size: int = 64
   # Softmax attention.
   attn_heads: int = 2
@@ -140,8 +141,9 @@ class ModelConfig:
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}.")
     layer_types = self._resolve_layers()  # raises on unknown names / bad pattern
-    if not isinstance(self.remat_conv_norm, bool):
-      raise ValueError(f"remat_conv_norm must be a bool, got {self.remat_conv_norm!r}.")
+    if self.remat_conv_norm is not None and not isinstance(self.remat_conv_norm, bool):
+      raise ValueError(f"remat_conv_norm must be a bool or None (each mixer's default), got "
+                       f"{self.remat_conv_norm!r}.")
     if isinstance(self.gpu_tuning, str):
       try:
         object.__setattr__(self, "gpu_tuning", GpuTuning.parse(self.gpu_tuning))

@@ -95,12 +95,16 @@ class LayerSpec:
     dt ~ LogU(1e-3, 0.1)) per `gate_init` preset "repo" / "fla" ("long" is shared, see
     `layers.gates`). None without a decay.
   low_rank: f (and z) come from KDA's low-rank branch, not the fused projection.
+  remat_conv_norm: the layer's default for `LinearMixer(remat_conv_norm=None)`: recompute the
+    short conv, norms and output norm in the backward. Off only where it measured slower and
+    larger on the GPU (GDN-2: docs/LAYERS.md, "Memory").
   """
   output_gate: str = "none"
   projections: tuple[str, ...] = ()
   gates: tuple[LayerGate, ...] = ()
   decay_init: Mapping[str, tuple[float, float, str]] | None = None
   low_rank: bool = False
+  remat_conv_norm: bool = True
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one instance per mixer: compared by identity
@@ -270,7 +274,9 @@ register(MixerSpec(
     layer=LayerSpec(output_gate="silu", projections=("b", "w", "f"),
                     gates=(LayerGate("g", "f", heads="k", kind="decay"),
                            LayerGate("b", "b", heads="k", neg_eigval=True), LayerGate("w", "w")),
-                    decay_init=_GDN2_INIT),
+                    # Recomputing the front made the 350M GDN-2 step slower and its peak larger
+                    # on both GPUs measured (docs/BENCHMARKS.md "thirty-first stage").
+                    decay_init=_GDN2_INIT, remat_conv_norm=False),
     summary="S_t = (I − k_t (b_t ⊙ k_t)ᵀ) Diag(α_t) S_{t−1} + k_t (w_t ⊙ v_t)ᵀ",
     tpu_kernel="gdn2"))
 
