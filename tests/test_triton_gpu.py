@@ -1118,3 +1118,49 @@ def test_pallas_gpu_default_runs_the_states_path_in_pieces(monkeypatch, mixer, t
   (o, s), (want_o, want_s) = fwd("pallas_gpu", tuning), fwd("scan", None)
   assert_close(o, want_o, FWD_TOL, f"{mixer} o")
   assert_close(s, want_s, FWD_TOL, f"{mixer} final state")
+
+
+@pytest.mark.parametrize("gates", ["row", "channel"])
+def test_backward_writes_whole_gradients_in_bf16_rounded_once(gates):
+  # grad_dtypes (the states path asks for the bf16 inputs' dtype): dq, and with the gates on
+  # chip dk and dv, stored in bf16 by the backward kernel must equal the same kernel's float32
+  # gradients rounded to bf16, to the bit (one rounding of the same accumulators); dg and the
+  # gates' gradients stay float32 and unchanged. Both backward entries (products given, and
+  # made from the states).
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  q, k, _, v, _, G = _channel_inputs(25, dk=64, dv=128)
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  ks = jax.random.split(jax.random.key(26), 6)
+  shape = lambda x: x.shape[:3] + ((1,) if gates == "row" else x.shape[3:])
+  erase = jax.nn.sigmoid(jax.random.normal(ks[0], shape(k)))
+  write = jax.nn.sigmoid(jax.random.normal(ks[1], shape(v)))
+  ny, qg, p, u, kg, gc, m = channel_intra.channel_intra_fwd(
+      q, k, k, v, G, chunk=64, with_inverse=True, erase=erase, write=write, q_scale=0.125)
+  s0 = jax.random.normal(ks[2], (1, 2, 64, 128))
+  o, e, s_final, h = tsp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True)
+  do = jax.random.normal(ks[3], o.shape).astype(jnp.bfloat16)
+  de, dh, _ = tsp.state_passing_bwd(ny, qg, p, kg, gc, do, None,
+                                    jax.random.normal(ks[5], s_final.shape))
+  products = gpu_vjps.state_pass_products(de, do, e, h, dh)
+  d_ny, d_qg, d_p, d_kg, d_gc = products
+  calls = {
+      "gated": lambda **kw: channel_intra.channel_intra_grads_gated(
+          q, k, k, v, G, None, m, d_ny, d_qg, d_p, de, d_kg, d_gc, chunk=64, erase=erase,
+          write=write, q_scale=0.125, **kw),
+      "from_states": lambda **kw: channel_intra.channel_intra_grads_from_states(
+          q, k, k, v, G, None, m, de, do, e, h, dh, chunk=64, erase=erase, write=write,
+          q_scale=0.125, **kw)}
+  for entry, call in calls.items():
+    wide = call()
+    narrow = call(grad_dtypes=("bfloat16",) * 3)
+    for name, i in (("dq", 0), ("dk", 1), ("dv", 3)):
+      assert wide[i].dtype == jnp.float32 and narrow[i].dtype == jnp.bfloat16, (entry, name)
+      np.testing.assert_array_equal(np.asarray(narrow[i].astype(jnp.float32)),
+                                    np.asarray(wide[i].astype(jnp.bfloat16).astype(jnp.float32)),
+                                    err_msg=f"{entry} {name}")
+    for name, i in (("dg", 4), ("d_erase", 5), ("d_write", 6)):
+      assert narrow[i].dtype == jnp.float32
+      np.testing.assert_array_equal(np.asarray(narrow[i]), np.asarray(wide[i]),
+                                    err_msg=f"{entry} {name}")
+  with pytest.raises(ValueError, match="grad_dtypes"):
+    calls["gated"](grad_dtypes=("float16",) * 3)

@@ -219,21 +219,27 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
                                 span=0.0, on_chip=True, q_scale=1.0, products="channel"):
   """The fused backward kernel after the state pass's reverse kernel, the gates applied on
   chip (on_chip) or to k̃, ṽ made here (then their chain rule here too): (dq, dk, dv, dg,
-  d_erase, d_write) float32, d_write None without a write gate; the gates' gradients have one
+  d_erase, d_write), d_write None without a write gate; the gates' gradients have one
   entry per row (`[B, T, HV]`) for `[B, T, HV, 1]` gates. products
   (`GpuTuning.state_products`): who makes the state pass's cotangent products from dE, dO, E and
-  the chunk states: "channel" this kernel, "kernel" the Triton products kernel, "xla" XLA."""
+  the chunk states: "channel" this kernel, "kernel" the Triton products kernel, "xla" XLA.
+  The kernel writes the gradients that are whole (dq; dk and dv with the gates on chip) in
+  bf16 where q, k, v are bf16: one rounding on chip of what XLA would round after a float32
+  round trip through HBM."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
+  narrow = lambda x: jnp.bfloat16 if x.dtype == jnp.bfloat16 else _F32
+  grad_dtypes = ((narrow(q), narrow(k), narrow(v)) if on_chip else (narrow(q), _F32, _F32))
+  grad_dtypes = tuple(jnp.dtype(d).name for d in grad_dtypes)   # (hashable, static)
   if products == "channel":
     call = functools.partial(channel_intra.channel_intra_grads_from_states, chunk=c,
-                             span=float(span), q_scale=float(q_scale))
+                             span=float(span), q_scale=float(q_scale), grad_dtypes=grad_dtypes)
     tail = (de, do, e, h, dh)
   else:
     make = gpu_vjps.products_kernel if products == "kernel" else gpu_vjps.state_pass_products
     d_ny, d_qg, d_p, d_kg, d_gc = make(de, do, e, h, dh)
     call = functools.partial(channel_intra.channel_intra_grads_gated, chunk=c,
-                             span=float(span), q_scale=float(q_scale))
+                             span=float(span), q_scale=float(q_scale), grad_dtypes=grad_dtypes)
     tail = (d_ny, d_qg, d_p, de, d_kg, d_gc)
   if on_chip:
     dq, dk, _, dv, dg, d_erase, d_write = call(q, k, k, v, G, segments, m, *tail,

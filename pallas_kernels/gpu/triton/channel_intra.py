@@ -531,7 +531,8 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     cv = chunk * C * V + ii * V + cols[None, :]
     d_rv = tl.dot(mt, tl.load(du_ptr + cv).to(tl.bfloat16))
     if GRADS:
-      tl.store(dvt_ptr + row_major * V + cols[None, :], d_rv * w_gate)   # ṽ = v ⊙ write
+      tl.store(dvt_ptr + row_major * V + cols[None, :],                  # ṽ = v ⊙ write
+               (d_rv * w_gate).to(dvt_ptr.dtype.element_ty))
       if WRITE == GATE_ROW:
         d_write_rows += tl.sum(d_rv * v_in, axis=1)
       elif WRITE == GATE_CHANNEL:
@@ -604,10 +605,11 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
           d_erase_rows += tl.sum(d_kt * k, axis=1)
         else:
           tl.store(dera_ptr + ck, d_kt * k)
-    tl.store(dq_ptr + ck, d_q * QS if QS != 1.0 else d_q)   # q's own gradient
+    d_q = d_q * QS if QS != 1.0 else d_q                    # q's own gradient
+    tl.store(dq_ptr + ck, d_q.to(dq_ptr.dtype.element_ty))
     if ERASE == GATE_NONE:
       tl.store(dkt_ptr + ck, d_kt)
-    tl.store(dk_ptr + ck, d_k)
+    tl.store(dk_ptr + ck, d_k.to(dk_ptr.dtype.element_ty))
   if ERASE == GATE_ROW:
     tl.store(dera_ptr + rows * HV + hv, d_erase_rows)
 
@@ -712,6 +714,21 @@ def _gate_input(gate, x, name):
                    f"{x.shape[:3]} nor one per channel {x.shape}")
 
 
+GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def check_grad_dtypes(grad_dtypes):
+  """(dq, dk, dvt)'s dtypes for the fused backward (None: all float32); each in
+  `GRAD_DTYPES`, else ValueError."""
+  if grad_dtypes is None:
+    return (jnp.dtype(jnp.float32),) * 3
+  dtypes = tuple(jnp.dtype(d) for d in grad_dtypes)
+  if len(dtypes) != 3 or any(d not in GRAD_DTYPES for d in dtypes):
+    raise ValueError(f"channel_intra: grad_dtypes={grad_dtypes!r} must be three of "
+                     f"{', '.join(map(str, GRAD_DTYPES))} (dq, dk, dv).")
+  return dtypes
+
+
 def _operand(x):
   """q, k, k̃, ṽ as the kernels read them: bf16 and float32 as they are (every load widens to
   float32 on chip, exactly), anything else as float32. Widening bf16 inputs in XLA first cost a
@@ -735,10 +752,11 @@ def _phases(skip: int) -> int:
 
 def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps,
               band_stages, skip_phases=0, solve_bk=None, span=0.0, states=None, erase=None,
-              write=None, q_scale=1.0):
+              write=None, q_scale=1.0, grad_dtypes=None):
   """The backward kernel's launch; cotangents None (the kernel half) or (dqg, dkg, dgc);
   states None, or (h, dh, do, e) for the products made in the kernel (then dny, dp and
-  cotangents are not read: `channel_intra_grads_from_states`)."""
+  cotangents are not read: `channel_intra_grads_from_states`). grad_dtypes: the dtypes of the
+  whole gradients dq, dk, dvt (`GRAD_DTYPES`; None: float32), each rounded once on chip."""
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
     raise ValueError(f"channel_intra_bwd: {reason}")
@@ -770,8 +788,9 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
                 for kind, gate in ((erase_kind, erase), (write_kind, write))]
   if grads:   # whole gradients in the inputs' layout, dR_k a chunk-major scratch
     dkt_shape = (1,) if erase_kind else (b, t, hv, dk)   # not written with an erase gate
-    out_shape = _structs(((b, t, hv, dk), f32), (dkt_shape, f32), ((b, t, hv, dk), f32),
-                         ((b, hv, nc, c, dk), f32), ((b, t, hv, dv), f32),
+    dq_dt, dk_dt, dv_dt = check_grad_dtypes(grad_dtypes)
+    out_shape = _structs(((b, t, hv, dk), dq_dt), (dkt_shape, f32), ((b, t, hv, dk), dk_dt),
+                         ((b, hv, nc, c, dk), f32), ((b, t, hv, dv), dv_dt),
                          ((b, hv, nc, c, c), f32), ((b, t, hv, dk), f32), dps, *gate_grads)
   else:
     out_shape = _structs(*[((b, hv, nc, c, dk), f32)] * 4, ((b, hv, nc, c, dv), f32),
@@ -834,32 +853,33 @@ def channel_intra_grads(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "solve_bk",
-                                             "span", "q_scale"))
+                                             "span", "q_scale", "grad_dtypes"))
 def channel_intra_grads_gated(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dkg, dgc, *,
                               chunk: int, num_warps: int = blocks.CHANNEL_WARPS,
                               band_stages: int = blocks.CHANNEL_BAND_STAGES,
                               solve_bk: int | None = None, span: float = blocks.CHANNEL_SPAN,
-                              erase=None, write=None, q_scale: float = 1.0):
+                              erase=None, write=None, q_scale: float = 1.0, grad_dtypes=None):
   """`channel_intra_grads` (the state pass's cotangents given) with
   `channel_intra_grads_from_states`' gates and q scale on chip and its returns: (dq, dk, dkt,
   dvt, dg, d_erase, d_write), dkt None with an erase gate (dk is then k's whole gradient), dvt
   v's gradient with a write gate. For products made outside the kernel
-  (`GpuTuning.state_products`)."""
+  (`GpuTuning.state_products`). grad_dtypes: dq's, dk's and dvt's dtypes (None: float32),
+  for the caller's bf16 inputs whose whole gradients these are."""
   dq, dkt, dk, _, dvt, _, dg, d_erase, d_write = _bwd_call(
       q, k, kt, vt, G, segments, m, dny, dp, du, (dqg, dkg, dgc), chunk=chunk,
       num_warps=num_warps, band_stages=band_stages, solve_bk=solve_bk, span=span, erase=erase,
-      write=write, q_scale=q_scale)
+      write=write, q_scale=q_scale, grad_dtypes=grad_dtypes)
   return dq, dk, None if erase is not None else dkt, dvt, dg, d_erase, d_write
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "solve_bk",
-                                             "span", "q_scale"))
+                                             "span", "q_scale", "grad_dtypes"))
 def channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e, h, dh, *,
                                     chunk: int, num_warps: int = blocks.CHANNEL_WARPS,
                                     band_stages: int = blocks.CHANNEL_BAND_STAGES,
                                     solve_bk: int | None = None,
                                     span: float = blocks.CHANNEL_SPAN, erase=None, write=None,
-                                    q_scale: float = 1.0):
+                                    q_scale: float = 1.0, grad_dtypes=None):
   """`channel_intra_grads` with the state pass's cotangent products made in the kernel: where
   that takes dNY, dQG, dP, dKG, dgc from XLA's batched products, this takes what they are made
   of, the state pass's E (`[B, HV, Nc, C, V]` float32), the total dE (its reverse kernel's,
@@ -876,5 +896,5 @@ def channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e, h, 
   dq, dkt, dk, _, dvt, _, dg, d_erase, d_write = _bwd_call(
       q, k, kt, vt, G, segments, m, None, None, de, None, chunk=chunk, num_warps=num_warps,
       band_stages=band_stages, solve_bk=solve_bk, span=span, states=(h, dh, do, e),
-      erase=erase, write=write, q_scale=q_scale)
+      erase=erase, write=write, q_scale=q_scale, grad_dtypes=grad_dtypes)
   return dq, dk, None if erase is not None else dkt, dvt, dg, d_erase, d_write
