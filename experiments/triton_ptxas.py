@@ -147,6 +147,11 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
              dict(channel_bwd, GRADS=True, PRODUCTS=False, ERASE=1, WRITE=1, QS=0.0883883461),
              f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr",
                 "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
+      # ... and the whole gradients stored in bf16 (the states path's, for bf16 inputs)
+      Launch("channel_intra", "_bwd_kernel+grads@gates+bf16_grads",
+             dict(channel_bwd, GRADS=True, PRODUCTS=False, ERASE=1, WRITE=1, QS=0.0883883461),
+             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr",
+                "dkg_ptr", "dq_ptr", "dk_ptr", "dvt_ptr"}), blocks.CHANNEL_WARPS, 1),
   ] + (_fused_launches(dk, dv, packed, hopper) if dk <= 128 else [])
 
 
