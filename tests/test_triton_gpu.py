@@ -1093,12 +1093,14 @@ def test_from_states_backward_matches_the_glue(d, slice_stages, vs):
     assert_close(x, w, 1e-2, f"{name} (d={d}, slice_stages={slice_stages}, vs={vs})")
 
 
-@pytest.mark.parametrize("mixer,t,pieces", [("kda", 300, 2), ("gdn2", 256, 4)])
-def test_pallas_gpu_default_runs_the_states_path_in_pieces(monkeypatch, mixer, t, pieces):
+@pytest.mark.parametrize("mixer,t,pieces,packed", [("kda", 300, 2, False), ("gdn2", 256, 4, False),
+                                                   ("kda", 300, 2, True)])
+def test_pallas_gpu_default_runs_the_states_path_in_pieces(monkeypatch, mixer, t, pieces, packed):
   # The default tuning on pallas_gpu (channel_grads "auto" = "states", 2026-12-06) with rows
   # cut into pieces (T padded to a multiple of 64·pieces with identity steps; the maps' pass
   # and the carried cotangents of gpu_vjps.pass_forward / pass_backward): output, final state
-  # and every gradient against the scan, with weak decays so the carried states matter.
+  # and every gradient against the scan, with weak decays so the carried states matter; packed:
+  # two documents, the second starting inside the first piece's last chunk.
   if not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
     pytest.skip("pallas_gpu needs a Hopper GPU")
   seen, real = [], gpu_prepare.channel_state_core
@@ -1108,9 +1110,15 @@ def test_pallas_gpu_default_runs_the_states_path_in_pieces(monkeypatch, mixer, t
   args, kw = make_inputs(mixer, b=1, t=t, h=1, hv=2, dk=64, dv=64, seed=23)
   args = args[:3] + (args[3] / 64.0,) + args[4:]   # g: weak decays
   tuning = ops.GpuTuning(row_pieces=pieces)   # every other field the default
-  got = output_and_state_grads(mixer, args, kw["initial_state"], "pallas_gpu", tuning=tuning)
+  if packed:
+    kw["segment_ids"] = jnp.asarray(np.repeat([[1, 2]], [100, t - 100]))[None]
+    grads = lambda impl, tun: _grads_with_segments(mixer, args, kw, impl, tun)
+  else:
+    grads = lambda impl, tun: output_and_state_grads(mixer, args, kw["initial_state"], impl,
+                                                     tuning=tun)
+  got = grads("pallas_gpu", tuning)
   assert seen and set(seen) == {pieces}, seen
-  want = output_and_state_grads(mixer, args, kw["initial_state"], "scan")
+  want = grads("scan", None)
   for i, (g_, w) in enumerate(zip(got, want)):
     assert_close(g_, w, GRAD_TOL, f"{mixer} default tuning, {pieces} pieces, grad {i}")
   fwd = lambda impl, tun: jax.jit(lambda *a: run(mixer, a, implementation=impl, tuning=tun,
@@ -1164,3 +1172,15 @@ def test_backward_writes_whole_gradients_in_bf16_rounded_once(gates):
                                     err_msg=f"{entry} {name}")
   with pytest.raises(ValueError, match="grad_dtypes"):
     calls["gated"](grad_dtypes=("float16",) * 3)
+
+
+def _grads_with_segments(mixer, args, kw, implementation, tuning):
+  """`output_and_state_grads` with the call's segment ids."""
+  w_o = jax.random.normal(jax.random.key(5), args[2].shape)
+  w_s = jax.random.normal(jax.random.key(6), kw["initial_state"].shape)
+
+  def loss(*a):
+    o, s = run(mixer, a[:-1], initial_state=a[-1], output_final_state=True,
+               segment_ids=kw["segment_ids"], implementation=implementation, tuning=tuning)
+    return jnp.sum(o * w_o) + jnp.sum(s * w_s)
+  return jax.jit(jax.grad(loss, argnums=tuple(range(len(args) + 1))))(*args, kw["initial_state"])
