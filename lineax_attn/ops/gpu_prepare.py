@@ -17,8 +17,8 @@ from lineax_attn.ops import chunked
 from lineax_attn.ops.gpu_chunks import from_chunks, kernel_segments, segment_masks, to_chunks
 from lineax_attn.ops.gpu_tuning import DEFAULT_TUNING, GpuTuning
 from lineax_attn.ops import gpu_vjps
-from lineax_attn.ops.gpu_vjps import (channel_pairs_kernel, given_cotangents, interpret_kw,
-                                      interpret_params, kernel_module, primal_values, vma)
+from lineax_attn.ops.gpu_vjps import (channel_pairs_kernel, given_cotangents, interpret_params,
+                                      kernel_module, primal_values, vma)
 from pallas_kernels.gpu import channel_pair as cp
 from pallas_kernels.gpu import state_passing as sp
 
