@@ -8,6 +8,9 @@
 #                                           # D = 64), linear attention, forward errors
 #   bash experiments/run_gpu_must.sh train  # the 350M rows (run_gpu_train.sh paper; its wheels)
 #   bash experiments/run_gpu_must.sh sweep  # the T sweep at 65,536 tokens and H 96, against jla
+#   bash experiments/run_gpu_must.sh peers  # the issue's "also report" rows: FLA (fla-core 0.6.0)
+#                                           # beside ours and jla, and cuDNN softmax attention, at
+#                                           # B4 T4096 H16 D128 (PEER_MIXERS picks the mixers)
 #
 # Every phase writes its raw files into one archive, $OUT/must_PHASE.tgz (the device tool brings
 # back only a few files a call), and prints what it found. Back on the CPU machine,
@@ -22,11 +25,15 @@
 # and SWEEP_TIMEOUT (the sweep's time budget and hard limit, default 500 and 540 s; the budget
 # skips the points it would overrun, so on an H100 the KDA rows need a call of their own:
 # SWEEP_MIXERS=kda), MUST_MEM_FRACTION (the train phase's XLA memory fraction, default 0.95),
+# PEER_MIXERS (peers: default gated_delta_rule,delta_rule,kda,gdn2; FLA autotunes 90-200 s a
+# mixer on a cold cache, so a first call takes two mixers; Triton's cache comes back as
+# $OUT/triton_cache.tgz, and carried as .whl/triton_cache.tgz it cuts that to seconds; FLA's GDN-2
+# backward is patched as run_gpu_kernels.sh FLA_GDN2_PATCH=1 does, timing only),
 # MUST_REMAT_AB=1 (the train phase also runs GDN and KDA with model.remat_conv_norm=false and
 # GDN-2 with it true, the other side of each default, within the same call), MUST_MEM075=1 (and GDN at JAX's default memory fraction 0.75; its 90 s
 # come off the main arms' limit, so with MUST_REMAT_AB=1 too those may be cut: take it apart).
 set -u
-PHASE=${1:?phase: tests, ops, train or sweep}
+PHASE=${1:?phase: tests, ops, train, sweep or peers}
 TAG=${MUST_TAG:-$(date -u +%F)}
 KEEP=/tmp/must_$PHASE; mkdir -p $KEEP
 if [ "$PHASE" = train ]; then
@@ -105,6 +112,23 @@ ops)
     --out_md=$KEEP/bench_ab_${GPU_TAG}_must_d64.md > $KEEP/ab_d64.log 2>&1
   echo "d64 rc=$? (MUST_D64=${MUST_D64:-1})"
   grep -hE "^\*\*|^\| (pallas|jla)" $KEEP/*.md | head -40
+  ;;
+peers)
+  # fla-core 0.6.0's GDN-2 backward does not compile on triton 3.6 (a bf16 x float32 tl.dot);
+  # the cast run_gpu_kernels.sh FLA_GDN2_PATCH=1 applies, timing only.
+  f=/tmp/site/fla/ops/gdn2/chunk_bwd.py
+  [ -f $f ] && sed -i 's/tl.dot(b_dv, tl.trans(b_v \* b_wg), b_dA)/tl.dot(b_dv, tl.trans((b_v * b_wg).to(b_dv.dtype)), b_dA)/' $f
+  timeout 470 python3 -u -m experiments.bench_ab --timing=queued --baseline=jla \
+    --mixers=${PEER_MIXERS:-gated_delta_rule,delta_rule,kda,gdn2} --modes=fwdbwd \
+    --variants=pallas_gpu,jla,fla --rounds=3 --shape=4,4096,16,128 \
+    --out_json=$KEEP/bench_ab_${GPU_TAG}_must_peers.json --out_md=$KEEP/bench_ab_${GPU_TAG}_must_peers.md \
+    > $KEEP/ab_peers.log 2>&1
+  echo "peers rc=$?"
+  timeout 60 python3 -u -m experiments.bench_kernels --impls=cudnn --mixers=gated_delta_rule \
+    --modes=fwdbwd --shapes=4,4096,16,128 --out_json=$KEEP/bench_kernels_${GPU_TAG}_must_cudnn.json \
+    --out_md=$KEEP/bench_kernels_${GPU_TAG}_must_cudnn.md > $KEEP/cudnn.log 2>&1
+  echo "cudnn rc=$?"
+  grep -hE "^\*\*|^\| (pallas|jla|fla)" $KEEP/bench_ab_*_must_peers.md | head -20
   ;;
 sweep)
   timeout ${SWEEP_TIMEOUT:-540} python3 -u -m experiments.bench_kernels --impls=pallas_gpu,jla \
