@@ -68,7 +68,7 @@ class GpuTuning:
       (docs/BENCHMARKS.md "The Triton path, fifth stage").
     channel_grads: who computes the elementwise rest of those Triton channel kernels' backward
       (the entry / exit factors' terms and dG with its in-chunk reverse cumsum, on both GPU
-      paths): "kernel" (the default: fused into the backward kernel's last slice loop,
+      paths): "kernel" (fused into the backward kernel's last slice loop,
       `pallas_kernels.gpu.triton.channel_intra.channel_intra_grads`, which then writes whole
       gradients in the inputs' layout; KDA fwd+bwd 7.38 ms against 8.06 on the H200,
       docs/BENCHMARKS.md "The Triton path, fifth stage") or "xla"
