@@ -82,16 +82,17 @@ def mosaic_gpu_or_skip():
   return on_gpu, (None if on_gpu else plgpu.InterpretGPUParams())
 
 
-def output_and_state_grads(mixer, args, initial_state, implementation, tuning=None):
+def output_and_state_grads(mixer, args, initial_state, implementation, tuning=None,
+                           segment_ids=None):
   """Gradients of <o, W_o> + <final_state, W_s> (fixed random weights) with respect to every
-  positional input and the initial state."""
+  positional input and the initial state (segment_ids: the call's, or None)."""
   w_o = jax.random.normal(jax.random.key(5), args[2].shape)
   w_s = jax.random.normal(jax.random.key(6), initial_state.shape)
 
   def f(*a):
     *xs, s_init = a
     o, s = run(mixer, xs, initial_state=s_init, output_final_state=True,
-               implementation=implementation, tuning=tuning)
+               segment_ids=segment_ids, implementation=implementation, tuning=tuning)
     return jnp.sum(o * w_o) + jnp.sum(s * w_s)
   # One jitted program (see run_jit: eager dispatch compiles each primitive on its own).
   return jax.jit(jax.grad(f, argnums=tuple(range(len(args) + 1))))(*args, initial_state)

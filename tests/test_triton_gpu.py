@@ -704,6 +704,18 @@ def test_channel_grads_from_states_match_the_kernel_fed_xla_products(case, dk, d
     assert_close(np.asarray(g_), np.asarray(w), 1e-5, f"{name} ({case})")
 
 
+def _gated_channel_inputs(seed, gates):
+  """bf16 q, k, v (K 64, V 128), G, erase and write gates (one per row for "row", per channel
+  for "channel"), and four more keys for the caller's own draws."""
+  q, k, _, v, _, G = _channel_inputs(seed, dk=64, dv=128)
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  ks = jax.random.split(jax.random.key(seed + 1), 6)
+  shape = lambda x: x.shape[:3] + ((1,) if gates == "row" else x.shape[3:])
+  erase = jax.nn.sigmoid(jax.random.normal(ks[0], shape(k)))
+  write = jax.nn.sigmoid(jax.random.normal(ks[1], shape(v)))
+  return q, k, v, G, erase, write, ks
+
+
 @pytest.mark.parametrize("gates", ["row", "channel"])
 def test_channel_kernels_apply_erase_and_write_gates_on_chip(gates):
   # erase / write given to the kernels (k and v passed as kt, vt): the forward equals the
@@ -713,12 +725,7 @@ def test_channel_kernels_apply_erase_and_write_gates_on_chip(gates):
   # and q's scale on chip likewise (s q made outside; dq = s d(s q)). bf16 q, k, v, as the op
   # passes them.
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
-  q, k, _, v, _, G = _channel_inputs(15, dk=64, dv=128)
-  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-  ks = jax.random.split(jax.random.key(16), 6)
-  shape = lambda x: x.shape[:3] + ((1,) if gates == "row" else x.shape[3:])
-  erase = jax.nn.sigmoid(jax.random.normal(ks[0], shape(k)))
-  write = jax.nn.sigmoid(jax.random.normal(ks[1], shape(v)))
+  q, k, v, G, erase, write, ks = _gated_channel_inputs(15, gates)
   kt, vt = k * erase, v * write                                   # float32
   s = 0.125
   qs = q.astype(jnp.float32) * s
@@ -1112,10 +1119,9 @@ def test_pallas_gpu_default_runs_the_states_path_in_pieces(monkeypatch, mixer, t
   tuning = ops.GpuTuning(row_pieces=pieces)   # every other field the default
   if packed:
     kw["segment_ids"] = jnp.asarray(np.repeat([[1, 2]], [100, t - 100]))[None]
-    grads = lambda impl, tun: _grads_with_segments(mixer, args, kw, impl, tun)
-  else:
-    grads = lambda impl, tun: output_and_state_grads(mixer, args, kw["initial_state"], impl,
-                                                     tuning=tun)
+  grads = lambda impl, tun: output_and_state_grads(mixer, args, kw["initial_state"], impl,
+                                                   tuning=tun,
+                                                   segment_ids=kw.get("segment_ids"))
   got = grads("pallas_gpu", tuning)
   assert seen and set(seen) == {pieces}, seen
   want = grads("scan", None)
@@ -1136,12 +1142,7 @@ def test_backward_writes_whole_gradients_in_bf16_rounded_once(gates):
   # gates' gradients stay float32 and unchanged. Both backward entries (products given, and
   # made from the states).
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
-  q, k, _, v, _, G = _channel_inputs(25, dk=64, dv=128)
-  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
-  ks = jax.random.split(jax.random.key(26), 6)
-  shape = lambda x: x.shape[:3] + ((1,) if gates == "row" else x.shape[3:])
-  erase = jax.nn.sigmoid(jax.random.normal(ks[0], shape(k)))
-  write = jax.nn.sigmoid(jax.random.normal(ks[1], shape(v)))
+  q, k, v, G, erase, write, ks = _gated_channel_inputs(25, gates)
   ny, qg, p, u, kg, gc, m = channel_intra.channel_intra_fwd(
       q, k, k, v, G, chunk=64, with_inverse=True, erase=erase, write=write, q_scale=0.125)
   s0 = jax.random.normal(ks[2], (1, 2, 64, 128))
@@ -1172,15 +1173,3 @@ def test_backward_writes_whole_gradients_in_bf16_rounded_once(gates):
                                     err_msg=f"{entry} {name}")
   with pytest.raises(ValueError, match="grad_dtypes"):
     calls["gated"](grad_dtypes=("float16",) * 3)
-
-
-def _grads_with_segments(mixer, args, kw, implementation, tuning):
-  """`output_and_state_grads` with the call's segment ids."""
-  w_o = jax.random.normal(jax.random.key(5), args[2].shape)
-  w_s = jax.random.normal(jax.random.key(6), kw["initial_state"].shape)
-
-  def loss(*a):
-    o, s = run(mixer, a[:-1], initial_state=a[-1], output_final_state=True,
-               segment_ids=kw["segment_ids"], implementation=implementation, tuning=tuning)
-    return jnp.sum(o * w_o) + jnp.sum(s * w_s)
-  return jax.jit(jax.grad(loss, argnums=tuple(range(len(args) + 1))))(*args, kw["initial_state"])

@@ -210,9 +210,8 @@ def state_pass_products(de, do, e, h, dh):
 def pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final, *, interpret, kernels,
                   pieces):
   """The reverse state pass: (dE, dh, ds0) from the cotangents of o, e and the final state
-  (do bf16 or None, de_ext and ds_final None where unused), h the saved chunk states and phi
-  `pass_forward`'s maps (pieces > 1)."""
-  do = jnp.zeros(h.shape[:3] + (ny.shape[-2], h.shape[-1]), _MM) if do is None else do
+  (do an array, zeros where o is unused, as the products need it too; de_ext and ds_final None
+  where unused), h the saved chunk states and phi `pass_forward`'s maps (pieces > 1)."""
   bwd = functools.partial(kernel_module(kernels, "state").state_passing_bwd, ny, qg, p, kg, gc,
                           do.astype(_MM), None if de_ext is None else de_ext.astype(_F32),
                           **interpret_kw(kernels, interpret))
