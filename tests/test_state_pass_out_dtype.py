@@ -1,7 +1,9 @@
 """The state pass writes o and e in bf16 for bf16 calls (`state_passing_fwd(out_dtype=)`,
 `gpu_vjps.state_pass_out_dtype`): the op returns o (and the write residual e) in the caller's
 dtype anyway, and the backward's products read e as a bf16 operand, so the float32 copies were
-bytes written and read for nothing (KDA / GDN-2 run this pass at every shape).
+bytes written and read for nothing (KDA / GDN-2 run this pass at every shape). The reverse pass
+likewise writes de in bf16 for the channel states path (`state_passing_bwd(de_dtype=)`), whose
+every reader takes dE as a bf16 operand (tests/test_triton_gpu.py checks those readers).
 
 Oracles: the same kernel writing float32 (the pass before 2026-12-06): its o and e rounded to
 bf16 must equal the bf16 pass's to the bit (one rounding of the same float32 accumulators), and
@@ -52,10 +54,34 @@ def test_bf16_outputs_are_the_float32_pass_rounded_once(pieces):
     _same_bits(a, b, name)
 
 
+@pytest.mark.parametrize("pieces,with_de_ext", [(1, False), (1, True), (2, False)])
+def test_bf16_de_is_the_float32_reverse_pass_rounded_once(pieces, with_de_ext):
+  # The reverse pass's de (`state_passing_bwd(de_dtype=)`, the channel states path's) in bf16
+  # must equal the float32 pass's rounded to bf16, to the bit (it leaves from the bf16 operand
+  # copy the pass makes of the same float32 de), and dh and ds0 must not change at all.
+  x = kernel_cases.state_pass_inputs(4, nc=4)
+  ks = jax.random.split(jax.random.key(9), 3)
+  shape = x["u"].shape
+  do = jax.random.normal(ks[0], shape).astype(BF16)
+  de_ext = jax.random.normal(ks[1], shape) if with_de_ext else None
+  ds_final = jax.random.normal(ks[2], (x["s0"].shape[0] * pieces,) + x["s0"].shape[1:])
+  args = (x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, de_ext, ds_final)
+  run_pass = lambda dtype: jax.jit(lambda a: sp.state_passing_bwd(
+      *a, pieces=pieces, de_dtype=dtype, interpret=INTERPRET))(args)
+  wide, narrow = run_pass(jnp.float32), run_pass(BF16)
+  assert wide[0].dtype == jnp.float32 and narrow[0].dtype == BF16
+  _same_bits(narrow[0], wide[0].astype(BF16), "de")
+  _same_bits(narrow[1], wide[1], "dh")
+  _same_bits(narrow[2], wide[2], "ds0")
+
+
 def test_out_dtype_is_checked():
   x = kernel_cases.state_pass_inputs(0, nc=1)
   with pytest.raises(ValueError, match="out_dtype"):
     sp.state_passing_fwd(**x, out_dtype=jnp.float16, interpret=INTERPRET)
+  with pytest.raises(ValueError, match="de_dtype"):
+    sp.state_passing_bwd(x["ny"], x["qg"], x["p"], x["kg"], x["gc"], x["u"].astype(BF16), None,
+                         x["s0"], de_dtype=jnp.float16, interpret=INTERPRET)
   assert gpu_vjps.state_pass_out_dtype(BF16) == jnp.dtype(BF16)
   for dtype in (jnp.float32, jnp.float16):
     assert gpu_vjps.state_pass_out_dtype(dtype) == jnp.dtype(jnp.float32)

@@ -1173,3 +1173,74 @@ def test_backward_writes_whole_gradients_in_bf16_rounded_once(gates):
                                     err_msg=f"{entry} {name}")
   with pytest.raises(ValueError, match="grad_dtypes"):
     calls["gated"](grad_dtypes=("float16",) * 3)
+
+
+@pytest.mark.parametrize("gates", ["row", "channel"])
+def test_bf16_de_changes_no_gradient_of_the_states_path(gates):
+  # The states path's reverse pass writes dE in bf16 (`state_passing_bwd(de_dtype=)`): the
+  # Triton pass's bf16 de must be its float32 de rounded once, to the bit, dh and ds0
+  # unchanged; and every reader of dE (the products kernel, XLA's products, both channel
+  # backward entries) must give the same results to the bit from either, since each reads dE
+  # as a bf16 operand.
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  q, k, v, G, erase, write, ks = _gated_channel_inputs(31, gates)
+  ny, qg, p, u, kg, gc, m = channel_intra.channel_intra_fwd(
+      q, k, k, v, G, chunk=64, with_inverse=True, erase=erase, write=write, q_scale=0.125)
+  s0 = jax.random.normal(ks[2], (1, 2, 64, 128))
+  o, e, s_final, h = tsp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True,
+                                           out_dtype=jnp.bfloat16)
+  do = jax.random.normal(ks[3], o.shape).astype(jnp.bfloat16)
+  ds_final = jax.random.normal(ks[5], s_final.shape)
+  wide = tsp.state_passing_bwd(ny, qg, p, kg, gc, do, None, ds_final)
+  narrow = tsp.state_passing_bwd(ny, qg, p, kg, gc, do, None, ds_final, de_dtype=jnp.bfloat16)
+  assert wide[0].dtype == jnp.float32 and narrow[0].dtype == jnp.bfloat16
+  same = lambda a, b, name: np.testing.assert_array_equal(
+      np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), err_msg=name)
+  same(narrow[0], wide[0].astype(jnp.bfloat16), "de")
+  same(narrow[1], wide[1], "dh")
+  same(narrow[2], wide[2], "ds0")
+  de32, de16, dh = wide[0], narrow[0], wide[1]
+  for make in (gpu_vjps.products_kernel, gpu_vjps.state_pass_products):
+    for i, (a, b) in enumerate(zip(make(de16, do, e, h, dh), make(de32, do, e, h, dh))):
+      same(a, b, f"{make.__name__} output {i}")
+  d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.products_kernel(de32, do, e, h, dh)
+  calls = {
+      "gated": lambda de: channel_intra.channel_intra_grads_gated(
+          q, k, k, v, G, None, m, d_ny, d_qg, d_p, de, d_kg, d_gc, chunk=64, erase=erase,
+          write=write, q_scale=0.125, grad_dtypes=("bfloat16",) * 3),
+      "from_states": lambda de: channel_intra.channel_intra_grads_from_states(
+          q, k, k, v, G, None, m, de, do, e, h, dh, chunk=64, erase=erase, write=write,
+          q_scale=0.125, grad_dtypes=("bfloat16",) * 3)}
+  for entry, call in calls.items():
+    for i, (a, b) in enumerate(zip(call(de16), call(de32))):
+      if a is not None:
+        same(a, b, f"{entry} output {i}")
+  with pytest.raises(ValueError, match="de_dtype"):
+    tsp.state_passing_bwd(ny, qg, p, kg, gc, do, None, ds_final, de_dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("mixer", ["kda", "gdn2"])
+def test_states_path_takes_bf16_de_and_its_gradients_match_float32_de(monkeypatch, mixer):
+  # Through the op (channel_grads="states", the Mosaic pass on Hopper or in the interpreter):
+  # the reverse pass is asked for a bf16 dE, and the gradients equal those of the same program
+  # with the float32 dE it wrote before, to the bit.
+  if not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
+    pytest.skip("pallas_gpu needs a Hopper GPU")
+  asked, real = [], gpu_vjps.pass_backward
+  tuning = ops.GpuTuning(channel_grads="states", channel_intra="triton", row_pieces=1)
+  args, kw = make_inputs(mixer, b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=14)
+  args = tuple(x.astype(jnp.bfloat16) for x in args[:3]) + args[3:]
+
+  def grads(de_dtype):
+    def patched(*a, **k):
+      asked.append(jnp.dtype(k["de_dtype"]))
+      return real(*a, **{**k, "de_dtype": de_dtype or k["de_dtype"]})
+    monkeypatch.setattr(gpu_vjps, "pass_backward", patched)
+    return output_and_state_grads(mixer, args, kw["initial_state"], "pallas_gpu", tuning=tuning)
+
+  narrow = grads(None)
+  assert asked == [jnp.dtype(jnp.bfloat16)], asked
+  wide = grads(jnp.float32)
+  for i, (a, b) in enumerate(zip(narrow, wide)):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                  np.asarray(b.astype(jnp.float32)), err_msg=f"grad {i}")

@@ -313,8 +313,11 @@ def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, products, ou
   q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h, phi = res
   do, de_ext, ds_final = given_cotangents(cts)   # None: an output the caller did not use
   do = jnp.zeros(e.shape, _MM) if do is None else do.astype(_MM)
+  # dE in bf16: every reader below (the products, the channel kernel's Mᵀ dE) takes it as a
+  # bf16 operand, so the float32 copy was bytes written and read for one rounding.
   de, dh, ds0 = gpu_vjps.pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final,
-                                       interpret=interpret, kernels=kernels, pieces=pieces)
+                                       interpret=interpret, kernels=kernels, pieces=pieces,
+                                       de_dtype=_MM)
   dq, dk, dv, dg, d_erase, d_write = _channel_kernel_states_call(
       q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c, span, on_chip, scale,
       products=products)

@@ -208,22 +208,24 @@ def state_pass_products(de, do, e, h, dh):
 
 
 def pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final, *, interpret, kernels,
-                  pieces):
+                  pieces, de_dtype=_F32):
   """The reverse state pass: (dE, dh, ds0) from the cotangents of o, e and the final state
   (do an array, zeros where o is unused, as the products need it too; de_ext and ds_final None
-  where unused), h the saved chunk states and phi `pass_forward`'s maps (pieces > 1)."""
+  where unused), h the saved chunk states and phi `pass_forward`'s maps (pieces > 1). dE in
+  de_dtype (bf16 only for callers that read it as a bf16 operand alone)."""
   bwd = functools.partial(kernel_module(kernels, "state").state_passing_bwd, ny, qg, p, kg, gc,
                           do.astype(_MM), None if de_ext is None else de_ext.astype(_F32),
                           **interpret_kw(kernels, interpret))
+  bwd_de = functools.partial(bwd, de_dtype=de_dtype)
   if pieces == 1:
     ds_final = jnp.zeros(h.shape[:2] + h.shape[3:], _F32) if ds_final is None else ds_final
-    return bwd(ds_final.astype(_F32))
+    return bwd_de(ds_final.astype(_F32))
   # every piece's own entry cotangent, carried back to every piece's end (gpu_pieces)
   b = h.shape[0]
   (local,) = bwd(jnp.zeros((b * pieces,) + h.shape[1:2] + h.shape[3:], _F32),
                  states_only=True, pieces=pieces)
   ends = gpu_pieces.exit_cotangents(phi, gpu_pieces.by_piece(local, b), ds_final)
-  de, dh, ds0 = bwd(gpu_pieces.from_pieces(ends), pieces=pieces)
+  de, dh, ds0 = bwd_de(gpu_pieces.from_pieces(ends), pieces=pieces)
   return de, dh, gpu_pieces.by_piece(ds0, b)[0]
 
 

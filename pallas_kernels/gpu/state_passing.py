@@ -84,12 +84,12 @@ def check_index_range(b: int, t: int, hv: int, dv: int) -> None:
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def check_out_dtype(out_dtype):
-  """out_dtype as a numpy dtype, if the forward kernels write o and e in it (`OUT_DTYPES`);
-  else ValueError."""
+def check_out_dtype(out_dtype, name="out_dtype"):
+  """out_dtype as a numpy dtype, if the kernels write their per-chunk outputs (o and e
+  forward, de in reverse) in it (`OUT_DTYPES`); else ValueError naming the argument."""
   dtype = jnp.dtype(out_dtype)
   if dtype not in OUT_DTYPES:
-    raise ValueError(f"state pass: out_dtype={dtype} must be one of "
+    raise ValueError(f"state pass: {name}={dtype} must be one of "
                      f"{', '.join(map(str, OUT_DTYPES))}.")
   return dtype
 
@@ -354,7 +354,7 @@ def _states_only_kernel(ny_ref, u_ref, kg_ref, gc_ref, s0_ref, sf_ref, *, pieces
 
 
 def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, states_only=False,
-                      pieces=1, interpret=None):
+                      pieces=1, de_dtype=jnp.float32, interpret=None):
   """Reverse state pass (docs/MATH.md §3.6 steps 1-2).
 
   Args:
@@ -367,26 +367,33 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, states_only=Fa
     states_only: return only ds0 (nothing stored per chunk): from a zero ds_final, each
       piece's own entry cotangent, for rows cut into pieces (`gpu_vjps.state_pass`).
     pieces: as in `state_passing_fwd`: piece j of row b walks back from ds_final[b·pieces + j].
+    de_dtype: de's dtype, float32 or bfloat16 (`OUT_DTYPES`). bf16 is the float32 result
+      rounded once on chip (it leaves from the bf16 operand copy the pass makes anyway), for
+      callers whose every use of dE is a bf16 operand (the channel kernels' states path).
   Returns:
-    (de, dh, ds0): de `[B, HV, Nc, C, V]` float32 total cotangent of E; dh `[B, HV, Nc, K, V]`
+    (de, dh, ds0): de `[B, HV, Nc, C, V]` total cotangent of E in de_dtype; dh `[B, HV, Nc, K, V]`
     bf16 cotangent of the state leaving each chunk; ds0 `[B·pieces, HV, K, V]` float32, the
     cotangent of the state entering each piece; with states_only `(ds0,)`.
   """
   _check_pieces(do.shape[2], pieces, ds_final.shape, do.shape[0], "ds_final")
+  de_dtype = check_out_dtype(de_dtype, "de_dtype")
   outs = _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, states_only=states_only,
-                            pieces=pieces, interpret=interpret)
+                            pieces=pieces, de_dtype=de_dtype, interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("states_only", "pieces", "interpret"))
+@functools.partial(jax.jit, static_argnames=("states_only", "pieces", "de_dtype", "interpret"))
 def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, states_only=False,
-                       pieces=1):
+                       pieces=1, de_dtype=jnp.float32):
   b, hv, nc, c, dk = qg.shape
   dv = do.shape[-1]
   ncp = nc // pieces
   bv = BLOCK_V
   f32 = jnp.float32
-  out_type = (jax.ShapeDtypeStruct((b, hv, nc, c, dv), f32),
+  # bf16 de leaves from its bf16 operand copy (no float32 staging tile for it).
+  de_from_operand = jnp.dtype(de_dtype) == jnp.dtype(MM_DTYPE)
+  staged = not (states_only or de_from_operand)
+  out_type = (jax.ShapeDtypeStruct((b, hv, nc, c, dv), de_dtype),
               jax.ShapeDtypeStruct((b, hv, nc, dk, dv), MM_DTYPE),
               jax.ShapeDtypeStruct((b * pieces, hv, dk, dv), f32))
   if states_only:
@@ -417,7 +424,7 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
     def loop(ny_s, qg_s, p_s, kg_s, gc_s, do_s, *scratch):
       scratch = list(scratch)
       dx_s = scratch.pop(0) if has_dx else None
-      de_out = scratch.pop(2) if not states_only else None
+      de_out = scratch.pop(2) if staged else None
       ds_mm, de_mm, bars = scratch
       ds_mm[...] = dstate.astype(MM_DTYPE)
       plgpu.commit_smem()
@@ -437,6 +444,7 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
 
         if not states_only:
           plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # previous de copy done reading
+        if staged:
           de_out[...] = de
         de_mm[...] = de.astype(MM_DTYPE)
         plgpu.commit_smem()
@@ -449,7 +457,8 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
         ds_mm[...] = ds.astype(MM_DTYPE)
         plgpu.commit_smem()
         if not states_only:
-          plgpu.copy_smem_to_gmem(de_out, de_ref.at[bi, hi, ci, :, vs])
+          plgpu.copy_smem_to_gmem(de_mm if de_from_operand else de_out,
+                                  de_ref.at[bi, hi, ci, :, vs])
         return ds
 
       dsts = (ny_s, qg_s, p_s, kg_s, gc_s, do_s) + ((dx_s,) if has_dx else ())
@@ -463,7 +472,7 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
         mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, c), MM_DTYPE),
         mc.smem((2, c, dk), MM_DTYPE), plgpu.SMEM((2, dk), f32), mc.smem((2, c, bv), MM_DTYPE),
         *([mc.smem((2, c, bv), f32)] if has_dx else []), mc.smem((dk, bv), MM_DTYPE),
-        mc.smem((c, bv), MM_DTYPE), *([] if states_only else [mc.smem((c, bv), f32)]),
+        mc.smem((c, bv), MM_DTYPE), *([mc.smem((c, bv), f32)] if staged else []),
         barriers)
     _store_tile(dstate, ds0_ref.at[row, hi, :, vs])
 

@@ -470,8 +470,9 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   PRODUCTS (with GRADS): the state pass's cotangents of NY, QG, P, KG and gc are not read
   (dny, dqg, dp, dkg, dgc unread) but made here from the chunk states: dNY = dE Sᵀ, dQG = dO Sᵀ,
   dP = dO Eᵀ, dKG = E dS'ᵀ, dgc = Σ_v S ⊙ dS' (h, dh `[B, HV, Nc, K, V]` bf16; dO bf16, E and
-  dE = du float32 `[B, HV, Nc, C, V]`), each rounded to bf16 as the XLA products deliver them;
-  dP goes to the scratch dps, which the diagonal bands read back.
+  dE = du float32 or bf16 `[B, HV, Nc, C, V]`), each rounded to bf16 as the XLA products
+  deliver them; dP goes to the scratch dps, which the diagonal bands read back. (du is read as
+  a bf16 operand everywhere, so a bf16 dE gives the same results.)
 
   ERASE / WRITE (`GATE_*`, with GRADS): kt, vt are k and v, multiplied on chip by the gates
   erase, write; then dk (dk_ptr) is k's whole gradient, dv (dvt_ptr) v's, and the gates'
@@ -750,6 +751,13 @@ def _phases(skip: int) -> int:
   return skip
 
 
+def _bf16_or_f32(x):
+  """x as it is where bf16 or float32 (the kernel reads either: E and dE are bf16 operands
+  wherever they are used, so a bf16 copy needs no widening pass), else widened to float32."""
+  return x if x.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) else x.astype(
+      jnp.float32)
+
+
 def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps,
               band_stages, skip_phases=0, solve_bk=None, span=0.0, states=None, erase=None,
               write=None, q_scale=1.0, grad_dtypes=None):
@@ -775,7 +783,7 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
   else:
     dqg, dkg, dgc = m, m, G
   h, dh, do, e = ((states[0].astype(MM_DTYPE), states[1].astype(MM_DTYPE),
-                   states[2].astype(MM_DTYPE), states[3].astype(f32)) if products
+                   states[2].astype(MM_DTYPE), _bf16_or_f32(states[3])) if products
                   else (m, m, m, G))
   dny = m if products else dny.astype(MM_DTYPE)
   dp = m if products else dp.astype(MM_DTYPE)
@@ -797,7 +805,7 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
                          ((b, hv, nc, c, c), f32), ((1,), f32), dps, *gate_grads)
   outs = _jax_triton().triton_call(
       *map(_operand, (q, k, kt, vt)), G.astype(f32), *seg,
-      m.astype(MM_DTYPE), dny, dqg, dp, du.astype(f32), dkg, dgc, h, dh, do, e,
+      m.astype(MM_DTYPE), dny, dqg, dp, _bf16_or_f32(du), dkg, dgc, h, dh, do, e,
       _operand(erase), _operand(write), t,
       kernel=_bwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,

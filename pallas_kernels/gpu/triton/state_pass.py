@@ -116,7 +116,7 @@ def _bwd_kernel(ny_ptr, qg_ptr, p_ptr, kg_ptr, gc_ptr, do_ptr, dx_ptr, dsf_ptr, 
     ds = ds * gc[:, None]
     ds = tl.dot(tl.trans(qg), do, ds)
     ds = tl.dot(tl.trans(ny), de_mm, ds)
-    tl.store(de_ptr + chunk * C * V + cv, de)
+    tl.store(de_ptr + chunk * C * V + cv, de.to(de_ptr.dtype.element_ty))
   tl.store(ds0_ptr + bh * K * V + kv, ds)
 
 
@@ -200,18 +200,22 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, out_dtype=
   return (o, e, s_final, h) if save_states else (o, e, s_final)
 
 
-@functools.partial(jax.jit, static_argnames=("launch",))
-def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, launch=None):
+@functools.partial(jax.jit, static_argnames=("de_dtype", "launch"))
+def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, de_dtype=jnp.float32,
+                      launch=None):
   """Reverse state pass; arguments and results as `pallas_kernels.gpu.state_passing`'s.
 
-  Returns (de, dh, ds0): de `[B, HV, Nc, C, V]` f32 (total cotangent of E), dh
-  `[B, HV, Nc, K, V]` bf16 (cotangent of the state leaving each chunk), ds0 `[B, HV, K, V]` f32.
-  de_ext may be None (E unused: nothing read in its place). launch: as `state_passing_fwd`'s.
+  Returns (de, dh, ds0): de `[B, HV, Nc, C, V]` in de_dtype (total cotangent of E; float32 or
+  bfloat16, the float32 result rounded once on chip), dh `[B, HV, Nc, K, V]` bf16 (cotangent
+  of the state leaving each chunk), ds0 `[B, HV, K, V]` f32. de_ext may be None (E unused:
+  nothing read in its place). launch: as `state_passing_fwd`'s.
   """
+  from pallas_kernels.gpu import state_passing  # pylint: disable=g-import-not-at-top
+  de_dtype = state_passing.check_out_dtype(de_dtype, "de_dtype")
   dv = do.shape[-1]
   b, hv, nc, c, dk, bv, launch = _dims(qg, dv, launch, reverse=True)
   f32 = jnp.float32
-  out_shape = _structs(((b, hv, nc, c, dv), f32), ((b, hv, nc, dk, dv), MM_DTYPE),
+  out_shape = _structs(((b, hv, nc, c, dv), de_dtype), ((b, hv, nc, dk, dv), MM_DTYPE),
                        ((b, hv, dk, dv), f32))
   return tuple(_jax_triton().triton_call(
       ny.astype(MM_DTYPE), qg.astype(MM_DTYPE), p.astype(MM_DTYPE), kg.astype(MM_DTYPE),
