@@ -189,9 +189,13 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(dk, dv, monkeypatch):
                           state[:6] + [sds((2 * b, hv, dk, dk + dv), f32)]),
       "state pass reverse, pieces": (lambda *a: sp._state_passing_bwd(
           *a[:6], None, a[6], pieces=2, interpret=None), state_bwd),
-      # de in bf16 (the channel states path's), leaving from its operand copy
-      "state pass reverse, bf16 de": (lambda *a: sp._state_passing_bwd(
-          *a[:6], None, a[6], pieces=2, de_dtype=bf, interpret=None), state_bwd),
+      # As the channel states path runs them: o written and dO read in [B, T, HV, V], de in
+      # bf16 (leaving from its operand copy)
+      "state pass, o rows": (lambda *a: sp._state_passing_fwd(
+          *a, save_states=True, out_dtype=bf, o_rows=True, interpret=None), state),
+      "state pass reverse, o rows, bf16 de": (lambda *a: sp._state_passing_bwd(
+          *a[:5], a[5].reshape(b, t, hv, dv), None, a[6], pieces=2, de_dtype=bf, o_rows=True,
+          interpret=None), state_bwd),
       "state pass reverse, states only": (lambda *a: sp._state_passing_bwd(
           *a[:6], None, a[6], states_only=True, pieces=2, interpret=None), state_bwd),
       "intra fwd": (lambda *a: ic._intra_chunk_fwd(*a, None, scale=0.1, with_inverse=False,

@@ -22,6 +22,7 @@ Oracles (as tests/test_pallas_gpu.py's for the Mosaic kernels, same tolerances):
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -435,6 +436,17 @@ def test_state_pass_products_kernel_matches_float32_products(dk, dv):
                                 (BF, BF, BF, BF, jnp.float32)):
     assert g_.shape == w.shape and g_.dtype == dtype, name
     assert_close(g_.astype(jnp.float32), w, 1e-2 if dtype == BF else 1e-5, f"{name} K{dk} V{dv}")
+  # dO in the op's [B, T, HV, V] layout (o_rows, the states path's), two rows of the batch:
+  # the same products to the bit as from the chunk-major dO.
+  de2, e2, do2, h2, dh2 = (jnp.concatenate([x, -x], 0) for x in (de, e, do, h, dh))
+  chunked = jax.jit(tsp.state_pass_products)(de2, do2, e2, h2, dh2)
+  rows = jax.jit(functools.partial(tsp.state_pass_products, o_rows=True))(
+      de2, gpu_chunks.from_chunks(do2), e2, h2, dh2)
+  for name, a, b_ in zip(("dNY", "dQG", "dP", "dKG", "dgc"), rows, chunked):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                  np.asarray(b_.astype(jnp.float32)), err_msg=f"{name} rows")
+  with pytest.raises(ValueError, match="do"):
+    tsp.state_pass_products(de2, do2, e2, h2, dh2, o_rows=True)
 
 
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])

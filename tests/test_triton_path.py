@@ -16,6 +16,7 @@ import pytest
 from helpers import assert_close, make_inputs, run
 from lineax_attn import ops
 from lineax_attn.ops import api
+from lineax_attn.ops import gpu_chunks
 from lineax_attn.ops import segments
 from lineax_attn.ops import triton_gpu
 from pallas_kernels.gpu.triton import blocks
@@ -294,7 +295,9 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
     assert on_chip and products == "channel"   # (channel_state_core's default)
     q = q * q_scale
     kt, vt = k * erase, v * write
-    d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.state_pass_products(de, do, e, h, dh)
+    # (do in o's [B, T, HV, V] layout, as the states path hands it over)
+    d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.state_pass_products(de, gpu_chunks.to_chunks(do, c),
+                                                               e, h, dh)
     cts = (d_ny.astype(jnp.bfloat16), d_qg.astype(jnp.bfloat16), d_p.astype(jnp.bfloat16), de,
            d_kg.astype(jnp.bfloat16), d_gc)
     pairs = gpu_prepare.channel_pair_solve_vjp_reference(q, k, kt, vt, g, segidx, cts[0],
@@ -310,7 +313,7 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
           q * q_scale, k, kt * erase, vt * write, g) + (jnp.zeros(()),))
   monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call", states_call)
   w = [jax.random.normal(jax.random.key(20 + i), s) for i, s in
-       enumerate([(1, 1, 2 * pieces, 64, 64), (1, 1, 2 * pieces, 64, 64), (1, 1, 64, 64)])]
+       enumerate([(1, 128 * pieces, 1, 64), (1, 1, 2 * pieces, 64, 64), (1, 1, 64, 64)])]
   loss = lambda outs: sum(jnp.sum(o * w_) for o, w_ in zip(outs, w))
 
   def fused(q, k, v, beta, g, s0):
@@ -329,8 +332,9 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
 
   def split(q, k, v, beta, g, s0):   # q's scale applied outside, as the other paths do
     ny, qg, p, u, kg, gc = prep(q * 0.5, k, k * beta, v * beta, g)
-    return gpu_vjps.state_pass(ny, qg, p, de_in_bf16(u), kg, gc, s0, interpret, "mosaic",
-                               pieces=pieces)
+    o, e, s_final = gpu_vjps.state_pass(ny, qg, p, de_in_bf16(u), kg, gc, s0, interpret,
+                                        "mosaic", pieces=pieces)
+    return gpu_chunks.from_chunks(o), e, s_final   # o in the op's layout, as fused gives it
 
   primals = (q, k, v, beta, g, s0)
   got, want = jax.jit(fused)(*primals), jax.jit(split)(*primals)   # (eager: ~130 compiles)

@@ -231,13 +231,17 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
   narrow = lambda x: jnp.bfloat16 if x.dtype == jnp.bfloat16 else _F32
   grad_dtypes = ((narrow(q), narrow(k), narrow(v)) if on_chip else (narrow(q), _F32, _F32))
   grad_dtypes = tuple(jnp.dtype(d).name for d in grad_dtypes)   # (hashable, static)
+  # do comes in the op's [B, T, HV, V] layout; the products kernel reads it so, the others
+  # take it chunk-major.
   if products == "channel":
     call = functools.partial(channel_intra.channel_intra_grads_from_states, chunk=c,
                              span=float(span), q_scale=float(q_scale), grad_dtypes=grad_dtypes)
-    tail = (de, do, e, h, dh)
+    tail = (de, to_chunks(do, c), e, h, dh)
   else:
-    make = gpu_vjps.products_kernel if products == "kernel" else gpu_vjps.state_pass_products
-    d_ny, d_qg, d_p, d_kg, d_gc = make(de, do, e, h, dh)
+    if products == "kernel":
+      d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.products_kernel(de, do, e, h, dh, o_rows=True)
+    else:
+      d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.state_pass_products(de, to_chunks(do, c), e, h, dh)
     call = functools.partial(channel_intra.channel_intra_grads_gated, chunk=c,
                              span=float(span), q_scale=float(q_scale), grad_dtypes=grad_dtypes)
     tail = (d_ny, d_qg, d_p, de, d_kg, d_gc)
@@ -270,8 +274,11 @@ def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels
   (`GpuTuning.channel_gates="xla"`, for A/B) makes k̃, ṽ and the gates' chain rule in XLA
   instead, inside the same VJP. products (`GpuTuning.state_products`): "channel" (the channel
   backward kernel makes the products, as above), "kernel" (the Triton products kernel, then
-  the channel kernel fed them) or "xla" (XLA's products). Returns (o, e, s_final), o and e
-  chunk-major in out_dtype (`gpu_vjps.state_pass_out_dtype`). pieces > 1 (the Mosaic pass, T
+  the channel kernel fed them) or "xla" (XLA's products). Returns (o, e, s_final) in
+  out_dtype (`gpu_vjps.state_pass_out_dtype`): o in the inputs' `[B, T, HV, V]` layout,
+  written so by the Mosaic pass, whose reverse (and the products kernel) read dO so too (no
+  relayout of o or dO by XLA: ~70 µs of KDA's fwd+bwd at B4 T4096 H16 D128 on an H100), e
+  chunk-major. pieces > 1 (the Mosaic pass, T
   a multiple of c·pieces): the state pass cuts every row into that many pieces, as
   `gpu_vjps.state_pass` does (`gpu_pieces`). Not under shard_map (as the channel kernels)."""
   kernel_module(kernels, "state")  # validates `kernels`
@@ -303,7 +310,8 @@ def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, i
     outs = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span, q_scale=scale)
   ny, qg, p, u, kg, gc, m = outs
   (o, e, s_final, h), phi = gpu_vjps.pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels,
-                                                  pieces, save_states=True, out_dtype=out_dtype)
+                                                  pieces, save_states=True, out_dtype=out_dtype,
+                                                  o_rows=True)
   return (o, e, s_final), (q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h, phi)
 
 
@@ -312,12 +320,13 @@ def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, products, ou
   del out_dtype   # (o's and e's; the reverse pass and the products read them as bf16)
   q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h, phi = res
   do, de_ext, ds_final = given_cotangents(cts)   # None: an output the caller did not use
-  do = jnp.zeros(e.shape, _MM) if do is None else do.astype(_MM)
+  b, hv, nc, _, dv = e.shape
+  do = jnp.zeros((b, nc * c, hv, dv), _MM) if do is None else do.astype(_MM)   # o's layout
   # dE in bf16: every reader below (the products, the channel kernel's Mᵀ dE) takes it as a
   # bf16 operand, so the float32 copy was bytes written and read for one rounding.
   de, dh, ds0 = gpu_vjps.pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final,
                                        interpret=interpret, kernels=kernels, pieces=pieces,
-                                       de_dtype=_MM)
+                                       de_dtype=_MM, o_rows=True)
   dq, dk, dv, dg, d_erase, d_write = _channel_kernel_states_call(
       q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c, span, on_chip, scale,
       products=products)

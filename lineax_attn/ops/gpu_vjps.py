@@ -149,11 +149,18 @@ def _state_pass_vjp(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products
 
 
 def pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces, *, save_states,
-                 out_dtype):
+                 out_dtype, o_rows=False):
   """(outputs, Φ): the state pass's (o, e, s_final[, h]) and, with pieces, every piece's
-  state map Φ `[P, B, HV, K, K]` (None otherwise)."""
+  state map Φ `[P, B, HV, K, K]` (None otherwise). o_rows: o in `[B, T, HV, V]` (the Mosaic
+  pass writes it so; the Triton pass's chunk-major o is relaid out here)."""
   fwd = functools.partial(kernel_module(kernels, "state").state_passing_fwd,
                           **interpret_kw(kernels, interpret))
+  if o_rows and kernels == "mosaic":
+    fwd = functools.partial(fwd, o_rows=True)
+  elif o_rows:
+    outs, phi = pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels, pieces,
+                             save_states=save_states, out_dtype=out_dtype)
+    return (from_chunks(outs[0]), *outs[1:]), phi
   if pieces == 1:
     return fwd(ny, qg, p, u, kg, gc, s0, save_states=save_states, out_dtype=out_dtype), None
   (b, hv), dk, dv = u.shape[:2], ny.shape[-1], u.shape[-1]
@@ -179,10 +186,11 @@ def _state_pass_fwd(ny, qg, p, u, kg, gc, s0, interpret, axes, kernels, products
   return (o, e, s_final), (ny, qg, p, kg, gc, h, e, phi)
 
 
-def products_kernel(de, do, e, h, dh):
-  """`state_pass_products` by the Triton kernel (`GpuTuning.state_products="kernel"`)."""
+def products_kernel(de, do, e, h, dh, o_rows=False):
+  """`state_pass_products` by the Triton kernel (`GpuTuning.state_products="kernel"`); o_rows:
+  do in `[B, T, HV, V]`, read so by the kernel."""
   from pallas_kernels.gpu.triton import state_pass as tsp  # pylint: disable=g-import-not-at-top
-  return tsp.state_pass_products(de, do, e, h, dh)
+  return tsp.state_pass_products(de, do, e, h, dh, o_rows=o_rows)
 
 
 def _triton_blocks():
@@ -208,14 +216,20 @@ def state_pass_products(de, do, e, h, dh):
 
 
 def pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final, *, interpret, kernels,
-                  pieces, de_dtype=_F32):
+                  pieces, de_dtype=_F32, o_rows=False):
   """The reverse state pass: (dE, dh, ds0) from the cotangents of o, e and the final state
   (do an array, zeros where o is unused, as the products need it too; de_ext and ds_final None
   where unused), h the saved chunk states and phi `pass_forward`'s maps (pieces > 1). dE in
-  de_dtype (bf16 only for callers that read it as a bf16 operand alone)."""
+  de_dtype (bf16 only for callers that read it as a bf16 operand alone). o_rows: do in
+  `[B, T, HV, V]` (the Mosaic pass reads it so; for the Triton pass it is relaid out here)."""
+  extra = {}
+  if o_rows and kernels == "mosaic":
+    extra = dict(o_rows=True)
+  elif o_rows:
+    do = to_chunks(do, ny.shape[-2])
   bwd = functools.partial(kernel_module(kernels, "state").state_passing_bwd, ny, qg, p, kg, gc,
                           do.astype(_MM), None if de_ext is None else de_ext.astype(_F32),
-                          **interpret_kw(kernels, interpret))
+                          **interpret_kw(kernels, interpret), **extra)
   bwd_de = functools.partial(bwd, de_dtype=de_dtype)
   if pieces == 1:
     ds_final = jnp.zeros(h.shape[:2] + h.shape[3:], _F32) if ds_final is None else ds_final

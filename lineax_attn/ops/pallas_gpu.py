@@ -431,8 +431,7 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
                                        gates_on_chip=tuning.channel_gates == "kernel",
                                        products=state_products(tuning), out_dtype=out_dtype,
                                        pieces=pieces)
-    return (from_chunks(o)[:, :t], (s_final if output_final_state else None),
-            from_chunks(e)[:, :t])
+    return (o[:, :t], (s_final if output_final_state else None), from_chunks(e)[:, :t])
   q = jnp.repeat(q, n_rep, axis=2) * scale
   k = jnp.repeat(k, n_rep, axis=2)
   k_erase = None if erase is None else k * erase

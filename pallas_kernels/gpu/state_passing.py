@@ -173,7 +173,7 @@ def _chunk_loop(n, step_srcs, dsts, bars, body, init):
 
 
 def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, states_only=False,
-                      pieces=1, out_dtype=jnp.float32, interpret=None):
+                      pieces=1, out_dtype=jnp.float32, o_rows=False, interpret=None):
   """Forward state pass.
 
   Args:
@@ -194,8 +194,12 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, states_onl
     pieces: each row's Nc chunks are walked as `pieces` consecutive pieces at once (Nc a
       multiple of it), piece j of row b from s0[b·pieces + j] (its own CTAs: small B·HV fill
       the GPU); the per-chunk outputs keep the `[B, HV, Nc, ...]` layout.
+    o_rows: write o in the op's own layout `[B, T, HV, V]` (T = Nc·C) instead of chunk-major,
+      so that neither o nor its cotangent (`state_passing_bwd(o_rows=True)`) is relaid out
+      by XLA between the caller and the kernels.
   Returns:
-    (o, e, s_final[, h]): o, e `[B, HV, Nc, C, V]` in out_dtype, s_final `[B·pieces, HV, K, V]`
+    (o, e, s_final[, h]): o, e `[B, HV, Nc, C, V]` (o `[B, T, HV, V]` with o_rows) in
+    out_dtype, s_final `[B·pieces, HV, K, V]`
     float32 (the state leaving each piece), h `[B, HV, Nc, K, V]` bf16; with states_only
     `(s_final,)`, as wide as s0.
   """
@@ -211,14 +215,14 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, states_onl
   out_dtype = check_out_dtype(out_dtype)
   outs = _state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=save_states,
                             states_only=states_only, pieces=pieces, out_dtype=out_dtype,
-                            interpret=interpret)
+                            o_rows=bool(o_rows), interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("save_states", "states_only", "pieces",
-                                             "out_dtype", "interpret"))
+                                             "out_dtype", "o_rows", "interpret"))
 def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret, states_only=False,
-                       pieces=1, out_dtype=jnp.float32):
+                       pieces=1, out_dtype=jnp.float32, o_rows=False):
   b, hv, nc, c, dk = qg.shape
   dv = u.shape[-1]
   ncp = nc // pieces
@@ -226,7 +230,8 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret, stat
   f32 = jnp.float32
   # bf16 outputs: e leaves from its bf16 operand copy (no float32 staging tile for it).
   e_from_operand = jnp.dtype(out_dtype) == jnp.dtype(MM_DTYPE)
-  out_type = [jax.ShapeDtypeStruct((b, hv, nc, c, dv), out_dtype),
+  out_type = [jax.ShapeDtypeStruct((b, nc * c, hv, dv) if o_rows else (b, hv, nc, c, dv),
+                                   out_dtype),
               jax.ShapeDtypeStruct((b, hv, nc, c, dv), out_dtype),
               jax.ShapeDtypeStruct((b * pieces, hv, dk, dv), f32)]
   if save_states:
@@ -281,7 +286,9 @@ def _state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states, interpret, stat
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # h copy done reading s_mm
         s_mm[...] = s.astype(MM_DTYPE)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_out, o_ref.at[bi, hi, c0 + ci, :, vs], commit_group=False)
+        o_dst = (o_ref.at[bi, pl.ds((c0 + ci) * c, c), hi, vs] if o_rows
+                 else o_ref.at[bi, hi, c0 + ci, :, vs])
+        plgpu.copy_smem_to_gmem(o_out, o_dst, commit_group=False)
         plgpu.copy_smem_to_gmem(e_mm if e_from_operand else e_out,
                                 e_ref.at[bi, hi, c0 + ci, :, vs], commit_group=False)
         plgpu.commit_smem_to_gmem_group()
@@ -354,12 +361,13 @@ def _states_only_kernel(ny_ref, u_ref, kg_ref, gc_ref, s0_ref, sf_ref, *, pieces
 
 
 def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, states_only=False,
-                      pieces=1, de_dtype=jnp.float32, interpret=None):
+                      pieces=1, de_dtype=jnp.float32, o_rows=False, interpret=None):
   """Reverse state pass (docs/MATH.md §3.6 steps 1-2).
 
   Args:
     ny, qg, p, kg, gc: as in `state_passing_fwd`.
-    do: `[B, HV, Nc, C, V]` bf16 output cotangent.
+    do: `[B, HV, Nc, C, V]` bf16 output cotangent (o_rows: `[B, T, HV, V]`, o's layout of
+      `state_passing_fwd(o_rows=True)`).
     de_ext: `[B, HV, Nc, C, V]` float32 cotangent of E as an output (routing), or None where
       E is not used (the kernel then reads nothing in its place: no zeros made and streamed).
     ds_final: `[B·pieces, HV, K, V]` float32 cotangent of the state leaving each piece (pieces
@@ -375,16 +383,23 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, states_only=Fa
     bf16 cotangent of the state leaving each chunk; ds0 `[B·pieces, HV, K, V]` float32, the
     cotangent of the state entering each piece; with states_only `(ds0,)`.
   """
-  _check_pieces(do.shape[2], pieces, ds_final.shape, do.shape[0], "ds_final")
+  b, hv, nc, c = qg.shape[:4]
+  want = (b, nc * c, hv) if o_rows else (b, hv, nc, c)
+  if tuple(do.shape[:-1]) != want:
+    raise ValueError(f"state_passing_bwd: do {tuple(do.shape)} must be {want + ('V',)} "
+                     f"(o_rows={bool(o_rows)}).")
+  _check_pieces(nc, pieces, ds_final.shape, b, "ds_final")
   de_dtype = check_out_dtype(de_dtype, "de_dtype")
   outs = _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, states_only=states_only,
-                            pieces=pieces, de_dtype=de_dtype, interpret=interpret)
+                            pieces=pieces, de_dtype=de_dtype, o_rows=bool(o_rows),
+                            interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("states_only", "pieces", "de_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("states_only", "pieces", "de_dtype", "o_rows",
+                                             "interpret"))
 def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, states_only=False,
-                       pieces=1, de_dtype=jnp.float32):
+                       pieces=1, de_dtype=jnp.float32, o_rows=False):
   b, hv, nc, c, dk = qg.shape
   dv = do.shape[-1]
   ncp = nc // pieces
@@ -418,7 +433,9 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
     def step_srcs(j):
       ci = last - j
       return (ny_ref.at[bi, hi, ci], qg_ref.at[bi, hi, ci], p_ref.at[bi, hi, ci],
-              kg_ref.at[bi, hi, ci], gc_ref.at[bi, hi, ci], do_ref.at[bi, hi, ci, :, vs]) + (
+              kg_ref.at[bi, hi, ci], gc_ref.at[bi, hi, ci],
+              do_ref.at[bi, pl.ds(ci * c, c), hi, vs] if o_rows
+              else do_ref.at[bi, hi, ci, :, vs]) + (
                   (dx_ref.at[bi, hi, ci, :, vs],) if has_dx else ())
 
     def loop(ny_s, qg_s, p_s, kg_s, gc_s, do_s, *scratch):

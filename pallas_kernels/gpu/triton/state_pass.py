@@ -228,14 +228,19 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, de_dtype=jnp.f
 @triton.jit
 def _products_kernel(de_ptr, do_ptr, e_ptr, h_ptr, dh_ptr, dny_ptr, dqg_ptr, dp_ptr, dkg_ptr,
                      dgc_ptr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BK: tl.constexpr):
+                     BK: tl.constexpr, HV: tl.constexpr, O_ROWS: tl.constexpr):
   """One chunk's dNY, dQG, dKG [C, K], dP [C, C] (bf16) and dgc [K] (float32); S, dS' are
-  read in BK-row slices, so no [K, V] tile is held whole."""
-  chunk = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+  read in BK-row slices, so no [K, V] tile is held whole. O_ROWS: dO in `[B, T, HV, V]`."""
+  bh = tl.program_id(1).to(tl.int64)
+  chunk = bh * tl.num_programs(0) + tl.program_id(0)
   rc, rv, rb = tl.arange(0, C), tl.arange(0, V), tl.arange(0, BK)
   cv = chunk * C * V + rc[:, None] * V + rv[None, :]
   de = tl.load(de_ptr + cv).to(tl.bfloat16)
-  do = tl.load(do_ptr + cv).to(tl.bfloat16)
+  if O_ROWS:   # time row (b·T + chunk·C + r), head h
+    t_rows = (bh // HV) * tl.num_programs(0) * C + tl.program_id(0) * C + rc
+    do = tl.load(do_ptr + ((t_rows * HV + bh % HV) * V)[:, None] + rv[None, :]).to(tl.bfloat16)
+  else:
+    do = tl.load(do_ptr + cv).to(tl.bfloat16)
   e = tl.load(e_ptr + cv).to(tl.bfloat16)
   dp = tl.dot(do, tl.trans(e))
   tl.store(dp_ptr + chunk * C * C + rc[:, None] * C + rc[None, :], dp.to(tl.bfloat16))
@@ -256,10 +261,11 @@ PRODUCTS_WARPS = 8   # ptxas (sm_90a, K = V = 128, BK 64): see `state_pass_produ
 PRODUCTS_BK = 64
 
 
-@jax.jit
-def state_pass_products(de, do, e, h, dh):
+@functools.partial(jax.jit, static_argnames=("o_rows",))
+def state_pass_products(de, do, e, h, dh, *, o_rows=False):
   """`lineax_attn.ops.gpu_vjps.state_pass_products` in one kernel: (dNY, dQG, dP, dKG, dgc) from
-  dE, dO, E `[B, HV, Nc, C, V]` (any float dtype; rounded to bf16 as operands) and the states
+  dE, dO, E `[B, HV, Nc, C, V]` (any float dtype; rounded to bf16 as operands; dO in
+  `[B, T, HV, V]` with o_rows, as `state_passing_bwd(o_rows=True)` takes it) and the states
   h, dh `[B, HV, Nc, K, V]` bf16; dNY, dQG, dKG `[B, HV, Nc, C, K]` and dP `[..., C, C]` in
   bf16 (float32 accumulation, rounded once, as XLA's products rounded to the operands' bf16),
   dgc `[B, HV, Nc, K]` float32. XLA makes them as four batched products, a reduction and
@@ -269,11 +275,16 @@ def state_pass_products(de, do, e, h, dh):
   reason = blocks.supported(c, dk, dv)
   if reason:
     raise ValueError(f"state_pass_products: {reason}.")
+  want = (b, nc * c, hv, dv) if o_rows else de.shape
+  if tuple(do.shape) != tuple(want):
+    raise ValueError(f"state_pass_products: do {tuple(do.shape)} must be {tuple(want)} "
+                     f"(o_rows={bool(o_rows)}).")
   bf = MM_DTYPE
   out_shape = _structs(((b, hv, nc, c, dk), bf), ((b, hv, nc, c, dk), bf), ((b, hv, nc, c, c), bf),
                        ((b, hv, nc, c, dk), bf), ((b, hv, nc, dk), jnp.float32))
   d_ny, d_qg, d_p, d_kg, d_gc = _jax_triton().triton_call(
       de, do, e, h.astype(bf), dh.astype(bf), kernel=_products_kernel,
       out_shape=out_shape, grid=(nc, b * hv),
-      num_warps=PRODUCTS_WARPS, num_stages=1, C=c, K=dk, V=dv, BK=min(PRODUCTS_BK, dk))
+      num_warps=PRODUCTS_WARPS, num_stages=1, C=c, K=dk, V=dv, BK=min(PRODUCTS_BK, dk), HV=hv,
+      O_ROWS=bool(o_rows))
   return d_ny, d_qg, d_p, d_kg, d_gc
