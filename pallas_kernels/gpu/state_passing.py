@@ -199,9 +199,8 @@ def state_passing_fwd(ny, qg, p, u, kg, gc, s0, *, save_states=False, states_onl
       by XLA between the caller and the kernels.
   Returns:
     (o, e, s_final[, h]): o, e `[B, HV, Nc, C, V]` (o `[B, T, HV, V]` with o_rows) in
-    out_dtype, s_final `[B·pieces, HV, K, V]`
-    float32 (the state leaving each piece), h `[B, HV, Nc, K, V]` bf16; with states_only
-    `(s_final,)`, as wide as s0.
+    out_dtype, s_final `[B·pieces, HV, K, V]` float32 (the state leaving each piece), h
+    `[B, HV, Nc, K, V]` bf16; with states_only `(s_final,)`, as wide as s0.
   """
   if states_only and save_states:
     raise ValueError("state_passing_fwd: states_only stores no chunk states; save_states must "
