@@ -39,6 +39,8 @@ ROOT=$PWD
 ln -sfn $ROOT/.whl ab_base/.whl   # run_gpu_train.sh reads its wheels from the tree it runs in
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > $KEEP/gpu.txt
 cp ab_base/REV $KEEP/base_rev.txt 2>/dev/null; date -u +%FT%TZ > $KEEP/date.txt
+bash experiments/sources_sha.sh > $KEEP/new_sources_sha.txt   # the new side's code
+(cd ab_base && bash $ROOT/experiments/sources_sha.sh) > $KEEP/base_sources_sha.txt
 t0=$(date +%s)
 for ROUND in $(seq 1 $ROUNDS); do
   for SIDE in base new; do

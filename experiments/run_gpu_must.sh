@@ -70,7 +70,8 @@ export PYTHONPATH=/tmp/site:$PWD/.whl/pyxd:$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS
 export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
 [ -f .whl/triton_cache.tgz ] && tar xzf .whl/triton_cache.tgz -C $TRITON_CACHE_DIR
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > $KEEP/gpu.txt
-git log -1 --format=%H > $KEEP/rev.txt 2>/dev/null
+git log -1 --format=%H > $KEEP/rev.txt 2>/dev/null   # (the device copy's .git: may be stale)
+bash experiments/sources_sha.sh > $KEEP/sources_sha.txt   # the code that ran
 date -u +%FT%TZ > $KEEP/date.txt
 # Files are named by the GPU that made them (h200_TAG, h100_TAG): a call may land on either.
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr H h)

@@ -25,7 +25,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHO
 KEEP=/tmp/ncu; rm -rf $KEEP; mkdir -p $KEEP
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > $KEEP/gpu.txt
 ncu --version | tail -1 >> $KEEP/gpu.txt
-git log -1 --format=%H > $KEEP/rev.txt 2>/dev/null
+git log -1 --format=%H > $KEEP/rev.txt 2>/dev/null   # (the device copy's .git: may be stale)
+bash experiments/sources_sha.sh > $KEEP/sources_sha.txt   # the code that ran
 GATED=$([ "${NCU_GATED:-1}" = 0 ] && echo --nogated || echo --gated)
 for K in "$@"; do
   NAME=${K}_$([ "$GATED" = --gated ] && echo gated || echo ungated)_overlap-${NCU_OVERLAP:-false}
