@@ -1146,6 +1146,36 @@ def test_pallas_gpu_default_runs_the_states_path_in_pieces(monkeypatch, mixer, t
   assert_close(s, want_s, FWD_TOL, f"{mixer} final state")
 
 
+def _states_path_case(seed, gates, out_dtype=jnp.float32):
+  """The states path's tensors up to its reverse pass, made by the kernels: the channel
+  forward (gates on chip, q's scale 0.125), the Triton state pass (o, e in out_dtype, chunk
+  states saved), a bf16 dO and a final-state cotangent."""
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  q, k, v, G, erase, write, ks = _gated_channel_inputs(seed, gates)
+  ny, qg, p, u, kg, gc, m = channel_intra.channel_intra_fwd(
+      q, k, k, v, G, chunk=64, with_inverse=True, erase=erase, write=write, q_scale=0.125)
+  s0 = jax.random.normal(ks[2], (1, 2, 64, 128))
+  o, e, s_final, h = tsp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True,
+                                           out_dtype=out_dtype)
+  return dict(q=q, k=k, v=v, G=G, erase=erase, write=write, m=m, ny=ny, qg=qg, p=p, kg=kg,
+              gc=gc, e=e, h=h, do=jax.random.normal(ks[3], o.shape).astype(jnp.bfloat16),
+              ds_final=jax.random.normal(ks[5], s_final.shape))
+
+
+def _channel_backward_entries(x, de, dh, products):
+  """Both channel backward entries on a `_states_path_case`, keyword arguments left open:
+  "gated" fed the state pass's products (dNY, dQG, dP, dKG, dgc), "from_states" making them."""
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  d_ny, d_qg, d_p, d_kg, d_gc = products
+  head = (x["q"], x["k"], x["k"], x["v"], x["G"], None, x["m"])
+  gates = dict(chunk=64, erase=x["erase"], write=x["write"], q_scale=0.125)
+  return {
+      "gated": lambda **kw: channel_intra.channel_intra_grads_gated(
+          *head, d_ny, d_qg, d_p, de, d_kg, d_gc, **gates, **kw),
+      "from_states": lambda **kw: channel_intra.channel_intra_grads_from_states(
+          *head, de, x["do"], x["e"], x["h"], dh, **gates, **kw)}
+
+
 @pytest.mark.parametrize("gates", ["row", "channel"])
 def test_backward_writes_whole_gradients_in_bf16_rounded_once(gates):
   # grad_dtypes (the states path asks for the bf16 inputs' dtype): dq, and with the gates on
@@ -1153,24 +1183,11 @@ def test_backward_writes_whole_gradients_in_bf16_rounded_once(gates):
   # gradients rounded to bf16, to the bit (one rounding of the same accumulators); dg and the
   # gates' gradients stay float32 and unchanged. Both backward entries (products given, and
   # made from the states).
-  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
-  q, k, v, G, erase, write, ks = _gated_channel_inputs(25, gates)
-  ny, qg, p, u, kg, gc, m = channel_intra.channel_intra_fwd(
-      q, k, k, v, G, chunk=64, with_inverse=True, erase=erase, write=write, q_scale=0.125)
-  s0 = jax.random.normal(ks[2], (1, 2, 64, 128))
-  o, e, s_final, h = tsp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True)
-  do = jax.random.normal(ks[3], o.shape).astype(jnp.bfloat16)
-  de, dh, _ = tsp.state_passing_bwd(ny, qg, p, kg, gc, do, None,
-                                    jax.random.normal(ks[5], s_final.shape))
-  products = gpu_vjps.state_pass_products(de, do, e, h, dh)
-  d_ny, d_qg, d_p, d_kg, d_gc = products
-  calls = {
-      "gated": lambda **kw: channel_intra.channel_intra_grads_gated(
-          q, k, k, v, G, None, m, d_ny, d_qg, d_p, de, d_kg, d_gc, chunk=64, erase=erase,
-          write=write, q_scale=0.125, **kw),
-      "from_states": lambda **kw: channel_intra.channel_intra_grads_from_states(
-          q, k, k, v, G, None, m, de, do, e, h, dh, chunk=64, erase=erase, write=write,
-          q_scale=0.125, **kw)}
+  x = _states_path_case(25, gates)
+  head = (x["ny"], x["qg"], x["p"], x["kg"], x["gc"], x["do"], None, x["ds_final"])
+  de, dh, _ = tsp.state_passing_bwd(*head)
+  products = gpu_vjps.state_pass_products(de, x["do"], x["e"], x["h"], dh)
+  calls = _channel_backward_entries(x, de, dh, products)
   for entry, call in calls.items():
     wide = call()
     narrow = call(grad_dtypes=("bfloat16",) * 3)
@@ -1194,17 +1211,11 @@ def test_bf16_de_changes_no_gradient_of_the_states_path(gates):
   # unchanged; and every reader of dE (the products kernel, XLA's products, both channel
   # backward entries) must give the same results to the bit from either, since each reads dE
   # as a bf16 operand.
-  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
-  q, k, v, G, erase, write, ks = _gated_channel_inputs(31, gates)
-  ny, qg, p, u, kg, gc, m = channel_intra.channel_intra_fwd(
-      q, k, k, v, G, chunk=64, with_inverse=True, erase=erase, write=write, q_scale=0.125)
-  s0 = jax.random.normal(ks[2], (1, 2, 64, 128))
-  o, e, s_final, h = tsp.state_passing_fwd(ny, qg, p, u, kg, gc, s0, save_states=True,
-                                           out_dtype=jnp.bfloat16)
-  do = jax.random.normal(ks[3], o.shape).astype(jnp.bfloat16)
-  ds_final = jax.random.normal(ks[5], s_final.shape)
-  wide = tsp.state_passing_bwd(ny, qg, p, kg, gc, do, None, ds_final)
-  narrow = tsp.state_passing_bwd(ny, qg, p, kg, gc, do, None, ds_final, de_dtype=jnp.bfloat16)
+  x = _states_path_case(31, gates, out_dtype=jnp.bfloat16)
+  do, e, h = x["do"], x["e"], x["h"]
+  head = (x["ny"], x["qg"], x["p"], x["kg"], x["gc"], do, None, x["ds_final"])
+  wide = tsp.state_passing_bwd(*head)
+  narrow = tsp.state_passing_bwd(*head, de_dtype=jnp.bfloat16)
   assert wide[0].dtype == jnp.float32 and narrow[0].dtype == jnp.bfloat16
   same = lambda a, b, name: np.testing.assert_array_equal(
       np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), err_msg=name)
@@ -1215,20 +1226,16 @@ def test_bf16_de_changes_no_gradient_of_the_states_path(gates):
   for make in (gpu_vjps.products_kernel, gpu_vjps.state_pass_products):
     for i, (a, b) in enumerate(zip(make(de16, do, e, h, dh), make(de32, do, e, h, dh))):
       same(a, b, f"{make.__name__} output {i}")
-  d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.products_kernel(de32, do, e, h, dh)
-  calls = {
-      "gated": lambda de: channel_intra.channel_intra_grads_gated(
-          q, k, k, v, G, None, m, d_ny, d_qg, d_p, de, d_kg, d_gc, chunk=64, erase=erase,
-          write=write, q_scale=0.125, grad_dtypes=("bfloat16",) * 3),
-      "from_states": lambda de: channel_intra.channel_intra_grads_from_states(
-          q, k, k, v, G, None, m, de, do, e, h, dh, chunk=64, erase=erase, write=write,
-          q_scale=0.125, grad_dtypes=("bfloat16",) * 3)}
-  for entry, call in calls.items():
-    for i, (a, b) in enumerate(zip(call(de16), call(de32))):
+  products = gpu_vjps.products_kernel(de32, do, e, h, dh)
+  calls = {de.dtype: _channel_backward_entries(x, de, dh, products) for de in (de16, de32)}
+  for entry in ("gated", "from_states"):
+    narrow_grads, wide_grads = (calls[dt][entry](grad_dtypes=("bfloat16",) * 3)
+                                for dt in (de16.dtype, de32.dtype))
+    for i, (a, b) in enumerate(zip(narrow_grads, wide_grads)):
       if a is not None:
         same(a, b, f"{entry} output {i}")
   with pytest.raises(ValueError, match="de_dtype"):
-    tsp.state_passing_bwd(ny, qg, p, kg, gc, do, None, ds_final, de_dtype=jnp.float16)
+    tsp.state_passing_bwd(*head, de_dtype=jnp.float16)
 
 
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
