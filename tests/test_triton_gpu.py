@@ -1238,6 +1238,36 @@ def test_bf16_de_changes_no_gradient_of_the_states_path(gates):
     tsp.state_passing_bwd(*head, de_dtype=jnp.float16)
 
 
+def test_channel_products_read_do_in_the_ops_layout():
+  # The states path hands the channel kernel dO as the op has it, [B, T, HV, V] (do_rows): its
+  # prologue must read the same rows as from the chunk-major copy, so every gradient is the
+  # same to the bit; and the products it makes (the one code the products kernel runs too,
+  # `state_pass.chunk_products`, at other slice widths and warps) give the gradients the
+  # kernel fed the products kernel's outputs gives (to the bit in the interpreter; compiled,
+  # the two launches may sum a product's terms in another order: 1e-3). A dO of the other
+  # layout is refused by name.
+  x = _states_path_case(37, "channel", out_dtype=jnp.bfloat16)
+  head = (x["ny"], x["qg"], x["p"], x["kg"], x["gc"], x["do"], None, x["ds_final"])
+  de, dh, _ = tsp.state_passing_bwd(*head, de_dtype=jnp.bfloat16)
+  calls = _channel_backward_entries(x, de, dh, gpu_vjps.products_kernel(de, x["do"], x["e"],
+                                                                        x["h"], dh))
+  chunk_major = calls["from_states"](grad_dtypes=("bfloat16",) * 3)
+  x_rows = dict(x, do=gpu_chunks.from_chunks(x["do"]))
+  rows = _channel_backward_entries(x_rows, de, dh, (None,) * 5)["from_states"](
+      grad_dtypes=("bfloat16",) * 3, do_rows=True)
+  fed = calls["gated"](grad_dtypes=("bfloat16",) * 3)
+  for i, (a, b, c) in enumerate(zip(rows, chunk_major, fed)):
+    if a is None:
+      assert b is None and c is None
+      continue
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                  np.asarray(b.astype(jnp.float32)), err_msg=f"rows, output {i}")
+    assert_close(np.asarray(b.astype(jnp.float32)), np.asarray(c.astype(jnp.float32)), 1e-3,
+                 f"fed, output {i}")
+  with pytest.raises(ValueError, match="do_rows"):
+    calls["from_states"](do_rows=True)
+
+
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
 def test_states_path_takes_bf16_de_and_its_gradients_match_float32_de(monkeypatch, mixer):
   # Through the op (channel_grads="states", the Mosaic pass on Hopper or in the interpreter):

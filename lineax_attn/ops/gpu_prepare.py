@@ -231,12 +231,13 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
   narrow = lambda x: jnp.bfloat16 if x.dtype == jnp.bfloat16 else _F32
   grad_dtypes = ((narrow(q), narrow(k), narrow(v)) if on_chip else (narrow(q), _F32, _F32))
   grad_dtypes = tuple(jnp.dtype(d).name for d in grad_dtypes)   # (hashable, static)
-  # do comes in the op's [B, T, HV, V] layout; the products kernel reads it so, the others
-  # take it chunk-major.
+  # do comes in the op's [B, T, HV, V] layout; the products kernel and the channel kernel's
+  # own products read it so, XLA's products take it chunk-major.
   if products == "channel":
     call = functools.partial(channel_intra.channel_intra_grads_from_states, chunk=c,
-                             span=float(span), q_scale=float(q_scale), grad_dtypes=grad_dtypes)
-    tail = (de, to_chunks(do, c), e, h, dh)
+                             span=float(span), q_scale=float(q_scale), grad_dtypes=grad_dtypes,
+                             do_rows=True)
+    tail = (de, do, e, h, dh)
   else:
     if products == "kernel":
       d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.products_kernel(de, do, e, h, dh, o_rows=True)

@@ -121,8 +121,9 @@ class GpuTuning:
       state_pass_products`: one Triton program a chunk reading each operand once; needs the
       triton extra: a ValueError without it), "auto" (the default: "kernel" where the triton
       extra runs, else "xla"), or, with channel_grads="states" only, "channel" (the channel
-      backward kernel makes them itself: `channel_intra_grads_from_states`; timed slower,
-      docs/BENCHMARKS.md "eighteenth stage"). Under "states" the others feed the channel
+      backward kernel makes them itself, in a prologue running the products kernel's code:
+      `channel_intra_grads_from_states`; on the H100 KDA 3.80 ms against "kernel"'s 3.69,
+      docs/BENCHMARKS.md "thirty-fourth stage"). Under "states" the others feed the channel
       kernel the products, its gates and q's scale still on chip. On the H200 (2026-12-04,
       B4 T4096 H16 D128, `bench_ab` queued, 5 rounds; "nineteenth stage") "kernel" took KDA
       fwd+bwd from 3.952 ms to 3.817 and GDN-2 from 4.131 to 3.998.

@@ -65,8 +65,8 @@ is scaled by the chunk's last cont.
 
 The state pass's products in the backward (PRODUCTS, `channel_intra_grads_from_states`): the
 fused backward takes the chunk states h, dh and E, dE, dO instead of the cotangents dNY, dQG,
-dP, dKG, dgc that XLA would make from them, and makes each where it is used (dP first, stored
-for the bands; dNY in the solve's K slices; dQG, dKG, dgc in the last loop's).
+dP, dKG, dgc that XLA would make from them, and makes each where it is used (all five in a
+prologue, `state_pass.chunk_products`, into scratches the body reads as it reads given ones).
 
 Gates on chip (`erase=`, `write=`; `GATE_ROW`, `GATE_CHANNEL`): kt and vt are then k and v, and
 every load of k̃ or ṽ multiplies in the gate (`_gated_rows`); the backward writes k's whole
@@ -89,7 +89,8 @@ import triton.language as tl
 
 from pallas_kernels.gpu.triton import blocks
 from pallas_kernels.gpu.triton.intra_chunk import _unit_lower_inverse
-from pallas_kernels.gpu.triton.state_pass import MM_DTYPE, _jax_triton, _on_hopper, _structs
+from pallas_kernels.gpu.triton.state_pass import (MM_DTYPE, _jax_triton, _on_hopper, _structs,
+                                                  chunk_products)
 
 SUB = 16          # rows of a sub-chunk (the anchoring of the off-diagonal pairs)
 # How k̃ and ṽ reach the kernels: given as arrays (GATE_NONE), or made on chip from k / v and a
@@ -439,30 +440,17 @@ def _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_ptr, wl_p
 
 
 @triton.jit
-def _state_product(a_ptr, a_at, b_ptr, b_rows, V: tl.constexpr, SBK: tl.constexpr,
-                   N: tl.constexpr, C: tl.constexpr):
-  """A [C, V] · B[b_rows, :]ᵀ with bf16 operands and a float32 accumulator, V in steps of SBK:
-  a_at the [C] row offsets of A's tile, b_rows the [N] row offsets of B's (V columns each)."""
-  acc = tl.zeros((C, N), tl.float32)
-  rv = tl.arange(0, SBK)
-  for s in tl.static_range(V // SBK):
-    a = tl.load(a_ptr + a_at[:, None] + (s * SBK + rv)[None, :]).to(tl.bfloat16)
-    b = tl.load(b_ptr + b_rows[:, None] + (s * SBK + rv)[None, :]).to(tl.bfloat16)
-    acc = tl.dot(a, tl.trans(b), acc)
-  return acc
-
-
-@triton.jit
 def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, m_ptr,
                 dny_ptr, dqg_ptr, dp_ptr, du_ptr, dkg_ptr, dgc_ptr, h_ptr, dh_ptr, do_ptr,
                 e_ptr, erase_ptr, write_ptr, t,
                 dq_ptr, dkt_ptr, dk_ptr, drk_ptr, dvt_ptr, wl_ptr, dg_ptr, dps_ptr, dera_ptr,
-                dwri_ptr,
+                dwri_ptr, sny_ptr, sqg_ptr, skg_ptr, sgc_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 GRADS: tl.constexpr, BAND_STAGES: tl.constexpr, SBK: tl.constexpr,
                 SKIP: tl.constexpr, SPAN: tl.constexpr, PRODUCTS: tl.constexpr,
-                ERASE: tl.constexpr, WRITE: tl.constexpr, QS: tl.constexpr):
+                DO_ROWS: tl.constexpr, ERASE: tl.constexpr, WRITE: tl.constexpr,
+                QS: tl.constexpr):
   """The pair and solve part of the backward; with GRADS also the elementwise rest and dG
   (`_elementwise_grads`), storing whole gradients in the inputs' `[B, T, HV, D]` layout;
   without, the pair and solve parts chunk-major and the rest is the caller's (XLA).
@@ -470,9 +458,13 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   PRODUCTS (with GRADS): the state pass's cotangents of NY, QG, P, KG and gc are not read
   (dny, dqg, dp, dkg, dgc unread) but made here from the chunk states: dNY = dE Sᵀ, dQG = dO Sᵀ,
   dP = dO Eᵀ, dKG = E dS'ᵀ, dgc = Σ_v S ⊙ dS' (h, dh `[B, HV, Nc, K, V]` bf16; dO bf16, E and
-  dE = du float32 or bf16 `[B, HV, Nc, C, V]`), each rounded to bf16 as the XLA products
-  deliver them; dP goes to the scratch dps, which the diagonal bands read back. (du is read as
-  a bf16 operand everywhere, so a bf16 dE gives the same results.)
+  dE = du float32 or bf16 `[B, HV, Nc, C, V]`; dO in `[B, T, HV, V]` with DO_ROWS), each
+  rounded to bf16 as the products kernel delivers them (`state_pass.chunk_products`, the same
+  code). They are made first, in a prologue whose live tiles end before the body's begin, into
+  the scratches dps, sny, sqg, skg, sgc, which the body then reads as it reads the given
+  cotangents (from L2: this program wrote them). Making each inside the loop that uses it held
+  it beside that loop's accumulators, at 255 registers (1.6 ms slower, BENCHMARKS eighteenth
+  stage). (du is read as a bf16 operand everywhere, so a bf16 dE gives the same results.)
 
   ERASE / WRITE (`GATE_*`, with GRADS): kt, vt are k and v, multiplied on chip by the gates
   erase, write; then dk (dk_ptr) is k's whole gradient, dv (dvt_ptr) v's, and the gates'
@@ -494,30 +486,29 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     if GRADS:
       keep = tl.load(keep_ptr + rows)[:, None]
       cont_last = tl.load(cont_ptr + row0 + C - 1)
+  rs = tl.arange(0, SBK)
+  cv_rows = chunk * C * V + rc * V                             # [C, V] chunk tiles' rows
+  if PRODUCTS:   # the five products first, into the scratches the body reads back
+    do_rows = cv_rows
+    if DO_ROWS:   # dO in the op's layout
+      do_rows = (rows * HV + hv) * V
+    chunk_products(du_ptr, do_ptr, e_ptr, h_ptr, dh_ptr, cv_rows, do_rows, chunk, sny_ptr,
+                   sqg_ptr, dps_ptr, skg_ptr, sgc_ptr, C, K, V, SBK)
+    tl.debug_barrier()   # (this program's stores, then its loads)
+    dny_src, dqg_src, dp_src, dkg_src, dgc_src = sny_ptr, sqg_ptr, dps_ptr, skg_ptr, sgc_ptr
+  else:
+    dny_src, dqg_src, dp_src, dkg_src, dgc_src = dny_ptr, dqg_ptr, dp_ptr, dkg_ptr, dgc_ptr
   # The solve: Y = M R_k, U = M Ṽ (the forward's bf16 M); dR = Mᵀ [dY | dU], dL = −dR [Y | U]ᵀ,
   # accumulated over the K slices, then the V slices.
   m = tl.load(m_ptr + cc)
   mt = tl.trans(m)
   neg_dl = tl.zeros((C, C), tl.float32)
-  rs = tl.arange(0, SBK)
-  cv_rows = chunk * C * V + rc * V                             # [C, V] chunk tiles' rows
-  kv_base = chunk * K * V                                      # [K, V] state tiles
-  if PRODUCTS:   # dP = dO Eᵀ, stored for the bands' read-back (the barrier below)
-    dp_src = dps_ptr
-    tl.store(dps_ptr + cc, _state_product(do_ptr, cv_rows, e_ptr, cv_rows, V, SBK, C,
-                                          C).to(tl.bfloat16))
-  else:
-    dp_src = dp_ptr
   n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
   for s in range(n_solve * K // SBK):
     cols = s * SBK + rs
     y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED, erase_ptr, ERASE)
     ck = chunk * C * K + ii * K + cols[None, :]
-    if PRODUCTS:   # dY = −dNY, dNY = dE Sᵀ on these K columns
-      d_ny = _state_product(du_ptr, cv_rows, h_ptr, kv_base + cols * V, V, SBK, SBK, C)
-      d_y = (-d_ny.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
-    else:
-      d_y = (-tl.load(dny_ptr + ck).to(tl.float32)).to(tl.bfloat16)
+    d_y = (-tl.load(dny_src + ck).to(tl.float32)).to(tl.bfloat16)
     d_rk = tl.dot(mt, d_y)
     tl.store(drk_ptr + ck, d_rk)
     neg_dl = tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)), neg_dl)
@@ -580,21 +571,9 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
     ck = chunk * C * K + ii * K + cols[None, :]
     if GRADS:
       g_last = tl.load(g_ptr + ((row0 + C - 1) * HV + hv) * K + cols)
-      if PRODUCTS:   # dQG = dO Sᵀ, dKG = E dS'ᵀ, dgc = Σ_v S ⊙ dS' on these K columns
-        state_rows = kv_base + cols * V
-        d_qg = _state_product(do_ptr, cv_rows, h_ptr, state_rows, V, SBK, BK, C)
-        d_qg = d_qg.to(tl.bfloat16).to(tl.float32)
-        d_kg = _state_product(e_ptr, cv_rows, dh_ptr, state_rows, V, SBK, BK, C)
-        d_kg = d_kg.to(tl.bfloat16).to(tl.float32)
-        d_gc = tl.zeros((BK,), tl.float32)
-        for sv in tl.static_range(V // SBK):
-          at = state_rows[:, None] + (sv * SBK + rs)[None, :]
-          d_gc += tl.sum(tl.load(h_ptr + at).to(tl.float32)
-                         * tl.load(dh_ptr + at).to(tl.float32), axis=1)
-      else:
-        d_qg = tl.load(dqg_ptr + ck).to(tl.float32)
-        d_kg = tl.load(dkg_ptr + ck).to(tl.float32)
-        d_gc = tl.load(dgc_ptr + chunk * K + cols)
+      d_qg = tl.load(dqg_src + ck).to(tl.float32)
+      d_kg = tl.load(dkg_src + ck).to(tl.float32)
+      d_gc = tl.load(dgc_src + chunk * K + cols)
       d_q, d_k, d_kt, d_g = _elementwise_grads(
           q, k, kt, g, d_q, d_kt, d_k, tl.load(drk_ptr + ck), d_qg, d_kg, d_gc, g_last,
           cont, keep, cont_last, ii, C, PACKED)
@@ -760,10 +739,11 @@ def _bf16_or_f32(x):
 
 def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, num_warps,
               band_stages, skip_phases=0, solve_bk=None, span=0.0, states=None, erase=None,
-              write=None, q_scale=1.0, grad_dtypes=None):
+              write=None, q_scale=1.0, grad_dtypes=None, do_rows=False):
   """The backward kernel's launch; cotangents None (the kernel half) or (dqg, dkg, dgc);
   states None, or (h, dh, do, e) for the products made in the kernel (then dny, dp and
-  cotangents are not read: `channel_intra_grads_from_states`). grad_dtypes: the dtypes of the
+  cotangents are not read: `channel_intra_grads_from_states`; do_rows: do in `[B, T, HV, V]`,
+  else chunk-major). grad_dtypes: the dtypes of the
   whole gradients dq, dk, dvt (`GRAD_DTYPES`; None: float32), each rounded once on chip."""
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
@@ -787,7 +767,16 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
                   else (m, m, m, G))
   dny = m if products else dny.astype(MM_DTYPE)
   dp = m if products else dp.astype(MM_DTYPE)
-  dps = ((b, hv, nc, c, c) if products else (1,), MM_DTYPE)
+  if products:
+    want = (b, t, hv, dv) if do_rows else (b, hv, nc, c, dv)
+    if tuple(do.shape) != want:
+      raise ValueError(f"channel_intra_grads_from_states: do {tuple(do.shape)} must be {want} "
+                       f"(do_rows={bool(do_rows)}).")
+  # The products' scratches (made by the prologue, read back by the body), or placeholders.
+  scratch = lambda shape, dtype: (shape if products else (1,), dtype)
+  dps = scratch((b, hv, nc, c, c), MM_DTYPE)
+  product_scratch = (scratch((b, hv, nc, c, dk), MM_DTYPE),) * 3 + (
+      scratch((b, hv, nc, dk), f32),)
   erase_kind, erase = _gate_input(erase, kt, "erase")
   write_kind, write = _gate_input(write, vt, "write")
   if (erase_kind or write_kind) and not grads:
@@ -799,10 +788,12 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
     dq_dt, dk_dt, dv_dt = check_grad_dtypes(grad_dtypes)
     out_shape = _structs(((b, t, hv, dk), dq_dt), (dkt_shape, f32), ((b, t, hv, dk), dk_dt),
                          ((b, hv, nc, c, dk), f32), ((b, t, hv, dv), dv_dt),
-                         ((b, hv, nc, c, c), f32), ((b, t, hv, dk), f32), dps, *gate_grads)
+                         ((b, hv, nc, c, c), f32), ((b, t, hv, dk), f32), dps, *gate_grads,
+                         *product_scratch)
   else:
     out_shape = _structs(*[((b, hv, nc, c, dk), f32)] * 4, ((b, hv, nc, c, dv), f32),
-                         ((b, hv, nc, c, c), f32), ((1,), f32), dps, *gate_grads)
+                         ((b, hv, nc, c, c), f32), ((1,), f32), dps, *gate_grads,
+                         *product_scratch)
   outs = _jax_triton().triton_call(
       *map(_operand, (q, k, kt, vt)), G.astype(f32), *seg,
       m.astype(MM_DTYPE), dny, dqg, dp, _bf16_or_f32(du), dkg, dgc, h, dh, do, e,
@@ -811,7 +802,8 @@ def _bwd_call(q, k, kt, vt, G, segments, m, dny, dp, du, cotangents, *, chunk, n
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
       GRADS=grads, BAND_STAGES=band_stages,
       SBK=solve_bk or blocks.channel_bwd_solve_bk(dk, dv, hopper=_on_hopper()),
-      SKIP=_phases(skip_phases), SPAN=_span(span), PRODUCTS=products, ERASE=erase_kind,
+      SKIP=_phases(skip_phases), SPAN=_span(span), PRODUCTS=products,
+      DO_ROWS=bool(do_rows and products), ERASE=erase_kind,
       WRITE=write_kind, QS=float(q_scale))
   outs = list(outs[:7]) + [outs[8] if erase_kind else None, outs[9] if write_kind else None]
   return outs
@@ -881,13 +873,14 @@ def channel_intra_grads_gated(q, k, kt, vt, G, segments, m, dny, dqg, dp, du, dk
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "num_warps", "band_stages", "solve_bk",
-                                             "span", "q_scale", "grad_dtypes"))
+                                             "span", "q_scale", "grad_dtypes", "do_rows"))
 def channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e, h, dh, *,
                                     chunk: int, num_warps: int = blocks.CHANNEL_WARPS,
                                     band_stages: int = blocks.CHANNEL_BAND_STAGES,
                                     solve_bk: int | None = None,
                                     span: float = blocks.CHANNEL_SPAN, erase=None, write=None,
-                                    q_scale: float = 1.0, grad_dtypes=None):
+                                    q_scale: float = 1.0, grad_dtypes=None,
+                                    do_rows: bool = False):
   """`channel_intra_grads` with the state pass's cotangent products made in the kernel: where
   that takes dNY, dQG, dP, dKG, dgc from XLA's batched products, this takes what they are made
   of, the state pass's E (`[B, HV, Nc, C, V]` float32), the total dE (its reverse kernel's,
@@ -897,12 +890,13 @@ def channel_intra_grads_from_states(q, k, kt, vt, G, segments, m, de, do, e, h, 
   accumulation, rounded to bf16 as the XLA products are).
 
   erase, write, q_scale: as `channel_intra_fwd`'s (kt, vt are then k and v; dq is then the
-  gradient of the unscaled q). Returns (dq, dk, dkt, dvt,
+  gradient of the unscaled q). do_rows: dO in the op's `[B, T, HV, V]` (as the states path
+  has it), read so by the kernel; else chunk-major. Returns (dq, dk, dkt, dvt,
   dg, d_erase, d_write), float32: as `channel_intra_grads` plus the gates' gradients (None
   where a gate is not given); with an erase gate dk is k's whole gradient (through k̃ too) and
   dkt None; with a write gate dvt is v's gradient."""
   dq, dkt, dk, _, dvt, _, dg, d_erase, d_write = _bwd_call(
       q, k, kt, vt, G, segments, m, None, None, de, None, chunk=chunk, num_warps=num_warps,
       band_stages=band_stages, solve_bk=solve_bk, span=span, states=(h, dh, do, e),
-      erase=erase, write=write, q_scale=q_scale, grad_dtypes=grad_dtypes)
+      erase=erase, write=write, q_scale=q_scale, grad_dtypes=grad_dtypes, do_rows=do_rows)
   return dq, dk, None if erase is not None else dkt, dvt, dg, d_erase, d_write

@@ -226,22 +226,19 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, de_dtype=jnp.f
 
 
 @triton.jit
-def _products_kernel(de_ptr, do_ptr, e_ptr, h_ptr, dh_ptr, dny_ptr, dqg_ptr, dp_ptr, dkg_ptr,
-                     dgc_ptr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                     BK: tl.constexpr, HV: tl.constexpr, O_ROWS: tl.constexpr):
-  """One chunk's dNY, dQG, dKG [C, K], dP [C, C] (bf16) and dgc [K] (float32); S, dS' are
-  read in BK-row slices, so no [K, V] tile is held whole. O_ROWS: dO in `[B, T, HV, V]`."""
-  bh = tl.program_id(1).to(tl.int64)
-  chunk = bh * tl.num_programs(0) + tl.program_id(0)
+def chunk_products(de_ptr, do_ptr, e_ptr, h_ptr, dh_ptr, cv_rows, do_rows, chunk,
+                   dny_ptr, dqg_ptr, dp_ptr, dkg_ptr, dgc_ptr, C: tl.constexpr, K: tl.constexpr,
+                   V: tl.constexpr, BK: tl.constexpr):
+  """One chunk's dNY, dQG, dKG [C, K], dP [C, C] (bf16) and dgc [K] (float32), each operand
+  read once: dE, dO, E whole (any float dtype, rounded to bf16 as operands), the states h, dh'
+  in BK-row slices, so no [K, V] tile is held whole. cv_rows, do_rows: the [C] offsets of the
+  chunk's rows in dE / E and in dO (their layouts are the caller's); chunk: its index in the
+  chunk-major order of h, dh and the outputs. Shared by the products kernel and the channel
+  backward kernel's prologue (`channel_intra`), so both make the same values."""
   rc, rv, rb = tl.arange(0, C), tl.arange(0, V), tl.arange(0, BK)
-  cv = chunk * C * V + rc[:, None] * V + rv[None, :]
-  de = tl.load(de_ptr + cv).to(tl.bfloat16)
-  if O_ROWS:   # time row (b·T + chunk·C + r), head h
-    t_rows = (bh // HV) * tl.num_programs(0) * C + tl.program_id(0) * C + rc
-    do = tl.load(do_ptr + ((t_rows * HV + bh % HV) * V)[:, None] + rv[None, :]).to(tl.bfloat16)
-  else:
-    do = tl.load(do_ptr + cv).to(tl.bfloat16)
-  e = tl.load(e_ptr + cv).to(tl.bfloat16)
+  de = tl.load(de_ptr + cv_rows[:, None] + rv[None, :]).to(tl.bfloat16)
+  do = tl.load(do_ptr + do_rows[:, None] + rv[None, :]).to(tl.bfloat16)
+  e = tl.load(e_ptr + cv_rows[:, None] + rv[None, :]).to(tl.bfloat16)
   dp = tl.dot(do, tl.trans(e))
   tl.store(dp_ptr + chunk * C * C + rc[:, None] * C + rc[None, :], dp.to(tl.bfloat16))
   for s in tl.range(K // BK):
@@ -255,6 +252,24 @@ def _products_kernel(de_ptr, do_ptr, e_ptr, h_ptr, dh_ptr, dny_ptr, dqg_ptr, dp_
     tl.store(dkg_ptr + ck, tl.dot(e, tl.trans(dh)).to(tl.bfloat16))     # S' = gc⊙S + KGᵀ·E
     tl.store(dgc_ptr + chunk * K + rk,
              tl.sum(h.to(tl.float32) * dh.to(tl.float32), axis=1))
+
+
+@triton.jit
+def _products_kernel(de_ptr, do_ptr, e_ptr, h_ptr, dh_ptr, dny_ptr, dqg_ptr, dp_ptr, dkg_ptr,
+                     dgc_ptr, C: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BK: tl.constexpr, HV: tl.constexpr, O_ROWS: tl.constexpr):
+  """`chunk_products` of one chunk a program. O_ROWS: dO in `[B, T, HV, V]`."""
+  bh = tl.program_id(1).to(tl.int64)
+  chunk = bh * tl.num_programs(0) + tl.program_id(0)
+  rc = tl.arange(0, C)
+  cv_rows = chunk * C * V + rc * V
+  if O_ROWS:   # time row (b·T + chunk·C + r), head h
+    t_rows = (bh // HV) * tl.num_programs(0) * C + tl.program_id(0) * C + rc
+    do_rows = (t_rows * HV + bh % HV) * V
+  else:
+    do_rows = cv_rows
+  chunk_products(de_ptr, do_ptr, e_ptr, h_ptr, dh_ptr, cv_rows, do_rows, chunk, dny_ptr,
+                 dqg_ptr, dp_ptr, dkg_ptr, dgc_ptr, C, K, V, BK)
 
 
 PRODUCTS_WARPS = 8   # ptxas (sm_90a, K = V = 128, BK 64): see `state_pass_products`
