@@ -129,9 +129,10 @@ def test_channel_grads_auto_resolves_per_kernels_path():
 
 
 def test_state_products_choice_is_checked_and_needs_the_triton_extra():
-  # GpuTuning.state_products: "auto" (default: the Triton kernel where the extra runs, else
-  # XLA's), "xla" or "kernel"; "kernel" asked for by name where the extra cannot run is refused
-  # rather than silently replaced.
+  # GpuTuning.state_products: "auto" (default: the reverse pass's own where it can run, K =
+  # V = 64 on the Mosaic pass; else the Triton kernel where the extra runs, else XLA's), "xla"
+  # or "kernel"; "kernel" asked for by name where the extra cannot run is refused rather than
+  # silently replaced.
   from lineax_attn.ops import pallas_gpu, triton_gpu
   assert ops.GpuTuning().state_products == "auto"
   assert ops.GpuTuning.parse("state_products=kernel").state_products == "kernel"
@@ -143,13 +144,31 @@ def test_state_products_choice_is_checked_and_needs_the_triton_extra():
       "channel")
   assert pallas_gpu.state_products(ops.GpuTuning(state_products="xla")) == "xla"
   assert pallas_gpu.state_products(ops.GpuTuning()) == (
-      "kernel" if triton_gpu.available() else "xla")
+      "kernel" if triton_gpu.available() else "xla")          # (no sizes: not the pass's)
+  for state, dk, dv in (("mosaic", 128, 128), ("mosaic", 64, 128), ("triton", 64, 64)):
+    assert pallas_gpu.state_products(ops.GpuTuning(), state, dk, dv) == (
+        "kernel" if triton_gpu.available() else "xla"), (state, dk, dv)
+  assert pallas_gpu.state_products(ops.GpuTuning(), "mosaic", 64, 64) == "pass"
   asked = ops.GpuTuning(state_products="kernel")
   if triton_gpu.available():
     assert pallas_gpu.state_products(asked) == "kernel"
   else:
     with pytest.raises(ValueError, match="state_products='xla'"):
       pallas_gpu.state_products(asked)
+
+
+def test_state_products_in_the_pass_only_where_a_cta_holds_all_of_v():
+  # "pass": the Mosaic reverse pass makes the products, only at K = V = 64 (one CTA holds all
+  # of V, over which every product sums) and only on the Mosaic pass; elsewhere it is refused
+  # with the reason, not replaced.
+  from lineax_attn.ops import pallas_gpu
+  asked = ops.GpuTuning.parse("state_products=pass")
+  assert pallas_gpu.state_products(asked, "mosaic", 64, 64) == "pass"
+  for dk, dv in ((128, 128), (64, 128), (128, 64)):
+    with pytest.raises(ValueError, match="K = V = 64"):
+      pallas_gpu.state_products(asked, "mosaic", dk, dv)
+  with pytest.raises(ValueError, match="Mosaic state pass"):
+    pallas_gpu.state_products(asked, "triton", 64, 64)
 
 
 def test_state_pass_choice_is_checked_and_needs_the_triton_extra():

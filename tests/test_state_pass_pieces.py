@@ -101,8 +101,8 @@ def test_pieces_arguments_are_checked():
     sp.state_passing_fwd(**x, states_only=True, save_states=True, interpret=INTERPRET)
 
 
-def _pieces(p):
-  return pallas_gpu.GpuTuning(row_pieces=p)
+def _pieces(p, products="auto"):
+  return pallas_gpu.GpuTuning(row_pieces=p, state_products=products)
 
 
 # (mixer, B, T, pieces, by_rule): T = 200 pads to 4 chunks, 2 pieces; T = 130 is 3 chunks in 2
@@ -135,16 +135,20 @@ def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces, by_rule):
     assert_close(g, w, FWD_TOL, f"{mixer} B={b} T={t} P={pieces}: {name}")
 
 
-GRAD_CASES = [("kda", 1, 150, 2)]
+# products: who makes the state pass's products (GpuTuning.state_products); "pass", the
+# reverse pass itself (K = V = 64), walks the pieces' chunks with them.
+GRAD_CASES = [("kda", 1, 150, 2, "auto"), ("gdn2", 1, 150, 2, "pass")]
 if ON_GPU:
-  GRAD_CASES += [("gdn2", 2, 333, 3), ("kda", 1, 2048, 8)]
+  GRAD_CASES += [("gdn2", 2, 333, 3, "auto"), ("kda", 1, 2048, 8, "auto"),
+                 ("kda", 1, 2048, 8, "pass")]
 
 
-@pytest.mark.parametrize("mixer,b,t,pieces", GRAD_CASES)
-def test_pieces_gradients_match_scan(mixer, b, t, pieces):
+@pytest.mark.parametrize("mixer,b,t,pieces,products", GRAD_CASES)
+def test_pieces_gradients_match_scan(mixer, b, t, pieces, products):
   args, kw = make_inputs(mixer, b=b, t=t, h=1, hv=2, dk=64, dv=64, seed=3 * t + pieces)
-  kernel_cases.assert_training_grads_match_scan(mixer, args, kw["initial_state"], _pieces(pieces),
-                                                GRAD_TOL, f"{mixer} B={b} T={t} P={pieces}")
+  kernel_cases.assert_training_grads_match_scan(
+      mixer, args, kw["initial_state"], _pieces(pieces, products), GRAD_TOL,
+      f"{mixer} B={b} T={t} P={pieces}, {products} products")
 
 
 def test_pieces_carry_the_cotangent_back():

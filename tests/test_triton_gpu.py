@@ -770,15 +770,17 @@ def test_channel_kernels_apply_erase_and_write_gates_on_chip(gates):
 @pytest.mark.parametrize("implementation,gates,products", [
     ("triton", "kernel", "channel"), ("pallas_gpu", "kernel", "channel"),
     ("pallas_gpu", "xla", "channel"), ("pallas_gpu", "kernel", "kernel"),
-    ("pallas_gpu", "kernel", "xla"), ("pallas_gpu", "xla", "kernel")])
+    ("pallas_gpu", "kernel", "xla"), ("pallas_gpu", "xla", "kernel"),
+    ("pallas_gpu", "kernel", "pass")])
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])
 def test_op_with_channel_grads_states_matches_scan(monkeypatch, mixer, implementation, gates,
                                                    products):
   # Every gradient of a loss on the output and the final state through the state pass and
   # channel kernels' one custom VJP (channel_grads="states"; bounded span, the default), the
   # erase / write gates applied on chip or by XLA (channel_gates), the state pass's products
-  # made by the channel kernel, the products kernel or XLA (state_products), against the
-  # scan; the states path is what ran, with the products asked for.
+  # made by the channel kernel, the products kernel, XLA or the Mosaic reverse pass
+  # (state_products; K = V = 64 here, where the pass can), against the scan; the states path
+  # is what ran, with the products asked for.
   if implementation == "pallas_gpu" and not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
     pytest.skip("pallas_gpu needs a Hopper GPU")
   calls, real = [], gpu_prepare._channel_kernel_states_call

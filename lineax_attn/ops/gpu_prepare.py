@@ -222,7 +222,8 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
   d_erase, d_write), d_write None without a write gate; the gates' gradients have one
   entry per row (`[B, T, HV]`) for `[B, T, HV, 1]` gates. products
   (`GpuTuning.state_products`): who makes the state pass's cotangent products from dE, dO, E and
-  the chunk states: "channel" this kernel, "kernel" the Triton products kernel, "xla" XLA.
+  the chunk states: "channel" this kernel, "kernel" the Triton products kernel, "xla" XLA;
+  "pass": the reverse pass made them, and dh is then that tuple (dNY, dQG, dP, dKG, dgc).
   The kernel writes the gradients that are whole (dq; dk and dv with the gates on chip) in
   bf16 where q, k, v are bf16: one rounding on chip of what XLA would round after a float32
   round trip through HBM."""
@@ -239,7 +240,9 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
                              do_rows=True)
     tail = (de, do, e, h, dh)
   else:
-    if products == "kernel":
+    if products == "pass":
+      d_ny, d_qg, d_p, d_kg, d_gc = dh
+    elif products == "kernel":
       d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.products_kernel(de, do, e, h, dh, o_rows=True)
     else:
       d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.state_pass_products(de, to_chunks(do, c), e, h, dh)
@@ -275,7 +278,8 @@ def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels
   (`GpuTuning.channel_gates="xla"`, for A/B) makes k̃, ṽ and the gates' chain rule in XLA
   instead, inside the same VJP. products (`GpuTuning.state_products`): "channel" (the channel
   backward kernel makes the products, as above), "kernel" (the Triton products kernel, then
-  the channel kernel fed them) or "xla" (XLA's products). Returns (o, e, s_final) in
+  the channel kernel fed them), "xla" (XLA's products) or "pass" (the Mosaic reverse pass, where
+  one CTA holds all of V: `state_passing_bwd(products=...)`). Returns (o, e, s_final) in
   out_dtype (`gpu_vjps.state_pass_out_dtype`): o in the inputs' `[B, T, HV, V]` layout,
   written so by the Mosaic pass, whose reverse (and the products kernel) read dO so too (no
   relayout of o or dO by XLA: ~70 µs of KDA's fwd+bwd at B4 T4096 H16 D128 on an H100), e
@@ -327,7 +331,8 @@ def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, products, ou
   # bf16 operand, so the float32 copy was bytes written and read for one rounding.
   de, dh, ds0 = gpu_vjps.pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final,
                                        interpret=interpret, kernels=kernels, pieces=pieces,
-                                       de_dtype=_MM, o_rows=True)
+                                       de_dtype=_MM, o_rows=True,
+                                       e=e if products == "pass" else None)
   dq, dk, dv, dg, d_erase, d_write = _channel_kernel_states_call(
       q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c, span, on_chip, scale,
       products=products)

@@ -19,7 +19,7 @@ PAIR_CHOICES = ("xla", "kernel_fwd", "kernel")
 PAIR_DIAG_CHOICES = ("columns", "levels")  # = pallas_kernels.gpu.channel_pair.DIAG_CHOICES
 SOLVE_CHOICES = ("inverse", "trsm")
 STATE_PASS_CHOICES = ("mosaic", "triton")
-STATE_PRODUCTS_CHOICES = ("auto", "xla", "kernel", "channel")
+STATE_PRODUCTS_CHOICES = ("auto", "xla", "kernel", "channel", "pass")
 FORWARD_CHOICES = ("auto", "split", "fused", "walk")
 
 
@@ -119,11 +119,15 @@ class GpuTuning:
       DeltaNet / GDN off the walks): "xla" (four batched products, a reduction and float32 ->
       bf16 copies of dE and E), "kernel" (`pallas_kernels.gpu.triton.state_pass.
       state_pass_products`: one Triton program a chunk reading each operand once; needs the
-      triton extra: a ValueError without it), "auto" (the default: "kernel" where the triton
-      extra runs, else "xla"), or, with channel_grads="states" only, "channel" (the channel
-      backward kernel makes them itself, in a prologue running the products kernel's code:
-      `channel_intra_grads_from_states`; on the H100 KDA 3.80 ms against "kernel"'s 3.69,
-      docs/BENCHMARKS.md "thirty-fourth stage"). Under "states" the others feed the channel
+      triton extra: a ValueError without it), "pass" (the Mosaic reverse state pass makes them
+      from the tiles it holds, `state_passing_bwd(products=...)`, so dh never leaves the chip:
+      only where one CTA holds all of V, K = V = 64, on the Mosaic pass; a ValueError
+      elsewhere; on the H100 at B4 T4096 H32 D64 KDA 3.604 → 3.528 ms, GDN-2 3.878 → 3.792,
+      docs/BENCHMARKS.md "thirty-fourth stage"), "auto" (the default: "pass" where it can run,
+      else "kernel" where the triton extra runs, else "xla"), or, with channel_grads="states"
+      only, "channel" (the channel backward kernel makes them itself, in a prologue running
+      the products kernel's code: `channel_intra_grads_from_states`; on the H100 KDA 3.80 ms
+      against "kernel"'s 3.69, same stage). Under "states" the others feed the channel
       kernel the products, its gates and q's scale still on chip. On the H200 (2026-12-04,
       B4 T4096 H16 D128, `bench_ab` queued, 5 rounds; "nineteenth stage") "kernel" took KDA
       fwd+bwd from 3.952 ms to 3.817 and GDN-2 from 4.131 to 3.998.

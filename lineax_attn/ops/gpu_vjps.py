@@ -215,13 +215,24 @@ def state_pass_products(de, do, e, h, dh):
   return d_ny, d_qg, d_p, d_kg, d_gc
 
 
+def _products_grouped(call):
+  """A reverse pass that makes the products, returning (dE, (dNY, dQG, dP, dKG, dgc), ds0)
+  where the plain pass returns (dE, dh, ds0)."""
+  def grouped(*args, **kwargs):
+    de, *products, ds0 = call(*args, **kwargs)
+    return de, tuple(products), ds0
+  return grouped
+
+
 def pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final, *, interpret, kernels,
-                  pieces, de_dtype=_F32, o_rows=False):
+                  pieces, de_dtype=_F32, o_rows=False, e=None):
   """The reverse state pass: (dE, dh, ds0) from the cotangents of o, e and the final state
   (do an array, zeros where o is unused, as the products need it too; de_ext and ds_final None
   where unused), h the saved chunk states and phi `pass_forward`'s maps (pieces > 1). dE in
   de_dtype (bf16 only for callers that read it as a bf16 operand alone). o_rows: do in
-  `[B, T, HV, V]` (the Mosaic pass reads it so; for the Triton pass it is relaid out here)."""
+  `[B, T, HV, V]` (the Mosaic pass reads it so; for the Triton pass it is relaid out here).
+  e: the forward's E, given where the Mosaic pass makes the products itself
+  (`GpuTuning.state_products="pass"`): then (dE, (dNY, dQG, dP, dKG, dgc), ds0)."""
   extra = {}
   if o_rows and kernels == "mosaic":
     extra = dict(o_rows=True)
@@ -231,6 +242,8 @@ def pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final, *, interpret,
                           do.astype(_MM), None if de_ext is None else de_ext.astype(_F32),
                           **interpret_kw(kernels, interpret), **extra)
   bwd_de = functools.partial(bwd, de_dtype=de_dtype)
+  if e is not None:
+    bwd_de = _products_grouped(functools.partial(bwd_de, products=(e, h)))
   if pieces == 1:
     ds_final = jnp.zeros(h.shape[:2] + h.shape[3:], _F32) if ds_final is None else ds_final
     return bwd_de(ds_final.astype(_F32))
@@ -249,9 +262,12 @@ def _state_pass_bwd(interpret, axes, kernels, products, pieces, out_dtype, res, 
   do, de_ext, ds_final = given_cotangents(cts)
   do = jnp.zeros(e.shape, _MM) if do is None else do
   de, dh, ds0 = pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final,
-                              interpret=interpret, kernels=kernels, pieces=pieces)
+                              interpret=interpret, kernels=kernels, pieces=pieces,
+                              e=e if products == "pass" else None)
   c, (dk, dv) = e.shape[-2], h.shape[-2:]
-  if products == "kernel" and _triton_blocks().supported(c, dk, dv) is None:
+  if products == "pass":   # made by the reverse pass (dh is then those products)
+    d_ny, d_qg, d_p, d_kg, d_gc = dh
+  elif products == "kernel" and _triton_blocks().supported(c, dk, dv) is None:
     d_ny, d_qg, d_p, d_kg, d_gc = products_kernel(de, do.astype(_MM), e, h, dh)
   else:   # (sizes the Triton kernels do not take: XLA's products)
     d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, do, e, h, dh)

@@ -153,12 +153,24 @@ def state_kernels(tuning: GpuTuning, kernels: str) -> str:
   return "triton"
 
 
-def state_products(tuning: GpuTuning) -> str:
+def state_products(tuning: GpuTuning, state: str = "mosaic", dk: int = 0, dv: int = 0) -> str:
   """Who makes the state pass's backward products (`GpuTuning.state_products`): "kernel" only
   where the triton extra runs (asked for by name without it: a ValueError, not a silent
-  fallback); "auto" takes it there and XLA's products elsewhere."""
+  fallback); "pass" only on the Mosaic pass (`state`) at head dims (dk, dv) where one CTA
+  holds all of V (else a ValueError); "auto" takes "pass" where it can run (timed faster at
+  K = V = 64: docs/BENCHMARKS.md "thirty-fourth stage"), else the kernel where the triton extra
+  runs, else XLA's products."""
   from lineax_attn.ops import triton_gpu  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.gpu import state_passing  # pylint: disable=g-import-not-at-top
+  reason = ("the Mosaic state pass makes them (state_pass='mosaic' on pallas_gpu), not "
+            f"{state!r}" if state != "mosaic" else state_passing.products_reason(dk, dv))
+  if tuning.state_products == "pass":
+    if reason:
+      raise ValueError(f"GpuTuning.state_products='pass': {reason}.")
+    return "pass"
   if tuning.state_products == "auto":
+    if reason is None:
+      return "pass"
     return "kernel" if triton_gpu.available() else "xla"
   if tuning.state_products in ("xla", "channel"):   # (the channel kernels ask for triton)
     return tuning.state_products
@@ -189,7 +201,8 @@ def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernel
     ny, qg, p, u, kg, gc = prepare_chunks(q, k, k_erase, v_write, g, segidx, c=c,
                                           tuning=tuning)
   state = state_kernels(tuning, kernels)
-  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state, state_products(tuning),
+  o, e, s_final = state_pass(ny, qg, p, u, kg, gc, s0, interpret, state,
+                             state_products(tuning, state, ny.shape[-1], u.shape[-1]),
                              _pass_pieces(tuning, state, ny, u, s0), out_dtype)
   return from_chunks(o), from_chunks(e), s_final
 
@@ -429,8 +442,8 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
                                        c=c, scale=float(scale), span=tuning.channel_span,
                                        interpret=interpret, kernels=state,
                                        gates_on_chip=tuning.channel_gates == "kernel",
-                                       products=state_products(tuning), out_dtype=out_dtype,
-                                       pieces=pieces)
+                                       products=state_products(tuning, state, dk, dv),
+                                       out_dtype=out_dtype, pieces=pieces)
     return (o[:, :t], (s_final if output_final_state else None), from_chunks(e)[:, :t])
   q = jnp.repeat(q, n_rep, axis=2) * scale
   k = jnp.repeat(k, n_rep, axis=2)

@@ -21,7 +21,10 @@ Backward (reverse over chunks; dS = cotangent of the state leaving c, starts at 
 
 The kernels also write, per chunk, the state entering it (forward, `save_states`) and the state
 cotangent leaving it (backward): the remaining gradients (dNY = dE·Sᵀ, dQG = dO·Sᵀ, dP = dO·Eᵀ,
-dKG = E·dSᵀ, dgc = Σ_v dS ⊙ S) are batched matmuls over all chunks at once, done in XLA.
+dKG = E·dSᵀ, dgc = Σ_v dS ⊙ S) are batched products over all chunks at once, made by XLA or a
+products kernel. Each sums over V, so where one CTA holds all of V (K = V = 64) the reverse
+pass makes them itself instead (`products=`), from E and the states streamed in beside its own
+tiles, and the state cotangent never leaves the chip.
 
 Rows in pieces (`pieces=P`): grid axis "b" runs over B·P, piece j of row b walking its own
 Nc/P chunks from its own entry state (the states in and out are `[B·P, HV, K, V]`; the
@@ -359,8 +362,19 @@ def _states_only_kernel(ny_ref, u_ref, kg_ref, gc_ref, s0_ref, sf_ref, *, pieces
   _store_tile(state, sf_ref.at[row, hi, :, vs])
 
 
+def products_reason(dk: int, dv: int) -> str | None:
+  """None where the reverse pass can make the state pass's products itself
+  (`state_passing_bwd(products=...)`), else why not. Each product sums over V, so one CTA must
+  hold all of V; at K = V = 64 its tiles fit beside the pass's own."""
+  if (dk, dv) != (BLOCK_V, BLOCK_V):
+    return (f"K={dk}, V={dv}: the reverse pass makes the products only where one CTA holds all "
+            f"of V and K, K = V = {BLOCK_V}")
+  return None
+
+
 def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, states_only=False,
-                      pieces=1, de_dtype=jnp.float32, o_rows=False, interpret=None):
+                      pieces=1, de_dtype=jnp.float32, o_rows=False, products=None,
+                      interpret=None):
   """Reverse state pass (docs/MATH.md §3.6 steps 1-2).
 
   Args:
@@ -377,10 +391,17 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, states_only=Fa
     de_dtype: de's dtype, float32 or bfloat16 (`OUT_DTYPES`). bf16 is the float32 result
       rounded once on chip (it leaves from the bf16 operand copy the pass makes anyway), for
       callers whose every use of dE is a bf16 operand (the channel kernels' states path).
+    products: None, or (e, h), the forward pass's E `[B, HV, Nc, C, V]` and chunk states h
+      `[B, HV, Nc, K, V]` (bf16): the pass then also makes the state pass's cotangent products
+      of each chunk from the tiles it holds, dNY = dE hᵀ, dQG = dO hᵀ, dP = dO Eᵀ, dKG = E dhᵀ,
+      dgc = Σ_v h ⊙ dh (bf16 operands, float32 sums, rounded once to bf16; dgc float32), and
+      dh never leaves the chip. Only where `products_reason` is None (one CTA holds all of V).
   Returns:
     (de, dh, ds0): de `[B, HV, Nc, C, V]` total cotangent of E in de_dtype; dh `[B, HV, Nc, K, V]`
     bf16 cotangent of the state leaving each chunk; ds0 `[B·pieces, HV, K, V]` float32, the
-    cotangent of the state entering each piece; with states_only `(ds0,)`.
+    cotangent of the state entering each piece; with states_only `(ds0,)`; with products
+    (de, d_ny, d_qg, d_p, d_kg, d_gc, ds0): d_ny, d_qg, d_kg `[B, HV, Nc, C, K]`, d_p
+    `[B, HV, Nc, C, C]` bf16, d_gc `[B, HV, Nc, K]` float32.
   """
   b, hv, nc, c = qg.shape[:4]
   want = (b, nc * c, hv) if o_rows else (b, hv, nc, c)
@@ -389,16 +410,27 @@ def state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, states_only=Fa
                      f"(o_rows={bool(o_rows)}).")
   _check_pieces(nc, pieces, ds_final.shape, b, "ds_final")
   de_dtype = check_out_dtype(de_dtype, "de_dtype")
-  outs = _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, states_only=states_only,
-                            pieces=pieces, de_dtype=de_dtype, o_rows=bool(o_rows),
-                            interpret=interpret)
+  if products is not None:
+    e, h = products
+    dk, dv = qg.shape[-1], do.shape[-1]
+    reason = products_reason(dk, dv) or (
+        "states_only makes no per-chunk outputs" if states_only else None)
+    if reason:
+      raise ValueError(f"state_passing_bwd: products: {reason}.")
+    if tuple(e.shape) != (b, hv, nc, c, dv) or tuple(h.shape) != (b, hv, nc, dk, dv):
+      raise ValueError(f"state_passing_bwd: products (e, h) must be {(b, hv, nc, c, dv)} and "
+                       f"{(b, hv, nc, dk, dv)}, got {tuple(e.shape)} and {tuple(h.shape)}.")
+    products = (e.astype(MM_DTYPE), h.astype(MM_DTYPE))
+  outs = _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, products,
+                            states_only=states_only, pieces=pieces, de_dtype=de_dtype,
+                            o_rows=bool(o_rows), interpret=interpret)
   return mc.sync_if_interpreted(outs, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("states_only", "pieces", "de_dtype", "o_rows",
                                              "interpret"))
-def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, states_only=False,
-                       pieces=1, de_dtype=jnp.float32, o_rows=False):
+def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, products=None, *, interpret,
+                       states_only=False, pieces=1, de_dtype=jnp.float32, o_rows=False):
   b, hv, nc, c, dk = qg.shape
   dv = do.shape[-1]
   ncp = nc // pieces
@@ -407,19 +439,28 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
   # bf16 de leaves from its bf16 operand copy (no float32 staging tile for it).
   de_from_operand = jnp.dtype(de_dtype) == jnp.dtype(MM_DTYPE)
   staged = not (states_only or de_from_operand)
-  out_type = (jax.ShapeDtypeStruct((b, hv, nc, c, dv), de_dtype),
-              jax.ShapeDtypeStruct((b, hv, nc, dk, dv), MM_DTYPE),
-              jax.ShapeDtypeStruct((b * pieces, hv, dk, dv), f32))
+  with_products = products is not None
+  sds = jax.ShapeDtypeStruct
+  out_type = (sds((b, hv, nc, c, dv), de_dtype), sds((b, hv, nc, dk, dv), MM_DTYPE),
+              sds((b * pieces, hv, dk, dv), f32))
   if states_only:
     out_type = out_type[2:]
+  if with_products:   # de, then dNY, dQG, dP, dKG, dgc in place of dh, then ds0
+    ck = sds((b, hv, nc, c, dk), MM_DTYPE)
+    out_type = (out_type[0], ck, ck, sds((b, hv, nc, c, c), MM_DTYPE), ck,
+                sds((b, hv, nc, dk), f32), out_type[2])
 
   has_dx = de_ext is not None
 
   def kernel(*refs):
     ny_ref, qg_ref, p_ref, kg_ref, gc_ref, do_ref, *refs = refs
     dx_ref = refs.pop(0) if has_dx else None
+    e_ref, h_ref = (refs.pop(0), refs.pop(0)) if with_products else (None, None)
+    dh_ref = None
     if states_only:
-      (dsf_ref, ds0_ref), de_ref, dh_ref = refs, None, None
+      (dsf_ref, ds0_ref), de_ref = refs, None
+    elif with_products:
+      dsf_ref, de_ref, dny_ref, dqg_ref, dp_ref, dkg_ref, dgc_ref, ds0_ref = refs
     else:
       dsf_ref, de_ref, dh_ref, ds0_ref = refs
     row, bi, c0 = _piece(pieces, ncp)
@@ -435,11 +476,15 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
               kg_ref.at[bi, hi, ci], gc_ref.at[bi, hi, ci],
               do_ref.at[bi, pl.ds(ci * c, c), hi, vs] if o_rows
               else do_ref.at[bi, hi, ci, :, vs]) + (
-                  (dx_ref.at[bi, hi, ci, :, vs],) if has_dx else ())
+                  (dx_ref.at[bi, hi, ci, :, vs],) if has_dx else ()) + (
+                  (e_ref.at[bi, hi, ci], h_ref.at[bi, hi, ci]) if with_products else ())
 
     def loop(ny_s, qg_s, p_s, kg_s, gc_s, do_s, *scratch):
       scratch = list(scratch)
       dx_s = scratch.pop(0) if has_dx else None
+      e_s, h_s = (scratch.pop(0), scratch.pop(0)) if with_products else (None, None)
+      # the products' staging tiles (dNY, dQG, dP, dKG, dgc)
+      outs_s = [scratch.pop(0) for _ in range(5)] if with_products else None
       de_out = scratch.pop(2) if staged else None
       ds_mm, de_mm, bars = scratch
       ds_mm[...] = dstate.astype(MM_DTYPE)
@@ -447,7 +492,7 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
 
       def step(j, slot, ds):
         ci = last - j
-        if not states_only:
+        if not (states_only or with_products):
           plgpu.copy_smem_to_gmem(ds_mm, dh_ref.at[bi, hi, ci, :, vs])  # dS leaving chunk ci
         gcv = plgpu.load(gc_s.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
 
@@ -458,43 +503,86 @@ def _state_passing_bwd(ny, qg, p, kg, gc, do, de_ext, ds_final, *, interpret, st
           de = de + dx_s.at[slot][...]
         ds = ds * mc.rows(gcv, ds.shape) + qdo
 
-        if not states_only:
+        if with_products:
+          # ds_mm is dh of chunk ci (the dS leaving it) until it is overwritten below, so the
+          # products reading it come first; every earlier copy must be done reading.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          _chunk_products_from_dh(ds_mm, e_s.at[slot], h_s.at[slot], do_s.at[slot], outs_s)
+          ny_o, qg_o, p_o, kg_o, gc_o = outs_s
+          for src, dst in ((qg_o, dqg_ref), (p_o, dp_ref), (kg_o, dkg_ref), (gc_o, dgc_ref)):
+            plgpu.copy_smem_to_gmem(src, dst.at[bi, hi, ci], commit_group=False)
+          plgpu.commit_smem_to_gmem_group()
+        elif not states_only:
           plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # previous de copy done reading
         if staged:
           de_out[...] = de
         de_mm[...] = de.astype(MM_DTYPE)
         plgpu.commit_smem()
 
-        (yde,) = mc.matmuls((dk, bv, [(ny_s.at[slot].transpose((1, 0)), de_mm)]))
+        if with_products:   # dNY = dE hᵀ beside the chain's NYᵀ dE
+          yde, d_ny = mc.matmuls((dk, bv, [(ny_s.at[slot].transpose((1, 0)), de_mm)]),
+                                 (c, dk, [(de_mm, h_s.at[slot].T)]))
+          outs_s[0][...] = d_ny.astype(MM_DTYPE)
+        else:
+          (yde,) = mc.matmuls((dk, bv, [(ny_s.at[slot].transpose((1, 0)), de_mm)]))
         ds = ds + yde
 
-        if not states_only:
+        if not (states_only or with_products):
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dh copy done reading ds_mm
         ds_mm[...] = ds.astype(MM_DTYPE)
         plgpu.commit_smem()
+        if with_products:
+          plgpu.copy_smem_to_gmem(outs_s[0], dny_ref.at[bi, hi, ci], commit_group=False)
         if not states_only:
           plgpu.copy_smem_to_gmem(de_mm if de_from_operand else de_out,
                                   de_ref.at[bi, hi, ci, :, vs])
         return ds
 
-      dsts = (ny_s, qg_s, p_s, kg_s, gc_s, do_s) + ((dx_s,) if has_dx else ())
+      dsts = (ny_s, qg_s, p_s, kg_s, gc_s, do_s) + ((dx_s,) if has_dx else ()) + (
+          (e_s, h_s) if with_products else ())
       ds = _chunk_loop(ncp, step_srcs, dsts, bars, step, dstate)
       plgpu.wait_smem_to_gmem(0)
       return ds
 
-    barriers = tuple(plgpu.Barrier(num_barriers=2) for _ in range(6 + has_dx))
+    barriers = tuple(plgpu.Barrier(num_barriers=2)
+                     for _ in range(6 + has_dx + 2 * with_products))
+    product_tiles = [
+        mc.smem((2, c, bv), MM_DTYPE), mc.smem((2, dk, bv), MM_DTYPE),       # E, h
+        mc.smem((c, dk), MM_DTYPE), mc.smem((c, dk), MM_DTYPE),              # dNY, dQG
+        mc.smem((c, c), MM_DTYPE), mc.smem((c, dk), MM_DTYPE),               # dP, dKG
+        plgpu.SMEM((dk,), f32)] if with_products else []                     # dgc
     dstate = pl.run_scoped(
         loop,
         mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, dk), MM_DTYPE), mc.smem((2, c, c), MM_DTYPE),
         mc.smem((2, c, dk), MM_DTYPE), plgpu.SMEM((2, dk), f32), mc.smem((2, c, bv), MM_DTYPE),
-        *([mc.smem((2, c, bv), f32)] if has_dx else []), mc.smem((dk, bv), MM_DTYPE),
-        mc.smem((c, bv), MM_DTYPE), *([mc.smem((c, bv), f32)] if staged else []),
-        barriers)
+        *([mc.smem((2, c, bv), f32)] if has_dx else []), *product_tiles,
+        mc.smem((dk, bv), MM_DTYPE), mc.smem((c, bv), MM_DTYPE),
+        *([mc.smem((c, bv), f32)] if staged else []), barriers)
     _store_tile(dstate, ds0_ref.at[row, hi, :, vs])
 
-  args = (ny, qg, p, kg, gc, do) + ((de_ext,) if has_dx else ()) + (ds_final,)
+  args = (ny, qg, p, kg, gc, do) + ((de_ext,) if has_dx else ()) + (
+      tuple(products) if with_products else ()) + (ds_final,)
   return plgpu.kernel(kernel, out_type=out_type, interpret=interpret,
                       **_mesh_kwargs(b, hv, nc, dv, pieces))(*args)
+
+
+def _chunk_products_from_dh(dh_mm, e_s, h_s, do_s, outs_s):
+  """The products of one chunk that need no dE, into their staging tiles: dKG = E dhᵀ,
+  dQG = dO hᵀ, dP = dO Eᵀ (bf16) and dgc = Σ_v h ⊙ dh (float32); dh_mm is the bf16 dS leaving
+  the chunk, the operand the chain used (so each product sums what the separate products
+  kernel sums)."""
+  c, dk = e_s.shape[0], h_s.shape[0]
+  _, qg_o, p_o, kg_o, gc_o = outs_s
+  d_kg, d_qg, d_p = mc.matmuls((c, dk, [(e_s, dh_mm.T)]), (c, dk, [(do_s, h_s.T)]),
+                               (c, c, [(do_s, e_s.T)]))
+  wg = plgpu.Layout.WGMMA
+  both = (plgpu.load(h_s, layout=wg).astype(jnp.float32)
+          * plgpu.load(dh_mm, layout=wg).astype(jnp.float32))
+  gc_o[...] = jnp.sum(both, axis=1)
+  kg_o[...] = d_kg.astype(MM_DTYPE)
+  qg_o[...] = d_qg.astype(MM_DTYPE)
+  p_o[...] = d_p.astype(MM_DTYPE)
+  plgpu.commit_smem()
 
 
 def state_passing_reference(ny, qg, p, u, kg, gc, s0, *, round_operands=False):
