@@ -17,7 +17,9 @@ XLA's; `GpuTuning.triton_intra`) and the Triton state pass. This times, at one s
   against the exact float32 `_intra_chunk`, its backward kernel half (at each warp count and
   `--band_stages`), the backward's rest as XLA's glue or fused into the kernel
   (`channel_intra_grads`, with its error against the glue), the XLA part they replace, and
-  the whole op with each.
+  the whole op with each;
+* `--mixers=products`: the state pass's products kernel (KDA / GDN-2's backward at D 128) at
+  each of `--products_launches` (warps, K rows a slice, stages), with GB/s.
 
     python -m experiments.bench_triton_parts --shape=4,4096,16,128 --out_json=/tmp/parts.json
 """
@@ -54,7 +56,8 @@ _SLICE_STAGES = flags.DEFINE_list("slice_stages", "1,2", "Pipelining depths of t
                                    "precision and warps (blocks.INTRA_SLICE_STAGES).")
 _MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule", "gated_delta_rule (the delta-rule "
                             "kernels and state passes) and/or kda, gdn2 (the per-channel "
-                            "forward kernel and the whole op).")
+                            "forward kernel and the whole op), products (the state pass's "
+                            "products kernel at each of --products_launches).")
 _GRADS_BK = flags.DEFINE_list("grads_bk", "16,64", "Columns a step of the delta-rule intra "
                               "backward's dq / dk loop to time (blocks.grads_bk).")
 _CHANNEL_SOLVE_BK = flags.DEFINE_list("channel_solve_bk", "16,32", "Columns a step of the fused "
@@ -64,6 +67,10 @@ _PHASE_COSTS = flags.DEFINE_bool("phase_costs", False, "KDA / GDN-2: also time t
                                   "kernels with one phase left out at a time (solve loops, "
                                   "anchored products, diagonal bands; `skip_phases`, wrong "
                                   "results): what a phase costs is the time it takes off.")
+_PRODUCTS_LAUNCHES = flags.DEFINE_list(
+    "products_launches", "8:64:1,4:64:1,8:128:1,8:32:1,4:32:1,16:64:1,8:64:2",
+    "--mixers=products: launches of the state pass's products kernel to time, as "
+    "warps:BK:stages (`state_pass.state_pass_products(launch=)`; 8:64:1 is the default).")
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Rows as JSON.")
 _OUT_MD = flags.DEFINE_string("out_md", "", "Rows as a markdown table.")
 
@@ -299,6 +306,38 @@ def rows_for(b, t, h, d, iters, warps):
   return rows
 
 
+def products_rows(b, t, h, d, iters):
+  """The state pass's products kernel (KDA / GDN-2's backward at D 128) at each launch, dO in
+  the op's layout as the states path passes it; `err` is the largest relative error of the
+  five outputs against the default launch's. It streams ~168 KB a chunk at K = V = 128
+  (dE, dO, E, h, dh in; dNY, dQG, dKG, dP, dgc out), so GB/s is logged beside each time."""
+  from pallas_kernels.gpu.triton import state_pass as tsp
+  rows = []
+  row = _timer(rows, iters)
+  nc = t // C
+  ks = jax.random.split(jax.random.key(0), 5)
+  bf = jnp.bfloat16
+  de, e = (jax.random.normal(k, (b, h, nc, C, d)).astype(bf) for k in ks[:2])
+  do = jax.random.normal(ks[2], (b, t, h, d)).astype(bf)
+  hs, dh = (jax.random.normal(k, (b, h, nc, d, d)).astype(bf) for k in ks[3:])
+  args = (de, do, e, hs, dh)
+  want = tsp.state_pass_products(*args, o_rows=True)
+  moved = sum(x.size * x.dtype.itemsize for x in args + tuple(want))
+  for spec in _PRODUCTS_LAUNCHES.value:
+    launch = tuple(int(x) for x in spec.split(":"))
+    fn = functools.partial(tsp.state_pass_products, o_rows=True, launch=launch)
+    try:
+      got = fn(*args)
+      err = max(_rel_rms(g, w) for g, w in zip(got, want))
+    except Exception as e_:  # noqa: BLE001 - one failing launch must not stop the others
+      log(f"[error] products {spec}: {type(e_).__name__}: {str(e_)[:300]}")
+      err = None
+    row(f"products kernel, warps:BK:stages {spec}", fn, *args, err=err)
+    if rows[-1]["ms"]:
+      log(f"  {moved / rows[-1]['ms'] / 1e6:.0f} GB/s")
+  return rows
+
+
 def main(argv):
   del argv
   b, t, h, d = (int(x) for x in _SHAPE.value.split(","))
@@ -311,8 +350,11 @@ def main(argv):
       rows += rows_for(b, t, h, d, _ITERS.value, [int(w) for w in _WARPS.value])
     elif mixer in ("kda", "gdn2"):
       rows += channel_rows(mixer, b, t, h, d, _ITERS.value, [int(w) for w in _WARPS.value])
+    elif mixer == "products":
+      rows += products_rows(b, t, h, d, _ITERS.value)
     else:
-      raise app.UsageError(f"--mixers: {mixer!r} is not one of gated_delta_rule, kda, gdn2")
+      raise app.UsageError(f"--mixers: {mixer!r} is not one of gated_delta_rule, kda, gdn2, "
+                           f"products")
   meta = {"shape": [b, t, h, d], "mixers": _MIXERS.value,
           "device": jax.devices()[0].device_kind, "jax": jax.__version__}
   if _OUT_JSON.value:

@@ -85,7 +85,8 @@ tests)
     tests/test_state_pass_pieces.py tests/test_gpu_tuning_plumbing.py
     tests/test_channel_pair_kernel.py tests/test_attention.py tests/test_large_index.py
     tests/test_triton_ffi_call.py tests/test_triton_path.py tests/test_bench_ops.py
-    tests/test_state_pass_out_dtype.py tests/test_state_pass_o_rows.py"
+    tests/test_state_pass_out_dtype.py tests/test_state_pass_o_rows.py
+    tests/test_state_pass_products.py"
   timeout 540 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest $FILES ${XD:--n 10} -v \
     -p no:cacheprovider -rs --durations=15 > $KEEP/test_gpu_${GPU_TAG}_compiled_suite.log 2>&1
   echo "pytest rc=$?"; grep -E "FAILED|ERROR" $KEEP/test_gpu_*.log | head -20

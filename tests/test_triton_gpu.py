@@ -447,6 +447,17 @@ def test_state_pass_products_kernel_matches_float32_products(dk, dv):
                                   np.asarray(b_.astype(jnp.float32)), err_msg=f"{name} rows")
   with pytest.raises(ValueError, match="do"):
     tsp.state_pass_products(de2, do2, e2, h2, dh2, o_rows=True)
+  # Another launch (benchmarks' `launch=`: warps, K rows a slice, stages): the same products
+  # (up to the float32 sums' order, then the outputs' bf16 rounding: 1e-2, dgc 1e-5 as above);
+  # a slice width it cannot take is refused.
+  other = jax.jit(functools.partial(tsp.state_pass_products, launch=(4, 32, 2)))(
+      de, do, e, h, dh)
+  for name, a, w, dtype in zip(("dNY", "dQG", "dP", "dKG", "dgc"), other, want,
+                               (BF, BF, BF, BF, jnp.float32)):
+    assert a.dtype == dtype, name
+    assert_close(a.astype(jnp.float32), w, 1e-2 if dtype == BF else 1e-5, f"{name} launch")
+  with pytest.raises(ValueError, match="bk"):
+    tsp.state_pass_products(de, do, e, h, dh, launch=(8, 48, 1))
 
 
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])

@@ -276,15 +276,17 @@ PRODUCTS_WARPS = 8   # ptxas (sm_90a, K = V = 128, BK 64): see `state_pass_produ
 PRODUCTS_BK = 64
 
 
-@functools.partial(jax.jit, static_argnames=("o_rows",))
-def state_pass_products(de, do, e, h, dh, *, o_rows=False):
+@functools.partial(jax.jit, static_argnames=("o_rows", "launch"))
+def state_pass_products(de, do, e, h, dh, *, o_rows=False, launch=None):
   """`lineax_attn.ops.gpu_vjps.state_pass_products` in one kernel: (dNY, dQG, dP, dKG, dgc) from
   dE, dO, E `[B, HV, Nc, C, V]` (any float dtype; rounded to bf16 as operands; dO in
   `[B, T, HV, V]` with o_rows, as `state_passing_bwd(o_rows=True)` takes it) and the states
   h, dh `[B, HV, Nc, K, V]` bf16; dNY, dQG, dKG `[B, HV, Nc, C, K]` and dP `[..., C, C]` in
   bf16 (float32 accumulation, rounded once, as XLA's products rounded to the operands' bf16),
   dgc `[B, HV, Nc, K]` float32. XLA makes them as four batched products, a reduction and
-  float32 -> bf16 copies of dE and E, each pass reading its operands again."""
+  float32 -> bf16 copies of dE and E, each pass reading its operands again. launch: None (the
+  module's PRODUCTS_WARPS, PRODUCTS_BK, one stage) or (warps, bk, stages), for benchmarks
+  (`experiments.bench_triton_parts --mixers=products`)."""
   b, hv, nc, c, dv = de.shape
   dk = h.shape[-2]
   reason = blocks.supported(c, dk, dv)
@@ -294,12 +296,15 @@ def state_pass_products(de, do, e, h, dh, *, o_rows=False):
   if tuple(do.shape) != tuple(want):
     raise ValueError(f"state_pass_products: do {tuple(do.shape)} must be {tuple(want)} "
                      f"(o_rows={bool(o_rows)}).")
+  warps, bk, stages = launch or (PRODUCTS_WARPS, PRODUCTS_BK, 1)
+  if bk not in (16, 32, 64, 128) or dk % min(bk, dk):
+    raise ValueError(f"state_pass_products: launch bk={bk} must be 16, 32, 64 or 128.")
   bf = MM_DTYPE
   out_shape = _structs(((b, hv, nc, c, dk), bf), ((b, hv, nc, c, dk), bf), ((b, hv, nc, c, c), bf),
                        ((b, hv, nc, c, dk), bf), ((b, hv, nc, dk), jnp.float32))
   d_ny, d_qg, d_p, d_kg, d_gc = _jax_triton().triton_call(
       de, do, e, h.astype(bf), dh.astype(bf), kernel=_products_kernel,
       out_shape=out_shape, grid=(nc, b * hv),
-      num_warps=PRODUCTS_WARPS, num_stages=1, C=c, K=dk, V=dv, BK=min(PRODUCTS_BK, dk), HV=hv,
+      num_warps=warps, num_stages=stages, C=c, K=dk, V=dv, BK=min(bk, dk), HV=hv,
       O_ROWS=bool(o_rows))
   return d_ny, d_qg, d_p, d_kg, d_gc
