@@ -261,16 +261,17 @@ def _state_pass_bwd(interpret, axes, kernels, products, pieces, out_dtype, res, 
   ny, qg, p, kg, gc, h, e, phi = res
   do, de_ext, ds_final = given_cotangents(cts)
   do = jnp.zeros(e.shape, _MM) if do is None else do
-  de, dh, ds0 = pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final,
-                              interpret=interpret, kernels=kernels, pieces=pieces,
-                              e=e if products == "pass" else None)
+  in_pass = products == "pass"   # the reverse pass makes the products (no dh comes back)
+  de, second, ds0 = pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final,
+                                  interpret=interpret, kernels=kernels, pieces=pieces,
+                                  e=e if in_pass else None)
   c, (dk, dv) = e.shape[-2], h.shape[-2:]
-  if products == "pass":   # made by the reverse pass (dh is then those products)
-    d_ny, d_qg, d_p, d_kg, d_gc = dh
+  if in_pass:
+    d_ny, d_qg, d_p, d_kg, d_gc = second
   elif products == "kernel" and _triton_blocks().supported(c, dk, dv) is None:
-    d_ny, d_qg, d_p, d_kg, d_gc = products_kernel(de, do.astype(_MM), e, h, dh)
-  else:   # (sizes the Triton kernels do not take: XLA's products)
-    d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, do, e, h, dh)
+    d_ny, d_qg, d_p, d_kg, d_gc = products_kernel(de, do.astype(_MM), e, h, second)
+  else:   # (sizes the Triton kernels do not take: XLA's products); second is dh
+    d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, do, e, h, second)
   axes = frozenset(axes)
   cts = (d_ny.astype(ny.dtype), d_qg.astype(qg.dtype), d_p.astype(p.dtype), de,
          d_kg.astype(kg.dtype), d_gc, ds0)
