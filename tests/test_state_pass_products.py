@@ -8,7 +8,8 @@ operands (`gpu_vjps.state_pass_products`). dE and ds0 must be the plain pass's t
 chain is untouched); the products are the same sums of the same bf16 operands in another order,
 rounded once to bf16: equal to 1e-3 relative (dgc, float32, to 1e-5). Rows in two pieces, dO in
 the op's layout and E's own cotangent, as the states path runs it. Sizes where a CTA does not
-hold all of V, and states-only passes, are refused by name; the kernel lowers for CUDA.
+hold all of V, and states-only passes, are refused by name; the kernel lowers for CUDA within
+Hopper's shared memory, as the states path and the split path run it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, mosaic_gpu_or_skip
+from helpers import assert_close, mosaic_gpu_or_skip, record_smem_estimates
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -83,17 +84,27 @@ def test_products_are_refused_where_a_cta_does_not_hold_all_of_v():
   assert sp.products_reason(64, 64) is None and sp.products_reason(128, 64)
 
 
-def test_products_pass_lowers_for_cuda():
+# As the states path runs it (bf16 dE, dO in the op's layout) and as the split path does
+# (float32 dE from a staging tile, E's own cotangent, chunk-major dO, rows in two pieces).
+@pytest.mark.parametrize("states_path", [True, False])
+def test_products_pass_lowers_for_cuda(states_path, monkeypatch):
   # Layout inference runs at lowering: the products' transposed operands, the dgc row sums and
-  # their staging tiles must be constructs Mosaic GPU compiles (the interpreter takes more).
+  # their staging tiles must be constructs Mosaic GPU compiles (the interpreter takes more),
+  # in Hopper's 227 KiB of shared memory a CTA.
+  estimates = record_smem_estimates(monkeypatch)
   sds = jax.ShapeDtypeStruct
   f32 = jnp.float32
   b, hv, t, c, d = 1, 2, 128, 64, 64
   nc = t // c
+  pieces = 1 if states_path else 2
   ck = sds((b, hv, nc, c, d), BF16)
-  args = (ck, ck, sds((b, hv, nc, c, c), BF16), ck, sds((b, hv, nc, d), f32),
-          sds((b, t, hv, d), BF16), sds((b, hv, d, d), f32), ck, sds((b, hv, nc, d, d), BF16))
-  fn = lambda ny, qg, p, kg, gc, do, dsf, e, h: sp._state_passing_bwd(
-      ny, qg, p, kg, gc, do, None, dsf, (e, h), de_dtype=BF16, o_rows=True, interpret=None)
-  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  do = sds((b, t, hv, d), BF16) if states_path else ck
+  dx = None if states_path else sds((b, hv, nc, c, d), f32)
+  args = (ck, ck, sds((b, hv, nc, c, c), BF16), ck, sds((b, hv, nc, d), f32), do,
+          sds((b * pieces, hv, d, d), f32), ck, sds((b, hv, nc, d, d), BF16))
+  fn = lambda ny, qg, p, kg, gc, do, dsf, e, h, *dx: sp._state_passing_bwd(
+      ny, qg, p, kg, gc, do, dx[0] if dx else None, dsf, (e, h), pieces=pieces,
+      de_dtype=BF16 if states_path else f32, o_rows=states_path, interpret=None)
+  lowered = jax.jit(fn).trace(*args, *([dx] if dx else [])).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
+  assert 0 < estimates[-1] <= 227 * 1024, estimates
