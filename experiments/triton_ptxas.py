@@ -77,7 +77,8 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                  BAND_STAGES=blocks.CHANNEL_BAND_STAGES, SPAN=float(blocks.CHANNEL_SPAN),
                  ERASE=0, WRITE=0, QS=1.0)
   channel_fwd = dict(channel, SBK=blocks.solve_bk(dk, dv), SKIP=0)
-  channel_bwd = dict(channel, SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=hopper), SKIP=0)
+  channel_bwd = dict(channel, SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=hopper), SKIP=0,
+                     DO_ROWS=False)
   f = frozenset
   return [
       Launch("state_pass", "_fwd_kernel",
@@ -132,19 +133,24 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
       Launch("channel_intra", "_bwd_kernel+grads", dict(channel_bwd, GRADS=True, PRODUCTS=False),
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
-      Launch("channel_intra", "_bwd_kernel+grads+states",   # channel_intra_grads_from_states
-             dict(channel_bwd, GRADS=True, PRODUCTS=True),
+      # channel_intra_grads_from_states as the states path calls it: dE, E bf16, dO in the
+      # op's layout (DO_ROWS), the products' bf16 scratches sny, sqg, skg
+      Launch("channel_intra", "_bwd_kernel+grads+states",
+             dict(channel_bwd, GRADS=True, PRODUCTS=True, DO_ROWS=True),
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr",
-                "dps_ptr"}), blocks.CHANNEL_WARPS, 1),
+                "dps_ptr", "du_ptr", "e_ptr", "sny_ptr", "sqg_ptr", "skg_ptr"}),
+             blocks.CHANNEL_WARPS, 1),
       # ... with KDA's β made on chip (k, v and a row gate instead of k̃, ṽ), bf16 inputs
       Launch("channel_intra", "_fwd_kernel@gates", dict(channel_fwd, ERASE=1, WRITE=1,
                                                         QS=0.0883883461),
              f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
                 "m_ptr"}), blocks.CHANNEL_WARPS, 1),
       Launch("channel_intra", "_bwd_kernel+grads+states@gates",
-             dict(channel_bwd, GRADS=True, PRODUCTS=True, ERASE=1, WRITE=1, QS=0.0883883461),
+             dict(channel_bwd, GRADS=True, PRODUCTS=True, DO_ROWS=True, ERASE=1, WRITE=1,
+                  QS=0.0883883461),
              f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr",
-                "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr", "dps_ptr"}), blocks.CHANNEL_WARPS, 1),
+                "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr", "dps_ptr", "du_ptr", "e_ptr", "sny_ptr",
+                "sqg_ptr", "skg_ptr"}), blocks.CHANNEL_WARPS, 1),
       # ... the state pass's products given (state_products "kernel" / "xla"), gates on chip
       Launch("channel_intra", "_bwd_kernel+grads@gates",
              dict(channel_bwd, GRADS=True, PRODUCTS=False, ERASE=1, WRITE=1, QS=0.0883883461),
