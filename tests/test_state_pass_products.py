@@ -9,7 +9,9 @@ chain is untouched); the products are the same sums of the same bf16 operands in
 rounded once to bf16: equal to 1e-3 relative (dgc, float32, to 1e-5). Rows in two pieces, dO in
 the op's layout and E's own cotangent, as the states path runs it. Sizes where a CTA does not
 hold all of V, and states-only passes, are refused by name; the kernel lowers for CUDA within
-Hopper's shared memory, as the states path and the split path run it.
+Hopper's shared memory, as the states path and the split path run it. The op, where the
+default takes this path, against the scan at T = 1, one chunk and one chunk plus a row, forward
+alone and with every gradient, under fresh jitted compiles.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_close, mosaic_gpu_or_skip, record_smem_estimates
+from helpers import (assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads,
+                     record_smem_estimates, run_jit)
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
 import kernel_cases  # noqa: E402
-from lineax_attn.ops import gpu_chunks, gpu_vjps  # noqa: E402
+from lineax_attn.ops import gpu_chunks, gpu_vjps, pallas_gpu  # noqa: E402
 from pallas_kernels.gpu import state_passing as sp  # noqa: E402
 
 BF16 = jnp.bfloat16
@@ -108,3 +111,29 @@ def test_products_pass_lowers_for_cuda(states_path, monkeypatch):
   lowered = jax.jit(fn).trace(*args, *([dx] if dx else [])).lower(lowering_platforms=("cuda",))
   assert "mosaic_gpu" in lowered.as_text()
   assert 0 < estimates[-1] <= 227 * 1024, estimates
+
+
+@pytest.mark.parametrize("mixer,t", [("kda", 1), ("gdn2", 64), ("kda", 65)])
+def test_op_at_the_edges_of_t_with_the_pass_products(monkeypatch, mixer, t):
+  # The op as users call it at K = V = 64, where the default takes the pass's products: fresh
+  # jitted compiles, forward alone (output and final state) and every gradient against the
+  # scan, at T = 1, one chunk and one chunk plus a row; the pass made the products.
+  made = []
+  real = sp.state_passing_bwd
+  monkeypatch.setattr(sp, "state_passing_bwd", lambda *a, **k: made.append(
+      k.get("products") is not None) or real(*a, **k))
+  args, kw = make_inputs(mixer, b=2, t=t, h=1, hv=2, dk=64, dv=64, seed=40 + t)
+  tuning = pallas_gpu.GpuTuning()
+  jax.clear_caches()
+  got = run_jit(mixer, args, **kw, output_final_state=True, implementation="pallas_gpu",
+                tuning=tuning)
+  want = run_jit(mixer, args, **kw, output_final_state=True, implementation="scan")
+  for name, g, w in zip(("o", "final state"), got, want):
+    assert_close(g, w, 2e-2, f"{mixer} T={t} {name}")
+  assert not made, "the forward ran a reverse pass"
+  grads = output_and_state_grads(mixer, args, kw["initial_state"], "pallas_gpu", tuning=tuning)
+  assert made and all(made), made
+  for i, (g, w) in enumerate(zip(grads, output_and_state_grads(
+      mixer, args, kw["initial_state"], "scan"))):
+    assert_close(g, w, 3e-2, f"{mixer} T={t} grad {i}")
+
