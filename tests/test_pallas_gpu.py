@@ -115,9 +115,9 @@ def test_products_kernel_wiring_matches_scan(monkeypatch):
   from lineax_attn.ops import gpu_vjps, triton_gpu
   calls = []
   monkeypatch.setattr(triton_gpu, "available", lambda: True)
-  monkeypatch.setattr(gpu_vjps, "products_kernel", lambda *a: calls.append(1) or tuple(
-      x.astype(jnp.bfloat16) if i < 4 else x
-      for i, x in enumerate(gpu_vjps.state_pass_products(*a))))
+  monkeypatch.setattr(gpu_vjps, "products_kernel", lambda *a, o_rows=False: calls.append(
+      o_rows) or tuple(x.astype(jnp.bfloat16) if i < 4 else x    # (the split path: chunk-major)
+                       for i, x in enumerate(gpu_vjps.state_pass_products(*a))))
   args, kw = make_inputs("kda", b=1, t=96, h=1, hv=2, dk=64, dv=64, seed=6)
   tuning = pallas_gpu.GpuTuning(state_products="kernel", channel_intra="xla")  # (no Triton here)
   got = output_and_state_grads("kda", args, kw["initial_state"], "pallas_gpu", tuning=tuning)

@@ -291,8 +291,8 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
   interpret = gpu_vjps.interpret_params()
 
   def states_call(q, k, v, erase, write, g, segidx, m, de, do, e, h, dh, c, span=0.0,
-                  on_chip=True, q_scale=1.0, products="channel", made=None):
-    assert on_chip and products == "channel" and made is None   # (channel_state_core's default)
+                  on_chip=True, q_scale=1.0, products="channel"):
+    assert on_chip and products == "channel"   # (channel_state_core's default)
     q = q * q_scale
     kt, vt = k * erase, v * write
     # (do in o's [B, T, HV, V] layout, as the states path hands it over)

@@ -215,16 +215,16 @@ def _erased_and_written(k, v, erase, write):
   return k32 * erase, (v32 if write is None else v32 * write)
 
 
-def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c,
-                                span=0.0, on_chip=True, q_scale=1.0, products="channel",
-                                made=None):
+def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, h, second, c,
+                                span=0.0, on_chip=True, q_scale=1.0, products="channel"):
   """The fused backward kernel after the state pass's reverse kernel, the gates applied on
   chip (on_chip) or to k̃, ṽ made here (then their chain rule here too): (dq, dk, dv, dg,
   d_erase, d_write), d_write None without a write gate; the gates' gradients have one
   entry per row (`[B, T, HV]`) for `[B, T, HV, 1]` gates. products
   (`GpuTuning.state_products`): who makes the state pass's cotangent products from dE, dO, E and
   the chunk states: "channel" this kernel, "kernel" the Triton products kernel, "xla" XLA;
-  "pass": the reverse pass made them, `made` = (dNY, dQG, dP, dKG, dgc), and dh is None.
+  "pass": the reverse pass made them. second: `pass_backward`'s second result, dh or (with
+  "pass") those products (`gpu_vjps.cotangent_products`).
   The kernel writes the gradients that are whole (dq; dk and dv with the gates on chip) in
   bf16 where q, k, v are bf16: one rounding on chip of what XLA would round after a float32
   round trip through HBM."""
@@ -239,14 +239,10 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
     call = functools.partial(channel_intra.channel_intra_grads_from_states, chunk=c,
                              span=float(span), q_scale=float(q_scale), grad_dtypes=grad_dtypes,
                              do_rows=True)
-    tail = (de, do, e, h, dh)
+    tail = (de, do, e, h, second)
   else:
-    if products == "pass":
-      d_ny, d_qg, d_p, d_kg, d_gc = made
-    elif products == "kernel":
-      d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.products_kernel(de, do, e, h, dh, o_rows=True)
-    else:
-      d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.state_pass_products(de, to_chunks(do, c), e, h, dh)
+    d_ny, d_qg, d_p, d_kg, d_gc = gpu_vjps.cotangent_products(products, de, do, e, h, second,
+                                                              o_rows=True)
     call = functools.partial(channel_intra.channel_intra_grads_gated, chunk=c,
                              span=float(span), q_scale=float(q_scale), grad_dtypes=grad_dtypes)
     tail = (d_ny, d_qg, d_p, de, d_kg, d_gc)
@@ -330,14 +326,14 @@ def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, products, ou
   do = jnp.zeros((b, nc * c, hv, dv), _MM) if do is None else do.astype(_MM)   # o's layout
   # dE in bf16: every reader below (the products, the channel kernel's Mᵀ dE) takes it as a
   # bf16 operand, so the float32 copy was bytes written and read for one rounding.
-  in_pass = products == "pass"   # the reverse pass makes the products (no dh comes back)
+  # second: dh, or the reverse pass's own products (state_products "pass")
   de, second, ds0 = gpu_vjps.pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final,
                                            interpret=interpret, kernels=kernels, pieces=pieces,
-                                           de_dtype=_MM, o_rows=True, e=e if in_pass else None)
-  dh, made = (None, second) if in_pass else (second, None)
+                                           de_dtype=_MM, o_rows=True,
+                                           e=e if products == "pass" else None)
   dq, dk, dv, dg, d_erase, d_write = _channel_kernel_states_call(
-      q, k, v, erase, write, G, segidx, m, de, do, e, h, dh, c, span, on_chip, scale,
-      products=products, made=made)
+      q, k, v, erase, write, G, segidx, m, de, do, e, h, second, c, span, on_chip, scale,
+      products=products)
   back = lambda d, x: None if x is None else d.reshape(x.shape).astype(x.dtype)
   return (back(dq, q), back(dk, k), back(dv, v), back(d_erase, erase), back(d_write, write),
           back(dg, g), ds0, None)

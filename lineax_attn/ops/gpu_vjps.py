@@ -215,6 +215,19 @@ def state_pass_products(de, do, e, h, dh):
   return d_ny, d_qg, d_p, d_kg, d_gc
 
 
+def cotangent_products(products, de, do, e, h, second, *, o_rows=False):
+  """(dNY, dQG, dP, dKG, dgc) as `GpuTuning.state_products` asks ("pass", "kernel", else
+  XLA's) after `pass_backward`, whose second result `second` is then the pass's own products
+  ("pass") or dh. o_rows: do in `[B, T, HV, V]`, which the products kernel reads as it is."""
+  if products == "pass":
+    return second
+  c, (dk, dv) = e.shape[-2], h.shape[-2:]
+  if products == "kernel" and _triton_blocks().supported(c, dk, dv) is None:
+    return products_kernel(de, do.astype(_MM), e, h, second, o_rows=o_rows)
+  # (sizes the Triton kernels do not take: XLA's products, on chunk-major dO)
+  return state_pass_products(de, to_chunks(do, c) if o_rows else do, e, h, second)
+
+
 def _products_grouped(call):
   """A reverse pass that makes the products, returning (dE, (dNY, dQG, dP, dKG, dgc), ds0)
   where the plain pass returns (dE, dh, ds0)."""
@@ -261,17 +274,10 @@ def _state_pass_bwd(interpret, axes, kernels, products, pieces, out_dtype, res, 
   ny, qg, p, kg, gc, h, e, phi = res
   do, de_ext, ds_final = given_cotangents(cts)
   do = jnp.zeros(e.shape, _MM) if do is None else do
-  in_pass = products == "pass"   # the reverse pass makes the products (no dh comes back)
   de, second, ds0 = pass_backward(ny, qg, p, kg, gc, h, phi, do, de_ext, ds_final,
                                   interpret=interpret, kernels=kernels, pieces=pieces,
-                                  e=e if in_pass else None)
-  c, (dk, dv) = e.shape[-2], h.shape[-2:]
-  if in_pass:
-    d_ny, d_qg, d_p, d_kg, d_gc = second
-  elif products == "kernel" and _triton_blocks().supported(c, dk, dv) is None:
-    d_ny, d_qg, d_p, d_kg, d_gc = products_kernel(de, do.astype(_MM), e, h, second)
-  else:   # (sizes the Triton kernels do not take: XLA's products); second is dh
-    d_ny, d_qg, d_p, d_kg, d_gc = state_pass_products(de, do, e, h, second)
+                                  e=e if products == "pass" else None)
+  d_ny, d_qg, d_p, d_kg, d_gc = cotangent_products(products, de, do, e, h, second)
   axes = frozenset(axes)
   cts = (d_ny.astype(ny.dtype), d_qg.astype(qg.dtype), d_p.astype(p.dtype), de,
          d_kg.astype(kg.dtype), d_gc, ds0)
