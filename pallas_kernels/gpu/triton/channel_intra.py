@@ -487,8 +487,8 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
       keep = tl.load(keep_ptr + rows)[:, None]
       cont_last = tl.load(cont_ptr + row0 + C - 1)
   rs = tl.arange(0, SBK)
-  cv_rows = chunk * C * V + rc * V                             # [C, V] chunk tiles' rows
   if PRODUCTS:   # the five products first, into the scratches the body reads back
+    cv_rows = chunk * C * V + rc * V                           # [C, V] chunk tiles' rows
     do_rows = cv_rows
     if DO_ROWS:   # dO in the op's layout
       do_rows = (rows * HV + hv) * V
