@@ -67,6 +67,13 @@ _PHASE_COSTS = flags.DEFINE_bool("phase_costs", False, "KDA / GDN-2: also time t
                                   "kernels with one phase left out at a time (solve loops, "
                                   "anchored products, diagonal bands; `skip_phases`, wrong "
                                   "results): what a phase costs is the time it takes off.")
+_CHANNEL_SLICE_STAGES = flags.DEFINE_list(
+    "channel_slice_stages", "1,2", "KDA / GDN-2: pipelining depths of the channel forward's "
+    "slice loop to time (`channel_intra_fwd(slice_stages=)`, blocks.CHANNEL_SLICE_STAGES), "
+    "with its inputs as the bench makes them and with the gates on chip as the op calls it.")
+_CHANNEL_PARTS = flags.DEFINE_list(
+    "channel_parts", "fwd,bwd,op", "KDA / GDN-2: which rows to time: fwd (the forward kernel), "
+    "bwd (its backward kernels and the glue), op (the XLA part and the whole op).")
 _PRODUCTS_LAUNCHES = flags.DEFINE_list(
     "products_launches", "8:64:1,4:64:1,8:128:1,8:32:1,4:32:1,16:64:1,8:64:2",
     "--mixers=products: launches of the state pass's products kernel to time, as "
@@ -75,6 +82,9 @@ _OUT_JSON = flags.DEFINE_string("out_json", "", "Rows as JSON.")
 _OUT_MD = flags.DEFINE_string("out_md", "", "Rows as a markdown table.")
 
 C = 64
+# The channel kernels' phases `--phase_costs` leaves out one at a time (`skip_phases`).
+_PHASES = (("solve loops", blocks.PHASE_SOLVE), ("anchored products", blocks.PHASE_ANCHORED),
+           ("diagonal bands", blocks.PHASE_BANDS))
 
 
 def log(*a):
@@ -144,57 +154,70 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
     log(f"[error] {mixer} channel intra fwd: {type(e).__name__}: {str(e)[:300]}")
     err = None
   stages = [int(x) for x in _BAND_STAGES.value]
-  for w, st in itertools.product(warps, stages):
-    row(f"{mixer} triton channel intra fwd, {w} warps, band stages {st}",
-        functools.partial(fwd, num_warps=w, band_stages=st), qs, kf, kt, vt, G, err=err)
-  m = fwd(qs, kf, kt, vt, G, with_inverse=True)[-1]
-  nc = t // C
-  cts = [jnp.ones((b, h, nc, C, d), jnp.bfloat16), jnp.ones((b, h, nc, C, C), jnp.bfloat16),
-         jnp.ones((b, h, nc, C, d), jnp.float32)]
-  for w, st in itertools.product(warps, stages):
-    row(f"{mixer} triton channel intra bwd (kernel half), {w} warps, band stages {st}",
-        lambda *a, w=w, st=st: channel_intra.channel_intra_bwd(*a[:5], None, *a[5:], chunk=C,
-                                                               num_warps=w, band_stages=st),
-        qs, kf, kt, vt, G, m, *cts)
-  # The rest of the backward: XLA's glue after the kernel half, or fused into the kernel
-  # (GpuTuning.channel_grads), with the fused kernel's largest error against the glue's.
-  from lineax_attn.ops import gpu_prepare
-  d_ny, d_p, d_u = cts
-  d_qg, d_kg = jnp.ones_like(d_ny), jnp.ones_like(d_ny)
-  d_gc = jnp.ones((b, h, nc, d), jnp.float32)
-  bwd_args = (qs, kf, kt, vt, G, m, g, d_ny, d_qg, d_p, d_u, d_kg, d_gc)
-
-  @jax.jit
-  def half_then_glue(qs, kf, kt, vt, G, m, g, *cts6):
-    half = channel_intra.channel_intra_bwd(qs, kf, kt, vt, G, None, m, cts6[0], cts6[2],
-                                           cts6[3], chunk=C)
-    return gpu_prepare.channel_grads(qs, kf, kt, vt, g, None, half, cts6, c=C)
-
-  # The fused backward on bwd_args (g is the glue's only), at launch settings `kw`.
-  fused_with = lambda **kw: jax.jit(lambda qs, kf, kt, vt, G, m, g, *cts6: channel_intra.
-                                    channel_intra_grads(qs, kf, kt, vt, G, None, m, *cts6,
-                                                        chunk=C, **kw))
-  try:
-    err = max(_rel_rms(x, y) for x, y in zip(fused_with(band_stages=stages[0])(*bwd_args),
-                                             half_then_glue(*bwd_args)))
-  except Exception as e:  # noqa: BLE001
-    log(f"[error] {mixer} fused channel grads: {type(e).__name__}: {str(e)[:300]}")
-    err = None
-  row(f"{mixer} channel bwd: kernel half + XLA glue", half_then_glue, *bwd_args)
-  for st in stages:
-    row(f"{mixer} channel bwd: fused (channel_grads=kernel), band stages {st}",
-        fused_with(band_stages=st), *bwd_args, err=err)
-  for sbk in (int(x) for x in _CHANNEL_SOLVE_BK.value):
-    row(f"{mixer} channel bwd fused, solve loops {sbk} columns a step",
-        fused_with(solve_bk=sbk), *bwd_args)
-  if _PHASE_COSTS.value:
-    for name, phase in (("solve loops", blocks.PHASE_SOLVE),
-                        ("anchored products", blocks.PHASE_ANCHORED),
-                        ("diagonal bands", blocks.PHASE_BANDS)):
+  parts = set(_CHANNEL_PARTS.value)
+  if "fwd" in parts:
+    for w, st in itertools.product(warps, stages):
+      row(f"{mixer} triton channel intra fwd, {w} warps, band stages {st}",
+          functools.partial(fwd, num_warps=w, band_stages=st), qs, kf, kt, vt, G, err=err)
+    # The slice loop's pipelining, also with k̃ = k ⊙ erase and ṽ = v ⊙ write made on chip
+    # from bf16 k, v and q scaled there, as the op calls the kernel.
+    on_chip = functools.partial(fwd, erase=erase, write=write, q_scale=d ** -0.5)
+    for st in (int(x) for x in _CHANNEL_SLICE_STAGES.value):
+      row(f"{mixer} triton channel intra fwd, slice stages {st}",
+          functools.partial(fwd, slice_stages=st), qs, kf, kt, vt, G)
+      row(f"{mixer} triton channel intra fwd, gates on chip, slice stages {st}",
+          functools.partial(on_chip, slice_stages=st), q, k, k, v, G)
+    for name, phase in _PHASES if _PHASE_COSTS.value else ():
       row(f"{mixer} channel fwd without the {name}",
           functools.partial(fwd, skip_phases=phase), qs, kf, kt, vt, G)
+  if "bwd" not in parts and "op" not in parts:
+    return rows
+  if "bwd" in parts:
+    m = fwd(qs, kf, kt, vt, G, with_inverse=True)[-1]
+    nc = t // C
+    cts = [jnp.ones((b, h, nc, C, d), jnp.bfloat16), jnp.ones((b, h, nc, C, C), jnp.bfloat16),
+           jnp.ones((b, h, nc, C, d), jnp.float32)]
+    for w, st in itertools.product(warps, stages):
+      row(f"{mixer} triton channel intra bwd (kernel half), {w} warps, band stages {st}",
+          lambda *a, w=w, st=st: channel_intra.channel_intra_bwd(*a[:5], None, *a[5:], chunk=C,
+                                                                 num_warps=w, band_stages=st),
+          qs, kf, kt, vt, G, m, *cts)
+    # The rest of the backward: XLA's glue after the kernel half, or fused into the kernel
+    # (GpuTuning.channel_grads), with the fused kernel's largest error against the glue's.
+    from lineax_attn.ops import gpu_prepare
+    d_ny, d_p, d_u = cts
+    d_qg, d_kg = jnp.ones_like(d_ny), jnp.ones_like(d_ny)
+    d_gc = jnp.ones((b, h, nc, d), jnp.float32)
+    bwd_args = (qs, kf, kt, vt, G, m, g, d_ny, d_qg, d_p, d_u, d_kg, d_gc)
+
+    @jax.jit
+    def half_then_glue(qs, kf, kt, vt, G, m, g, *cts6):
+      half = channel_intra.channel_intra_bwd(qs, kf, kt, vt, G, None, m, cts6[0], cts6[2],
+                                             cts6[3], chunk=C)
+      return gpu_prepare.channel_grads(qs, kf, kt, vt, g, None, half, cts6, c=C)
+
+    # The fused backward on bwd_args (g is the glue's only), at launch settings `kw`.
+    fused_with = lambda **kw: jax.jit(lambda qs, kf, kt, vt, G, m, g, *cts6: channel_intra.
+                                      channel_intra_grads(qs, kf, kt, vt, G, None, m, *cts6,
+                                                          chunk=C, **kw))
+    try:
+      err = max(_rel_rms(x, y) for x, y in zip(fused_with(band_stages=stages[0])(*bwd_args),
+                                               half_then_glue(*bwd_args)))
+    except Exception as e:  # noqa: BLE001
+      log(f"[error] {mixer} fused channel grads: {type(e).__name__}: {str(e)[:300]}")
+      err = None
+    row(f"{mixer} channel bwd: kernel half + XLA glue", half_then_glue, *bwd_args)
+    for st in stages:
+      row(f"{mixer} channel bwd: fused (channel_grads=kernel), band stages {st}",
+          fused_with(band_stages=st), *bwd_args, err=err)
+    for sbk in (int(x) for x in _CHANNEL_SOLVE_BK.value):
+      row(f"{mixer} channel bwd fused, solve loops {sbk} columns a step",
+          fused_with(solve_bk=sbk), *bwd_args)
+    for name, phase in _PHASES if _PHASE_COSTS.value else ():
       row(f"{mixer} channel bwd fused without the {name}", fused_with(skip_phases=phase),
           *bwd_args)
+  if "op" not in parts:
+    return rows
   row(f"{mixer} XLA intra fwd (prepare_chunks)",
       lambda *a: pallas_gpu.prepare_chunks(*a, None, c=C), qs, kf, kt, vt, g)
   _whole_op(row, mixer, args, "xla intra", pallas_gpu.GpuTuning(triton_intra="xla"))

@@ -76,7 +76,8 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                  PREC=blocks.INTRA_PRECISION, BK=blocks.CHANNEL_BK,
                  BAND_STAGES=blocks.CHANNEL_BAND_STAGES, SPAN=float(blocks.CHANNEL_SPAN),
                  ERASE=0, WRITE=0, QS=1.0)
-  channel_fwd = dict(channel, SBK=blocks.solve_bk(dk, dv), SKIP=0)
+  channel_fwd = dict(channel, SBK=blocks.solve_bk(dk, dv), SKIP=0,
+                     SLICE_STAGES=blocks.CHANNEL_SLICE_STAGES)
   channel_bwd = dict(channel, SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=hopper), SKIP=0,
                      DO_ROWS=False)
   f = frozenset
@@ -129,6 +130,11 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                 "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr"}), blocks.INTRA_WARPS, 1),
       Launch("channel_intra", "_fwd_kernel", channel_fwd,
              f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}), blocks.CHANNEL_WARPS, 1),
+      # ... with KDA's gates on chip and its slice loop pipelined (`slice_stages=2`; opt-in)
+      Launch("channel_intra", "_fwd_kernel@gates+slice_stages2",
+             dict(channel_fwd, ERASE=1, WRITE=1, QS=0.0883883461, SLICE_STAGES=2),
+             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
+                "m_ptr"}), blocks.CHANNEL_WARPS, 1),
       Launch("channel_intra", "_bwd_kernel", dict(channel_bwd, GRADS=False, PRODUCTS=False),
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
       Launch("channel_intra", "_bwd_kernel+grads", dict(channel_bwd, GRADS=True, PRODUCTS=False),

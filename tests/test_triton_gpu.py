@@ -574,6 +574,30 @@ def test_bounded_span_path_is_taken_only_where_the_decay_is_bounded():
     channel_intra.channel_intra_fwd(q, k, kt, vt, G, chunk=64, span=100.0)
 
 
+@pytest.mark.parametrize("case", ["random", "strong", "packed"])
+def test_channel_forward_pipelined_slice_loop_changes_no_result(case):
+  # slice_stages (blocks.CHANNEL_SLICE_STAGES) only moves the next slice's loads ahead of this
+  # slice's products: every output the same to the bit, on the bounded-span and exact paths,
+  # packed rows, and with the gates made on chip as the op calls the kernel; a depth the kernel
+  # does not take is refused.
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  q, k, kt, vt, _, G = _channel_inputs(7, dk=64, dv=64, tau=_TAU[case])
+  segments = gpu_chunks.kernel_segments(_packed_ids(), 64) if case == "packed" else None
+  erase = jax.nn.sigmoid(jax.random.normal(jax.random.key(8), k.shape[:3]))
+  calls = (lambda st: channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=64,
+                                                      with_inverse=True, slice_stages=st),
+           lambda st: channel_intra.channel_intra_fwd(q, k, k, vt, G, segments, chunk=64,
+                                                      erase=erase, slice_stages=st))
+  for call in calls:
+    one = call(1)
+    for st in (2, 3):
+      for name, a, b in zip(("ny", "qg", "p", "u", "kg", "gc", "m"), call(st), one):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=f"{name} ({case}, {st} stages)")
+  with pytest.raises(ValueError, match="slice_stages"):
+    channel_intra.channel_intra_fwd(q, k, kt, vt, G, chunk=64, slice_stages=4)
+
+
 def test_channel_kernel_phases_split_the_pair_matrix_exactly():
   # The timing knob `skip_phases` (bench_triton_parts --phase_costs) leaves out one phase: the
   # anchored products and the diagonal bands fill disjoint entries of P (the anchored operands

@@ -117,6 +117,12 @@ CHANNEL_BK = 16
 # spills on sm_90a / sm_80 (ptxas off GPU). 1 until timed on a GPU
 # (`bench_triton_parts --band_stages=1,2`).
 CHANNEL_BAND_STAGES = 1
+# Software-pipelining depth of the channel forward's slice loop (`tl.range` over the K // BK
+# channel slices): at 2 triton 3.6 loads the next slice's q, k, k̃, G and anchor rows as async
+# copies while this slice's products run (28 in the TTGIR); ptxas (sm_90a, K = V = 128): 255
+# registers and no spills without packing (1 stage: 196-211, none), 20-36 bytes packed (8-44).
+# 1 until timed on a GPU (`bench_triton_parts --mixers=kda --channel_slice_stages=1,2`).
+CHANNEL_SLICE_STAGES = 1
 # The bounded-span path of the channel kernels (docs/KERNELS_GPU.md "Toward KDA / GDN-2 at jla's
 # speed"): 0 keeps the exact float32 diagonal blocks everywhere. Above 0, a channel slice of a
 # chunk whose every 16-row sub-chunk decays by at most CHANNEL_SPAN nats (in every channel of

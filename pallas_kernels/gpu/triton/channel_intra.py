@@ -304,7 +304,8 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 SUBC: tl.constexpr, BK: tl.constexpr, PACKED: tl.constexpr,
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, BAND_STAGES: tl.constexpr,
                 SBK: tl.constexpr, SKIP: tl.constexpr, SPAN: tl.constexpr,
-                ERASE: tl.constexpr, WRITE: tl.constexpr, QS: tl.constexpr):
+                ERASE: tl.constexpr, WRITE: tl.constexpr, QS: tl.constexpr,
+                SLICE_STAGES: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
@@ -324,7 +325,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   l_acc = tl.zeros((C, C), tl.float32)
   p_band = tl.zeros((C, SUBC), tl.float32)
   l_band = tl.zeros((C, SUBC), tl.float32)
-  for s in range(K // BK):
+  for s in tl.range(K // BK, num_stages=SLICE_STAGES):
     cols = s * BK + rb
     q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K,
                                   erase_ptr, ERASE, QS)
@@ -627,13 +628,15 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "with_inverse", "precision", "num_warps",
-                                             "band_stages", "skip_phases", "span", "q_scale"))
+                                             "band_stages", "skip_phases", "span", "q_scale",
+                                             "slice_stages"))
 def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_inverse=False,
                       precision: str = blocks.INTRA_PRECISION,
                       num_warps: int = blocks.CHANNEL_WARPS,
                       band_stages: int = blocks.CHANNEL_BAND_STAGES, skip_phases: int = 0,
                       span: float = blocks.CHANNEL_SPAN, erase=None, write=None,
-                      q_scale: float = 1.0):
+                      q_scale: float = 1.0,
+                      slice_stages: int = blocks.CHANNEL_SLICE_STAGES):
   """The intra-chunk part for per-channel gates (module docstring).
 
   q, k, kt, vt: `[B, T, HV, K]` (vt `[B, T, HV, V]`), the scaled queries, keys, erase keys and
@@ -648,11 +651,14 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   erase, write: None, or gates that multiply kt and vt on chip, one factor per row (`[B, T,
   HV]`) or per channel (kt's / vt's shape): pass k and v as kt and vt, and k̃ = k ⊙ erase,
   ṽ = v ⊙ write are never written to memory. q_scale: q is multiplied by it on chip (1: q
-  comes scaled).
+  comes scaled). slice_stages: software-pipelining depth of the channel-slice loop
+  (`blocks.CHANNEL_SLICE_STAGES`).
   """
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
     raise ValueError(f"channel_intra_fwd: {reason}")
+  if slice_stages not in (1, 2, 3):
+    raise ValueError(f"channel_intra_fwd: slice_stages={slice_stages} must be 1, 2 or 3")
   if precision not in blocks.INTRA_PRECISIONS:
     raise ValueError(f"precision={precision!r}: expected one of {blocks.INTRA_PRECISIONS}")
   b, t, hv, dk = q.shape
@@ -675,7 +681,7 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
       num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
       WITH_INVERSE=with_inverse, PREC=precision, BAND_STAGES=band_stages,
       SBK=blocks.solve_bk(dk, dv), SKIP=_phases(skip_phases), SPAN=_span(span),
-      ERASE=erase_kind, WRITE=write_kind, QS=float(q_scale))
+      ERASE=erase_kind, WRITE=write_kind, QS=float(q_scale), SLICE_STAGES=int(slice_stages))
   outs = (ny, qg, p, u, kg, gc)
   return outs + (m,) if with_inverse else outs
 
