@@ -121,7 +121,9 @@ CHANNEL_BAND_STAGES = 1
 # channel slices): at 2 triton 3.6 loads the next slice's q, k, k̃, G and anchor rows as async
 # copies while this slice's products run (28 in the TTGIR); ptxas (sm_90a, K = V = 128): 255
 # registers and no spills without packing (1 stage: 196-211, none), 20-36 bytes packed (8-44).
-# 1 until timed on a GPU (`bench_triton_parts --mixers=kda --channel_slice_stages=1,2`).
+# Timed on an H100 (2026-12-06, B4 T4096 H16 D128): slower. The op's fwd+bwd KDA 3.73 -> 3.80
+# ms, GDN-2 4.10 -> 4.20; the kernel alone with the gates on chip 0.91 / 1.05 / 0.94 ms at 1 / 2
+# / 3 stages (`bench_triton_parts --mixers=kda --channel_slice_stages=1,2,3`). So 1.
 CHANNEL_SLICE_STAGES = 1
 # The bounded-span path of the channel kernels (docs/KERNELS_GPU.md "Toward KDA / GDN-2 at jla's
 # speed"): 0 keeps the exact float32 diagonal blocks everywhere. Above 0, a channel slice of a
