@@ -167,6 +167,9 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
           functools.partial(fwd, slice_stages=st), qs, kf, kt, vt, G)
       row(f"{mixer} triton channel intra fwd, gates on chip, slice stages {st}",
           functools.partial(on_chip, slice_stages=st), q, k, k, v, G)
+    # NY and U made by a kernel of their own from the stored M (GpuTuning.channel_solve)
+    row(f"{mixer} triton channel intra fwd, gates on chip, solve kernel",
+        functools.partial(on_chip, solve="kernel"), q, k, k, v, G)
     for name, phase in _PHASES if _PHASE_COSTS.value else ():
       row(f"{mixer} channel fwd without the {name}",
           functools.partial(fwd, skip_phases=phase), qs, kf, kt, vt, G)

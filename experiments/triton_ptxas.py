@@ -130,6 +130,11 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                 "dkg_ptr", "h_ptr", "dh_ptr", "do_ptr"}), blocks.INTRA_WARPS, 1),
       Launch("channel_intra", "_fwd_kernel", channel_fwd,
              f({"ny_ptr", "qg_ptr", "p_ptr", "kg_ptr", "m_ptr"}), blocks.CHANNEL_WARPS, 1),
+      # ... its solve as a kernel of its own (`solve="kernel"`; opt-in), KDA's gates on chip
+      Launch("channel_intra", "_solve_kernel@gates",
+             dict(HV=16, K=dk, V=dv, C=c, SB=blocks.solve_bk(dk, dv), PACKED=packed, ERASE=1,
+                  WRITE=1),
+             f({"m_ptr", "kt_ptr", "vt_ptr", "ny_ptr"}), blocks.CHANNEL_WARPS, 1),
       # ... with KDA's gates on chip and its slice loop pipelined (`slice_stages=2`; opt-in)
       Launch("channel_intra", "_fwd_kernel@gates+slice_stages2",
              dict(channel_fwd, ERASE=1, WRITE=1, QS=0.0883883461, SLICE_STAGES=2),

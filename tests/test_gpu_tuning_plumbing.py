@@ -35,6 +35,16 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
   assert ops.GpuTuning().maps_chains == 0              # the waves decide (`gpu_pieces`)
   assert ops.GpuTuning.parse("walk_overlap=true").walk_overlap is True
   assert ops.GpuTuning().walk_overlap is False         # on once the compiled suite has run so
+  assert ops.GpuTuning.parse("channel_solve=kernel").channel_solve == "kernel"
+  assert ops.GpuTuning().channel_solve == "fused"      # "kernel" untimed
+
+
+def test_channel_solve_choices_are_the_kernels_own():
+  # GpuTuning spells the choices without importing the kernels; they must stay the same.
+  from lineax_attn.ops import gpu_tuning  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.gpu.triton import blocks  # pylint: disable=g-import-not-at-top
+  assert gpu_tuning.CHANNEL_SOLVE_CHOICES == blocks.CHANNEL_SOLVES
+  assert ops.GpuTuning().channel_solve == blocks.CHANNEL_SOLVE
 
 
 @pytest.mark.parametrize("text, match", [
@@ -51,6 +61,7 @@ def test_parse_reads_fields_and_keeps_the_rest_default():
     ("grads_warpgroups=two", "an integer"),
     ("grads_warpgroups=3", "1 or 2"),
     ("maps_chains=3", "0 \\(auto\\), 1 or 2"),
+    ("channel_solve=split", "channel_solve"),
 ])
 def test_parse_rejects_bad_text(text, match):
   with pytest.raises(ValueError, match=match):

@@ -235,8 +235,9 @@ def test_channel_backward_glue_from_exact_pair_grads_equals_autodiff(packed):
            "_chunk_gates")
   saved = {name: getattr(gpu_prepare, name) for name in stubs}
   gpu_prepare._chunk_gates = lambda g, c: g
-  gpu_prepare._channel_kernel_call = lambda q, k, kt, vt, g, segidx, c, span=0.0: exact(
-      q, k, kt, vt, g) + (jnp.zeros(()),)
+  gpu_prepare._channel_kernel_call = (
+      lambda q, k, kt, vt, g, segidx, c, span=0.0, solve="fused": exact(q, k, kt, vt, g)
+      + (jnp.zeros(()),))
   calls = []
   gpu_prepare._channel_kernel_bwd_call = (
       lambda q, k, kt, vt, g, segidx, m, d_ny, d_p, d_u, c, span=0.0: calls.append("half") or
@@ -309,8 +310,8 @@ def test_channel_state_core_vjp_wiring_matches_the_split_composition(monkeypatch
   monkeypatch.setattr(gpu_prepare, "_chunk_gates", lambda g, c: g)   # the stand-ins take g
   monkeypatch.setattr(
       gpu_prepare, "_channel_kernel_call",
-      lambda q, k, kt, vt, g, segidx, c, span=0.0, erase=None, write=None, q_scale=1.0: prep(
-          q * q_scale, k, kt * erase, vt * write, g) + (jnp.zeros(()),))
+      lambda q, k, kt, vt, g, segidx, c, span=0.0, erase=None, write=None, q_scale=1.0,
+      solve="fused": prep(q * q_scale, k, kt * erase, vt * write, g) + (jnp.zeros(()),))
   monkeypatch.setattr(gpu_prepare, "_channel_kernel_states_call", states_call)
   w = [jax.random.normal(jax.random.key(20 + i), s) for i, s in
        enumerate([(1, 128 * pieces, 1, 64), (1, 1, 2 * pieces, 64, 64), (1, 1, 64, 64)])]

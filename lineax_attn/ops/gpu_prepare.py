@@ -94,16 +94,17 @@ def _chunked_gates(g, c):
 
 
 def _channel_kernel_call(q, k, kt, vt, G, segidx, c, span=0.0, erase=None, write=None,
-                         q_scale=1.0):
+                         q_scale=1.0, solve="fused"):
   """The forward kernel on the chunk-summed gates G (`_chunk_gates`): prepare_chunks' six
   outputs and M (bf16, the backward's residual). span: the bounded-span path's bound
   (`GpuTuning.channel_span`; 0 off); erase, write: gates the kernel applies to kt, vt on chip
-  (then k and v); q_scale: q's scale, applied on chip (1: q comes scaled)."""
+  (then k and v); q_scale: q's scale, applied on chip (1: q comes scaled); solve: where NY and
+  U are made (`GpuTuning.channel_solve`)."""
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   segments = None if segidx is None else kernel_segments(segidx, c)
   return channel_intra.channel_intra_fwd(q, k, kt, vt, G, segments, chunk=c,
                                          with_inverse=True, span=float(span), erase=erase,
-                                         write=write, q_scale=float(q_scale))
+                                         write=write, q_scale=float(q_scale), solve=solve)
 
 
 def _channel_kernel_bwd_call(q, k, kt, vt, G, segidx, m, d_ny, d_p, d_u, c, span=0.0):
@@ -177,23 +178,26 @@ def channel_grads(q, k, kt, vt, g, segidx, pair_grads, cts, *, c):
           back(d_ktp + entry * d_r, kt), back(d_vt, vt), back(dg, g))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def channel_intra_kernel(q, k, kt, vt, g, segidx, c, fused_grads=False, span=0.0):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def channel_intra_kernel(q, k, kt, vt, g, segidx, c, fused_grads=False, span=0.0,
+                         solve="fused"):
   """`prepare_chunks` for per-channel gates with the Triton kernels
   (`pallas_kernels.gpu.triton.channel_intra`): forward, and the backward's pairs and solve,
   the elementwise rest in XLA (`channel_grads`) or, with `fused_grads`
   (`GpuTuning.channel_grads="kernel"`), in the backward kernel itself. span: the kernels'
-  bounded-span path (`GpuTuning.channel_span`, 0 off)."""
-  return _channel_kernel_call(q, k, kt, vt, _chunk_gates(g, c), segidx, c, span)[:6]
+  bounded-span path (`GpuTuning.channel_span`, 0 off); solve: `GpuTuning.channel_solve`."""
+  return _channel_kernel_call(q, k, kt, vt, _chunk_gates(g, c), segidx, c, span,
+                              solve=solve)[:6]
 
 
-def _channel_intra_fwd(q, k, kt, vt, g, segidx, c, fused_grads, span):
+def _channel_intra_fwd(q, k, kt, vt, g, segidx, c, fused_grads, span, solve):
   G = _chunk_gates(g, c)   # made once, kept for the backward
-  *outs, m = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span)
+  *outs, m = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span, solve=solve)
   return tuple(outs), (q, k, kt, vt, g, G, segidx, m)
 
 
-def _channel_intra_bwd(c, fused_grads, span, res, cts):
+def _channel_intra_bwd(c, fused_grads, span, solve, res, cts):
+  del solve   # (the forward's)
   q, k, kt, vt, g, G, segidx, m = res
   if fused_grads:
     grads = _channel_kernel_grads_call(q, k, kt, vt, G, segidx, m, cts, c, span)
@@ -260,7 +264,7 @@ def _channel_kernel_states_call(q, k, v, erase, write, G, segidx, m, de, do, e, 
 
 def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels, interpret,
                        gates_on_chip=True, scale=1.0, products="channel",
-                       out_dtype=jnp.float32, pieces=1):
+                       out_dtype=jnp.float32, pieces=1, solve="fused"):
   """KDA / GDN-2's chunk form on the Triton channel kernels and the state pass (`kernels`:
   "mosaic" or "triton") under one custom VJP (`GpuTuning(channel_grads="states")`).
 
@@ -282,34 +286,35 @@ def channel_state_core(q, k, v, erase, write, g, s0, segidx, *, c, span, kernels
   relayout of o or dO by XLA: ~70 µs of KDA's fwd+bwd at B4 T4096 H16 D128 on an H100), e
   chunk-major. pieces > 1 (the Mosaic pass, T
   a multiple of c·pieces): the state pass cuts every row into that many pieces, as
-  `gpu_vjps.state_pass` does (`gpu_pieces`). Not under shard_map (as the channel kernels)."""
+  `gpu_vjps.state_pass` does (`gpu_pieces`). solve: where the forward kernel makes NY and U
+  (`GpuTuning.channel_solve`). Not under shard_map (as the channel kernels)."""
   kernel_module(kernels, "state")  # validates `kernels`
   if pieces > 1 and (kernels != "mosaic" or (q.shape[1] // c) % pieces):
     raise ValueError(f"channel_state_core: pieces={pieces} needs the Mosaic state pass and a "
                      f"chunk count it divides (kernels={kernels!r}, T={q.shape[1]}).")
   return _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, float(span), kernels,
                             interpret, bool(gates_on_chip), float(scale), products,
-                            jnp.dtype(out_dtype), int(pieces))
+                            jnp.dtype(out_dtype), int(pieces), solve)
 
 
 # write None: a pytree without leaves, whose cotangent is None.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15, 16))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15, 16, 17))
 def _channel_state_vjp(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
-                       on_chip, scale, products, out_dtype, pieces):
+                       on_chip, scale, products, out_dtype, pieces, solve):
   return _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels,
-                            interpret, on_chip, scale, products, out_dtype, pieces)[0]
+                            interpret, on_chip, scale, products, out_dtype, pieces, solve)[0]
 
 
 def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, interpret,
-                       on_chip, scale, products, out_dtype, pieces):
+                       on_chip, scale, products, out_dtype, pieces, solve):
   del products   # (the backward's)
   q, k, v, erase, write, g, s0, segidx = primal_values(q, k, v, erase, write, g, s0, segidx)
   G = _chunk_gates(g, c)
   if on_chip:
-    outs = _channel_kernel_call(q, k, k, v, G, segidx, c, span, erase, write, scale)
+    outs = _channel_kernel_call(q, k, k, v, G, segidx, c, span, erase, write, scale, solve)
   else:
     kt, vt = _erased_and_written(k, v, erase, write)
-    outs = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span, q_scale=scale)
+    outs = _channel_kernel_call(q, k, kt, vt, G, segidx, c, span, q_scale=scale, solve=solve)
   ny, qg, p, u, kg, gc, m = outs
   (o, e, s_final, h), phi = gpu_vjps.pass_forward(ny, qg, p, u, kg, gc, s0, interpret, kernels,
                                                   pieces, save_states=True, out_dtype=out_dtype,
@@ -318,8 +323,8 @@ def _channel_state_fwd(q, k, v, erase, write, g, s0, segidx, c, span, kernels, i
 
 
 def _channel_state_bwd(c, span, kernels, interpret, on_chip, scale, products, out_dtype, pieces,
-                       res, cts):
-  del out_dtype   # (o's and e's; the reverse pass and the products read them as bf16)
+                       solve, res, cts):
+  del out_dtype, solve   # (the forward's; the reverse pass and the products read o, e as bf16)
   q, k, v, erase, write, g, G, segidx, m, ny, qg, p, kg, gc, e, h, phi = res
   do, de_ext, ds_final = given_cotangents(cts)   # None: an output the caller did not use
   b, hv, nc, _, dv = e.shape

@@ -21,6 +21,7 @@ SOLVE_CHOICES = ("inverse", "trsm")
 STATE_PASS_CHOICES = ("mosaic", "triton")
 STATE_PRODUCTS_CHOICES = ("auto", "xla", "kernel", "channel", "pass")
 FORWARD_CHOICES = ("auto", "split", "fused", "walk")
+CHANNEL_SOLVE_CHOICES = ("fused", "kernel")   # = pallas_kernels.gpu.triton.blocks.CHANNEL_SOLVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +160,12 @@ class GpuTuning:
       (bf16 operands, factors e^x with |x| ≤ the bound); steeper slices, and every slice with
       0, compute them exactly in float32. On the H200 (2026-12-04) 80 took KDA fwd+bwd from
       5.65 to 4.62 ms and GDN-2 from 5.82 to 4.84 (docs/KERNELS_GPU.md, "Toward KDA / GDN-2").
+    channel_solve: where the per-channel Triton forward (KDA, GDN-2) makes NY = −M (K̃ ⊙ e^G)
+      and U = M Ṽ (`pallas_kernels.gpu.triton.blocks.CHANNEL_SOLVE`): "fused" (the default),
+      in the forward kernel's two solve loops after the inverse; "kernel", in a second kernel
+      from the stored M, one program per chunk and 64-column block. The loops took ~0.3-0.4
+      of the forward's ~1.0 ms on an H100 (2026-12-06, `bench_triton_parts --phase_costs`);
+      "kernel" is untimed. The same products either way.
     approx_math: whether the walk path's kernels compute e^x as ex2.approx (relative error
       ~2⁻²², far below their bf16 operands') instead of the exact float32 exp: the per-chunk
       backward (`pallas_kernels.gpu.chunk_grads`) and, since 2026-12-05, the walks (forward,
@@ -237,6 +244,7 @@ class GpuTuning:
   state_products: str = "auto"
   forward: str = "auto"
   channel_span: float = 80.0   # = blocks.CHANNEL_SPAN (literal: no kernel import at start-up)
+  channel_solve: str = "fused"
   approx_math: bool = True
   join_exit: bool = True
   grads_warpgroups: int = 2
@@ -254,7 +262,8 @@ class GpuTuning:
                           ("intra_grads", INTRA_GRADS_CHOICES),
                           ("state_pass", STATE_PASS_CHOICES),
                           ("state_products", STATE_PRODUCTS_CHOICES),
-                          ("forward", FORWARD_CHOICES)):
+                          ("forward", FORWARD_CHOICES),
+                          ("channel_solve", CHANNEL_SOLVE_CHOICES)):
       value = getattr(self, name)
       if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"GpuTuning.{name} must be one of {allowed}, got {value!r}.")

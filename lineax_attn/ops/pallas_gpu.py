@@ -196,7 +196,8 @@ def _core(q, k, k_erase, v_write, g, s0, segidx, *, c, interpret, tuning, kernel
     # (The backward's rest fused in its kernel unless "xla" is asked for by name.)
     fused = channel_grads_choice(tuning, kernels) != "xla"
     ny, qg, p, u, kg, gc = channel_intra_kernel(q, k, k_erase, v_write, g, segidx, c, fused,
-                                                float(tuning.channel_span))
+                                                float(tuning.channel_span),
+                                                tuning.channel_solve)
   else:
     ny, qg, p, u, kg, gc = prepare_chunks(q, k, k_erase, v_write, g, segidx, c=c,
                                           tuning=tuning)
@@ -443,7 +444,8 @@ def delta_family(mixer, q, k, v, gates, *, scale, initial_state, layout, chunk_s
                                        interpret=interpret, kernels=state,
                                        gates_on_chip=tuning.channel_gates == "kernel",
                                        products=state_products(tuning, state, dk, dv),
-                                       out_dtype=out_dtype, pieces=pieces)
+                                       out_dtype=out_dtype, pieces=pieces,
+                                       solve=tuning.channel_solve)
     return (o[:, :t], (s_final if output_final_state else None), from_chunks(e)[:, :t])
   q = jnp.repeat(q, n_rep, axis=2) * scale
   k = jnp.repeat(k, n_rep, axis=2)

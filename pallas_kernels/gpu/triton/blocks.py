@@ -125,6 +125,14 @@ CHANNEL_BAND_STAGES = 1
 # ms, GDN-2 4.10 -> 4.20; the kernel alone with the gates on chip 0.91 / 1.05 / 0.94 ms at 1 / 2
 # / 3 stages (`bench_triton_parts --mixers=kda --channel_slice_stages=1,2,3`). So 1.
 CHANNEL_SLICE_STAGES = 1
+# Where the channel forward makes NY = −M (K̃ ⊙ e^G) and U = M Ṽ: "fused", at the end of each
+# forward program (the two solve loops, after the inverse); "kernel", in a second kernel from the
+# stored M, one program per chunk and 64-column block, at the occupancy of its few registers.
+# On an H100 (2026-12-06) the fused forward took ~0.3-0.4 of its ~1.0 ms wall time in those
+# loops (`bench_triton_parts --phase_costs`); "kernel" is untimed, so "fused" stays until an
+# A/B on a GPU (`bench_ab --variants=pallas_gpu,pallas_gpu@channel_solve=kernel`).
+CHANNEL_SOLVES = ("fused", "kernel")
+CHANNEL_SOLVE = "fused"
 # The bounded-span path of the channel kernels (docs/KERNELS_GPU.md "Toward KDA / GDN-2 at jla's
 # speed"): 0 keeps the exact float32 diagonal blocks everywhere. Above 0, a channel slice of a
 # chunk whose every 16-row sub-chunk decays by at most CHANNEL_SPAN nats (in every channel of

@@ -31,7 +31,8 @@ layout, cost a [C, C] layout conversion through shared memory per band.)
 
 Forward: one slice loop accumulates P and L and stores QG, KG and gc (which need no M); then
 the masks, P's store and M; then NY = −M (K̃ ⊙ e^G) and U = M Ṽ, `blocks.solve_bk` columns at
-a time.
+a time. Or (`solve="kernel"`) the program stops after storing M, and `_solve_kernel` makes NY
+and U from it, one program per chunk and column block (few registers, many programs an SM).
 
 The backward kernel (`channel_intra_bwd`) takes the forward's bf16 M and computes what needs the
 C × C matrices: Y, U again, dR = Mᵀ [dY | dU], dL = −dR [Y | U]ᵀ (strictly lower, same
@@ -361,6 +362,32 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
 
 
 @triton.jit
+def _solve_kernel(m_ptr, kt_ptr, vt_ptr, g_ptr, cont_ptr, erase_ptr, write_ptr, t, ny_ptr, u_ptr,
+                  HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                  SB: tl.constexpr, PACKED: tl.constexpr, ERASE: tl.constexpr,
+                  WRITE: tl.constexpr):
+  """The forward's solve on its own (`solve="kernel"`): NY = −M (K̃ ⊙ e^G) and U = M Ṽ from
+  the forward kernel's stored bf16 M, SB columns a program. Program (chunk, batch · value
+  head, j): NY's column block j for j < K / SB, else U's block j − K / SB."""
+  hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
+  j = tl.program_id(2)
+  ii = rc[:, None]
+  m = tl.load(m_ptr + chunk * C * C + ii * C + rc[None, :])
+  rs = tl.arange(0, SB)
+  if j < K // SB:
+    cont = 1.0                                                # read only when PACKED
+    if PACKED:
+      cont = tl.load(cont_ptr + rows)[:, None]
+    cols = j * SB + rs
+    y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED, erase_ptr, ERASE)
+    tl.store(ny_ptr + chunk * C * K + ii * K + cols[None, :], (-y).to(tl.bfloat16))
+  else:
+    cols = (j - K // SB) * SB + rs
+    u = tl.dot(m, _gated_rows(vt_ptr, write_ptr, rows, hv, cols, HV, V, WRITE).to(tl.bfloat16))
+    tl.store(u_ptr + chunk * C * V + ii * V + cols[None, :], u)
+
+
+@triton.jit
 def _elementwise_grads(q, k, kt, gsum, d_q, d_kt, d_k, d_r, d_qg, d_kg, d_gc, g_last, cont,
                        keep, cont_last, ii, C: tl.constexpr, PACKED: tl.constexpr):
   """One channel slice's whole gradients (dq, dk, dk̃, dg) from its pair and solve parts (d_q,
@@ -629,14 +656,15 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 
 @functools.partial(jax.jit, static_argnames=("chunk", "with_inverse", "precision", "num_warps",
                                              "band_stages", "skip_phases", "span", "q_scale",
-                                             "slice_stages"))
+                                             "slice_stages", "solve"))
 def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_inverse=False,
                       precision: str = blocks.INTRA_PRECISION,
                       num_warps: int = blocks.CHANNEL_WARPS,
                       band_stages: int = blocks.CHANNEL_BAND_STAGES, skip_phases: int = 0,
                       span: float = blocks.CHANNEL_SPAN, erase=None, write=None,
                       q_scale: float = 1.0,
-                      slice_stages: int = blocks.CHANNEL_SLICE_STAGES):
+                      slice_stages: int = blocks.CHANNEL_SLICE_STAGES,
+                      solve: str = blocks.CHANNEL_SOLVE):
   """The intra-chunk part for per-channel gates (module docstring).
 
   q, k, kt, vt: `[B, T, HV, K]` (vt `[B, T, HV, V]`), the scaled queries, keys, erase keys and
@@ -652,13 +680,19 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   HV]`) or per channel (kt's / vt's shape): pass k and v as kt and vt, and k̃ = k ⊙ erase,
   ṽ = v ⊙ write are never written to memory. q_scale: q is multiplied by it on chip (1: q
   comes scaled). slice_stages: software-pipelining depth of the channel-slice loop
-  (`blocks.CHANNEL_SLICE_STAGES`).
+  (`blocks.CHANNEL_SLICE_STAGES`). solve (`blocks.CHANNEL_SOLVES`): "fused", NY and U made at
+  the end of the forward kernel's programs; "kernel", the forward kernel stops after M and a
+  second kernel (`_solve_kernel`, one program per chunk and 64-column block) makes them from
+  it, with the same operands and products.
   """
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
     raise ValueError(f"channel_intra_fwd: {reason}")
   if slice_stages not in (1, 2, 3):
     raise ValueError(f"channel_intra_fwd: slice_stages={slice_stages} must be 1, 2 or 3")
+  if solve not in blocks.CHANNEL_SOLVES:
+    raise ValueError(f"channel_intra_fwd: solve={solve!r} must be one of "
+                     f"{blocks.CHANNEL_SOLVES}")
   if precision not in blocks.INTRA_PRECISIONS:
     raise ValueError(f"precision={precision!r}: expected one of {blocks.INTRA_PRECISIONS}")
   b, t, hv, dk = q.shape
@@ -671,17 +705,29 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   seg = tuple(x.astype(f32) for x in segments) if packed else (G,) * 3   # unread unless packed
   erase_kind, erase = _gate_input(erase, kt, "erase")
   write_kind, write = _gate_input(write, vt, "write")
+  split = solve == "kernel"
+  keep_m = with_inverse or split
   out_shape = _structs(((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, c, dk), MM_DTYPE),
                        ((b, hv, nc, c, c), MM_DTYPE), ((b, hv, nc, c, dv), f32),
                        ((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, dk), f32),
-                       ((b, hv, nc, c, c) if with_inverse else (1,), MM_DTYPE))
+                       ((b, hv, nc, c, c) if keep_m else (1,), MM_DTYPE))
+  skip = _phases(skip_phases) | (blocks.PHASE_SOLVE if split else 0)
+  sbk = blocks.solve_bk(dk, dv)
+  operands = (*map(_operand, (q, k, kt, vt)), G.astype(f32), *seg, _operand(erase),
+              _operand(write))
   ny, qg, p, u, kg, gc, m = _jax_triton().triton_call(
-      *map(_operand, (q, k, kt, vt)), G.astype(f32), *seg, _operand(erase), _operand(write), t,
-      kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv), num_warps=num_warps,
-      num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK, PACKED=packed,
-      WITH_INVERSE=with_inverse, PREC=precision, BAND_STAGES=band_stages,
-      SBK=blocks.solve_bk(dk, dv), SKIP=_phases(skip_phases), SPAN=_span(span),
-      ERASE=erase_kind, WRITE=write_kind, QS=float(q_scale), SLICE_STAGES=int(slice_stages))
+      *operands, t, kernel=_fwd_kernel, out_shape=out_shape, grid=(nc, b * hv),
+      num_warps=num_warps, num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK,
+      PACKED=packed, WITH_INVERSE=keep_m, PREC=precision, BAND_STAGES=band_stages, SBK=sbk,
+      SKIP=skip, SPAN=_span(span), ERASE=erase_kind, WRITE=write_kind, QS=float(q_scale),
+      SLICE_STAGES=int(slice_stages))
+  if split and not skip_phases & blocks.PHASE_SOLVE:
+    _, _, kt_in, vt_in, g_in, _, cont, _, erase_in, write_in = operands
+    ny, u = _jax_triton().triton_call(
+        m, kt_in, vt_in, g_in, cont, erase_in, write_in, t, kernel=_solve_kernel,
+        out_shape=_structs(((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, c, dv), f32)),
+        grid=(nc, b * hv, dk // sbk + dv // sbk), num_warps=blocks.CHANNEL_WARPS, num_stages=1,
+        HV=hv, K=dk, V=dv, C=c, SB=sbk, PACKED=packed, ERASE=erase_kind, WRITE=write_kind)
   outs = (ny, qg, p, u, kg, gc)
   return outs + (m,) if with_inverse else outs
 
