@@ -173,8 +173,6 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
     for name, phase in _PHASES if _PHASE_COSTS.value else ():
       row(f"{mixer} channel fwd without the {name}",
           functools.partial(fwd, skip_phases=phase), qs, kf, kt, vt, G)
-  if "bwd" not in parts and "op" not in parts:
-    return rows
   if "bwd" in parts:
     m = fwd(qs, kf, kt, vt, G, with_inverse=True)[-1]
     nc = t // C

@@ -161,6 +161,24 @@ def _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV: tl.constexpr, K: tl
 
 
 @triton.jit
+def _ny_block(m, kt_ptr, g_ptr, cont, rows, hv, cols, chunk, ny_ptr, HV: tl.constexpr,
+              K: tl.constexpr, C: tl.constexpr, PACKED: tl.constexpr, erase_ptr,
+              ERASE: tl.constexpr):
+  """Stores NY = −M (K̃ ⊙ e^G) on the columns `cols` of this chunk (bf16, chunk-major)."""
+  y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED, erase_ptr, ERASE)
+  tl.store(ny_ptr + chunk * C * K + tl.arange(0, C)[:, None] * K + cols[None, :],
+           (-y).to(tl.bfloat16))
+
+
+@triton.jit
+def _u_block(m, vt_ptr, rows, hv, cols, chunk, u_ptr, HV: tl.constexpr, V: tl.constexpr,
+             C: tl.constexpr, write_ptr, WRITE: tl.constexpr):
+  """Stores U = M Ṽ on the columns `cols` of this chunk (float32, chunk-major)."""
+  u = tl.dot(m, _gated_rows(vt_ptr, write_ptr, rows, hv, cols, HV, V, WRITE).to(tl.bfloat16))
+  tl.store(u_ptr + chunk * C * V + tl.arange(0, C)[:, None] * V + cols[None, :], u)
+
+
+@triton.jit
 def _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV: tl.constexpr,
                     K: tl.constexpr, erase_ptr, ERASE: tl.constexpr, QS: tl.constexpr):
   """One channel slice of q (times QS), k, k̃ and G, [C, BK] float32 each."""
@@ -350,13 +368,10 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   rs = tl.arange(0, SBK)
   n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
   for s in range(n_solve * K // SBK):
-    cols = s * SBK + rs
-    y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED, erase_ptr, ERASE)
-    tl.store(ny_ptr + chunk * C * K + ii * K + cols[None, :], (-y).to(tl.bfloat16))
+    _ny_block(m, kt_ptr, g_ptr, cont, rows, hv, s * SBK + rs, chunk, ny_ptr, HV, K, C, PACKED,
+              erase_ptr, ERASE)
   for s in range(n_solve * V // SBK):
-    cols = s * SBK + rs
-    u = tl.dot(m, _gated_rows(vt_ptr, write_ptr, rows, hv, cols, HV, V, WRITE).to(tl.bfloat16))
-    tl.store(u_ptr + chunk * C * V + ii * V + cols[None, :], u)
+    _u_block(m, vt_ptr, rows, hv, s * SBK + rs, chunk, u_ptr, HV, V, C, write_ptr, WRITE)
   if WITH_INVERSE:
     tl.store(m_ptr + cc, m)
 
@@ -369,22 +384,19 @@ def _solve_kernel(m_ptr, kt_ptr, vt_ptr, g_ptr, cont_ptr, erase_ptr, write_ptr, 
   """The forward's solve on its own (`solve="kernel"`): NY = −M (K̃ ⊙ e^G) and U = M Ṽ from
   the forward kernel's stored bf16 M, SB columns a program. Program (chunk, batch · value
   head, j): NY's column block j for j < K / SB, else U's block j − K / SB."""
-  hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
+  hv, _, rows, rc, chunk = _chunk_index(t, HV, C)
   j = tl.program_id(2)
-  ii = rc[:, None]
-  m = tl.load(m_ptr + chunk * C * C + ii * C + rc[None, :])
+  m = tl.load(m_ptr + chunk * C * C + rc[:, None] * C + rc[None, :])
   rs = tl.arange(0, SB)
   if j < K // SB:
     cont = 1.0                                                # read only when PACKED
     if PACKED:
       cont = tl.load(cont_ptr + rows)[:, None]
-    cols = j * SB + rs
-    y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED, erase_ptr, ERASE)
-    tl.store(ny_ptr + chunk * C * K + ii * K + cols[None, :], (-y).to(tl.bfloat16))
+    _ny_block(m, kt_ptr, g_ptr, cont, rows, hv, j * SB + rs, chunk, ny_ptr, HV, K, C, PACKED,
+              erase_ptr, ERASE)
   else:
-    cols = (j - K // SB) * SB + rs
-    u = tl.dot(m, _gated_rows(vt_ptr, write_ptr, rows, hv, cols, HV, V, WRITE).to(tl.bfloat16))
-    tl.store(u_ptr + chunk * C * V + ii * V + cols[None, :], u)
+    _u_block(m, vt_ptr, rows, hv, (j - K // SB) * SB + rs, chunk, u_ptr, HV, V, C, write_ptr,
+             WRITE)
 
 
 @triton.jit
@@ -707,8 +719,11 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   write_kind, write = _gate_input(write, vt, "write")
   split = solve == "kernel"
   keep_m = with_inverse or split
-  out_shape = _structs(((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, c, dk), MM_DTYPE),
-                       ((b, hv, nc, c, c), MM_DTYPE), ((b, hv, nc, c, dv), f32),
+  by_kernel = split and not skip_phases & blocks.PHASE_SOLVE   # the solve kernel makes NY, U
+  # (then the forward kernel writes none: placeholders)
+  out_shape = _structs(((1,) if by_kernel else (b, hv, nc, c, dk), MM_DTYPE),
+                       ((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, c, c), MM_DTYPE),
+                       ((1,) if by_kernel else (b, hv, nc, c, dv), f32),
                        ((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, dk), f32),
                        ((b, hv, nc, c, c) if keep_m else (1,), MM_DTYPE))
   skip = _phases(skip_phases) | (blocks.PHASE_SOLVE if split else 0)
@@ -721,7 +736,7 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
       PACKED=packed, WITH_INVERSE=keep_m, PREC=precision, BAND_STAGES=band_stages, SBK=sbk,
       SKIP=skip, SPAN=_span(span), ERASE=erase_kind, WRITE=write_kind, QS=float(q_scale),
       SLICE_STAGES=int(slice_stages))
-  if split and not skip_phases & blocks.PHASE_SOLVE:
+  if by_kernel:
     _, _, kt_in, vt_in, g_in, _, cont, _, erase_in, write_in = operands
     ny, u = _jax_triton().triton_call(
         m, kt_in, vt_in, g_in, cont, erase_in, write_in, t, kernel=_solve_kernel,
