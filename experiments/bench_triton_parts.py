@@ -71,10 +71,6 @@ _CHANNEL_SLICE_STAGES = flags.DEFINE_list(
     "channel_slice_stages", "1,2", "KDA / GDN-2: pipelining depths of the channel forward's "
     "slice loop to time (`channel_intra_fwd(slice_stages=)`, blocks.CHANNEL_SLICE_STAGES), "
     "with its inputs as the bench makes them and with the gates on chip as the op calls it.")
-_CHANNEL_SOLVE_STAGES = flags.DEFINE_list(
-    "channel_solve_stages", "2", "KDA / GDN-2: pipelining depths of the channel forward's "
-    "fused solve loops to time, gates on chip (`channel_intra_fwd(solve_stages=)`, "
-    "blocks.CHANNEL_SOLVE_STAGES).")
 _CHANNEL_PARTS = flags.DEFINE_list(
     "channel_parts", "fwd,bwd,op", "KDA / GDN-2: which rows to time: fwd (the forward kernel), "
     "bwd (its backward kernels and the glue), op (the XLA part and the whole op).")
@@ -171,14 +167,9 @@ def channel_rows(mixer, b, t, h, d, iters, warps):
           functools.partial(fwd, slice_stages=st), qs, kf, kt, vt, G)
       row(f"{mixer} triton channel intra fwd, gates on chip, slice stages {st}",
           functools.partial(on_chip, slice_stages=st), q, k, k, v, G)
-    # NY and U made by a kernel of their own from the stored M, or with their operands loaded
-    # before the inverse (GpuTuning.channel_solve), or by software-pipelined loops
-    for solve in ("kernel", "early"):
-      row(f"{mixer} triton channel intra fwd, gates on chip, solve {solve}",
-          functools.partial(on_chip, solve=solve), q, k, k, v, G)
-    for st in (int(x) for x in _CHANNEL_SOLVE_STAGES.value):
-      row(f"{mixer} triton channel intra fwd, gates on chip, solve stages {st}",
-          functools.partial(on_chip, solve_stages=st), q, k, k, v, G)
+    # NY and U made by a kernel of their own from the stored M (GpuTuning.channel_solve)
+    row(f"{mixer} triton channel intra fwd, gates on chip, solve kernel",
+        functools.partial(on_chip, solve="kernel"), q, k, k, v, G)
     for name, phase in _PHASES if _PHASE_COSTS.value else ():
       row(f"{mixer} channel fwd without the {name}",
           functools.partial(fwd, skip_phases=phase), qs, kf, kt, vt, G)

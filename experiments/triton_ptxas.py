@@ -77,8 +77,7 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                  BAND_STAGES=blocks.CHANNEL_BAND_STAGES, SPAN=float(blocks.CHANNEL_SPAN),
                  ERASE=0, WRITE=0, QS=1.0)
   channel_fwd = dict(channel, SBK=blocks.solve_bk(dk, dv), SKIP=0,
-                     SLICE_STAGES=blocks.CHANNEL_SLICE_STAGES,
-                     SOLVE_STAGES=blocks.CHANNEL_SOLVE_STAGES, SOLVE_EARLY=False)
+                     SLICE_STAGES=blocks.CHANNEL_SLICE_STAGES)
   channel_bwd = dict(channel, SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=hopper), SKIP=0,
                      DO_ROWS=False)
   f = frozenset
@@ -139,16 +138,6 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
       # ... with KDA's gates on chip and its slice loop pipelined (`slice_stages=2`; opt-in)
       Launch("channel_intra", "_fwd_kernel@gates+slice_stages2",
              dict(channel_fwd, ERASE=1, WRITE=1, QS=0.0883883461, SLICE_STAGES=2),
-             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
-                "m_ptr"}), blocks.CHANNEL_WARPS, 1),
-      # ... with KDA's gates on chip and its solve loops pipelined (`solve_stages=2`; opt-in)
-      Launch("channel_intra", "_fwd_kernel@gates+solve_stages2",
-             dict(channel_fwd, ERASE=1, WRITE=1, QS=0.0883883461, SOLVE_STAGES=2),
-             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
-                "m_ptr"}), blocks.CHANNEL_WARPS, 1),
-      # ... and with the solve's operands loaded before the inverse (`solve="early"`; opt-in)
-      Launch("channel_intra", "_fwd_kernel@gates+solve_early",
-             dict(channel_fwd, ERASE=1, WRITE=1, QS=0.0883883461, SOLVE_EARLY=True),
              f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
                 "m_ptr"}), blocks.CHANNEL_WARPS, 1),
       Launch("channel_intra", "_bwd_kernel", dict(channel_bwd, GRADS=False, PRODUCTS=False),

@@ -598,39 +598,31 @@ def test_channel_forward_pipelined_slice_loop_changes_no_result(case):
     channel_intra.channel_intra_fwd(q, k, kt, vt, G, chunk=64, slice_stages=4)
 
 
-@pytest.mark.parametrize("solve", ["kernel", "early", "stages2"])
 @pytest.mark.parametrize("case,gates", [("random", "none"), ("strong", "row"),
                                         ("packed", "channel")])
-def test_channel_forward_solve_variants_match_the_fused_solve(case, gates, solve):
-  # The other ways to make NY = −M (K̃ ⊙ e^G) and U = M Ṽ use the same operands and products
-  # as the fused solve loops: solve="kernel" (GpuTuning.channel_solve; the forward kernel stops
-  # after M and a second kernel makes NY and U from the stored M), solve="early" (the whole
-  # operands loaded before the inverse, one product each) and solve_stages=2 (the loops
-  # software-pipelined). So every output matches the fused solve's (NY in bf16 to within a
-  # rounding, U float32 to 1e-6), with the exact and bounded-span paths, packed rows, and
-  # gates made on chip (K 64, V 128: a column block count that differs between NY and U);
-  # M is returned only if asked for.
+def test_channel_forward_solve_kernel_matches_the_fused_solve(case, gates):
+  # solve="kernel" (GpuTuning.channel_solve): the forward kernel stops after M and a second
+  # kernel makes NY and U from the stored M with the same operands and products, so every
+  # output matches the fused solve's (NY in bf16 to within a rounding, U float32 to 1e-6),
+  # with the exact and bounded-span paths, packed rows, and gates made on chip (K 64, V 128:
+  # a column block count that differs between NY and U); M is returned only if asked for.
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   q, k, v, G, erase, write, _ = _gated_channel_inputs(21, "row" if gates == "none" else gates)
   if case == "strong":
     G = _channel_inputs(21, dk=64, dv=128, tau=_TAU["strong"])[-1]
   segments = gpu_chunks.kernel_segments(_packed_ids(), 64) if case == "packed" else None
   gated = {} if gates == "none" else dict(erase=erase, write=write)
-  call = lambda inverse, **kw: channel_intra.channel_intra_fwd(
-      q, k, k, v, G, segments, chunk=64, with_inverse=inverse, q_scale=0.125, **gated, **kw)
-  variant = dict(solve_stages=2) if solve == "stages2" else dict(solve=solve)
-  fused, other = call(True), call(True, **variant)
-  for name, a, b in zip(("ny", "qg", "p", "u", "kg", "gc", "m"), other, fused):
+  call = lambda solve, inverse: channel_intra.channel_intra_fwd(
+      q, k, k, v, G, segments, chunk=64, with_inverse=inverse, solve=solve, q_scale=0.125,
+      **gated)
+  fused, split = call("fused", True), call("kernel", True)
+  for name, a, b in zip(("ny", "qg", "p", "u", "kg", "gc", "m"), split, fused):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.all(np.isfinite(a)), name
-    assert_close(a, b, 1e-3 if name == "ny" else 1e-6, f"{name} ({case}, {gates}, {solve})")
-  assert len(call(False, **variant)) == 6
+    assert_close(a, b, 1e-3 if name == "ny" else 1e-6, f"{name} ({case}, {gates})")
+  assert len(call("kernel", False)) == 6
   with pytest.raises(ValueError, match="solve"):
-    call(False, solve="split")
-  with pytest.raises(ValueError, match="solve_stages"):
-    call(False, solve_stages=4)
-  with pytest.raises(ValueError, match="solve_bk"):
-    call(False, solve_bk=48)
+    call("split", False)
 
 
 def test_channel_kernel_phases_split_the_pair_matrix_exactly():
@@ -889,12 +881,11 @@ def test_op_with_channel_grads_states_at_the_edges_of_t(monkeypatch, mixer, t):
   assert calls, "the states path did not run"
 
 
-@pytest.mark.parametrize("mixer,implementation,t,solve", [("kda", "pallas_gpu", 65, "kernel"),
-                                                          ("gdn2", "pallas_gpu", 128, "kernel"),
-                                                          ("kda", "triton", 1, "kernel"),
-                                                          ("gdn2", "pallas_gpu", 65, "early")])
-def test_op_with_a_solve_choice_matches_scan(monkeypatch, mixer, implementation, t, solve):
-  # GpuTuning(channel_solve=...) reaches the forward kernel's call on both GPU paths, and
+@pytest.mark.parametrize("mixer,implementation,t", [("kda", "pallas_gpu", 65),
+                                                    ("gdn2", "pallas_gpu", 128),
+                                                    ("kda", "triton", 1)])
+def test_op_with_the_solve_kernel_matches_scan(monkeypatch, mixer, implementation, t):
+  # GpuTuning(channel_solve="kernel") reaches the forward kernel's call on both GPU paths, and
   # the op's output, residual and every gradient still match the scan under jit.
   if implementation == "pallas_gpu" and not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
     pytest.skip("pallas_gpu needs a Hopper GPU")
@@ -902,19 +893,19 @@ def test_op_with_a_solve_choice_matches_scan(monkeypatch, mixer, implementation,
   solves, real = [], channel_intra.channel_intra_fwd
   monkeypatch.setattr(channel_intra, "channel_intra_fwd",
                       lambda *a, **k: solves.append(k.get("solve")) or real(*a, **k))
-  tuning = ops.GpuTuning(triton_intra="kernel", channel_intra="triton", channel_solve=solve)
+  tuning = ops.GpuTuning(triton_intra="kernel", channel_intra="triton", channel_solve="kernel")
   args, kw = make_inputs(mixer, b=1, t=t, h=2, hv=2, dk=64, dv=64, seed=31 + t)
   fwd = lambda impl, tun: jax.jit(lambda *a: run(mixer, a, implementation=impl, tuning=tun,
                                                  return_residual=True))(*args)
   got, want = fwd(implementation, tuning), fwd("scan", None)
-  assert solves and set(solves) == {solve}, solves
+  assert solves and set(solves) == {"kernel"}, solves
   assert_close(got[0], want[0], FWD_TOL, f"{mixer} T={t} output")
   assert_close(got[-1], want[-1], FWD_TOL, f"{mixer} T={t} residual")
   grads = output_and_state_grads(mixer, args, kw["initial_state"], implementation,
                                  tuning=tuning)
   for i, (g_, w) in enumerate(zip(grads, output_and_state_grads(
       mixer, args, kw["initial_state"], "scan"))):
-    assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} T={t} solve {solve}, grad {i}")
+    assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} T={t} solve kernel, grad {i}")
 
 
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])

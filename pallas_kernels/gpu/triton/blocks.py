@@ -125,19 +125,15 @@ CHANNEL_BAND_STAGES = 1
 # ms, GDN-2 4.10 -> 4.20; the kernel alone with the gates on chip 0.91 / 1.05 / 0.94 ms at 1 / 2
 # / 3 stages (`bench_triton_parts --mixers=kda --channel_slice_stages=1,2,3`). So 1.
 CHANNEL_SLICE_STAGES = 1
-# Software-pipelining depth of the channel forward's two solve loops (NY, U after the inverse;
-# `blocks.solve_bk` columns a step): at 2 the next step's K̃, G or Ṽ loads are async copies
-# issued while this step's product runs. 1 until timed (`bench_triton_parts --mixers=kda
-# --channel_solve_stages=1,2`).
-CHANNEL_SOLVE_STAGES = 1
 # Where the channel forward makes NY = −M (K̃ ⊙ e^G) and U = M Ṽ: "fused", at the end of each
 # forward program (the two solve loops, after the inverse); "kernel", in a second kernel from the
 # stored M, one program per chunk and 64-column block, at the occupancy of its few registers.
 # On an H100 (2026-12-06) the fused forward took ~0.3-0.4 of its ~1.0 ms wall time in those
-# loops (`bench_triton_parts --phase_costs`); "kernel" is untimed, so "fused" stays until an
-# A/B on a GPU (`bench_ab --variants=pallas_gpu,pallas_gpu@channel_solve=kernel`).
-# "early": fused, with the solve's whole-width operands loaded before the inverse.
-CHANNEL_SOLVES = ("fused", "kernel", "early")
+# loops (`bench_triton_parts --phase_costs`), but "kernel" is slower (B4 T4096 H16 D128: the
+# forward with the gates on chip 0.862 -> 0.965 ms; the op's fwd+bwd KDA 3.72 -> 3.78, GDN-2
+# 4.07 -> 4.20), as were the loops' operands loaded before the inverse (0.992) and the loops
+# software-pipelined (0.887; both tried in 53c2212 and removed). So "fused".
+CHANNEL_SOLVES = ("fused", "kernel")
 CHANNEL_SOLVE = "fused"
 # The bounded-span path of the channel kernels (docs/KERNELS_GPU.md "Toward KDA / GDN-2 at jla's
 # speed"): 0 keeps the exact float32 diagonal blocks everywhere. Above 0, a channel slice of a

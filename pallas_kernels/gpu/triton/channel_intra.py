@@ -153,19 +153,11 @@ def _gated_rows(x_ptr, gate_ptr, rows, hv, cols, HV: tl.constexpr, D: tl.constex
 def _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV: tl.constexpr, K: tl.constexpr,
                  PACKED: tl.constexpr, erase_ptr, ERASE: tl.constexpr):
   """Y = M (K̃ ⊙ e^G) on one channel slice (e^G zeroed where the segment began in the chunk)."""
-  return tl.dot(m, _solve_operand(kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED, erase_ptr,
-                                  ERASE))
-
-
-@triton.jit
-def _solve_operand(kt_ptr, g_ptr, cont, rows, hv, cols, HV: tl.constexpr, K: tl.constexpr,
-                   PACKED: tl.constexpr, erase_ptr, ERASE: tl.constexpr):
-  """R = K̃ ⊙ e^G on the channels `cols`, the solve's bf16 operand (Y = M R)."""
   entry = tl.exp(_rows(g_ptr, rows, hv, cols, HV, K))
   if PACKED:
     entry = entry * cont
   kt = _gated_rows(kt_ptr, erase_ptr, rows, hv, cols, HV, K, ERASE)
-  return (kt * entry).to(tl.bfloat16)
+  return tl.dot(m, (kt * entry).to(tl.bfloat16))
 
 
 @triton.jit
@@ -332,8 +324,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, BAND_STAGES: tl.constexpr,
                 SBK: tl.constexpr, SKIP: tl.constexpr, SPAN: tl.constexpr,
                 ERASE: tl.constexpr, WRITE: tl.constexpr, QS: tl.constexpr,
-                SLICE_STAGES: tl.constexpr, SOLVE_STAGES: tl.constexpr,
-                SOLVE_EARLY: tl.constexpr):
+                SLICE_STAGES: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
@@ -370,29 +361,16 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   l_acc += _expand_bands(l_band, rc, SUBC)
   keep_p, keep_l = _pair_masks(seg_ptr, rows, ii, jj, PACKED)
   tl.store(p_ptr + cc, tl.where(keep_p, p_acc, 0.0).to(tl.bfloat16))
-  n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
-  if SOLVE_EARLY and n_solve:
-    # The solve's whole-width operands, loaded before the inverse so that their loads wait
-    # behind its products rather than after them (bf16: 32 registers each at K = 128).
-    r_ny = _solve_operand(kt_ptr, g_ptr, cont, rows, hv, tl.arange(0, K), HV, K, PACKED,
-                          erase_ptr, ERASE)
-    r_u = _gated_rows(vt_ptr, write_ptr, rows, hv, tl.arange(0, V), HV, V,
-                      WRITE).to(tl.bfloat16)
   m = _unit_lower_inverse(tl.where(keep_l, l_acc, 0.0), ii, jj, PREC).to(tl.bfloat16)
-  if SOLVE_EARLY and n_solve:
-    tl.store(ny_ptr + chunk * C * K + ii * K + tl.arange(0, K)[None, :],
-             (-tl.dot(m, r_ny)).to(tl.bfloat16))
-    tl.store(u_ptr + chunk * C * V + ii * V + tl.arange(0, V)[None, :], tl.dot(m, r_u))
   # NY = −M (K̃ ⊙ e^G) and U = M Ṽ, SBK columns at a time: triton 3.6 converts M to the
   # product's operand layout inside each iteration (through shared memory), so wide slices
-  # (only M is live here) convert it fewer times. At SOLVE_STAGES > 1 the next step's loads
-  # are async copies issued before this step's product.
+  # (only M is live here) convert it fewer times.
   rs = tl.arange(0, SBK)
-  n_loops: tl.constexpr = 0 if SOLVE_EARLY else n_solve
-  for s in tl.range(n_loops * K // SBK, num_stages=SOLVE_STAGES):
+  n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
+  for s in range(n_solve * K // SBK):
     _ny_block(m, kt_ptr, g_ptr, cont, rows, hv, s * SBK + rs, chunk, ny_ptr, HV, K, C, PACKED,
               erase_ptr, ERASE)
-  for s in tl.range(n_loops * V // SBK, num_stages=SOLVE_STAGES):
+  for s in range(n_solve * V // SBK):
     _u_block(m, vt_ptr, rows, hv, s * SBK + rs, chunk, u_ptr, HV, V, C, write_ptr, WRITE)
   if WITH_INVERSE:
     tl.store(m_ptr + cc, m)
@@ -690,8 +668,7 @@ def supported(chunk: int, dk: int, dv: int) -> str | None:
 
 @functools.partial(jax.jit, static_argnames=("chunk", "with_inverse", "precision", "num_warps",
                                              "band_stages", "skip_phases", "span", "q_scale",
-                                             "slice_stages", "solve", "solve_stages",
-                                             "solve_bk"))
+                                             "slice_stages", "solve"))
 def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_inverse=False,
                       precision: str = blocks.INTRA_PRECISION,
                       num_warps: int = blocks.CHANNEL_WARPS,
@@ -699,9 +676,7 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
                       span: float = blocks.CHANNEL_SPAN, erase=None, write=None,
                       q_scale: float = 1.0,
                       slice_stages: int = blocks.CHANNEL_SLICE_STAGES,
-                      solve: str = blocks.CHANNEL_SOLVE,
-                      solve_stages: int = blocks.CHANNEL_SOLVE_STAGES,
-                      solve_bk: int | None = None):
+                      solve: str = blocks.CHANNEL_SOLVE):
   """The intra-chunk part for per-channel gates (module docstring).
 
   q, k, kt, vt: `[B, T, HV, K]` (vt `[B, T, HV, V]`), the scaled queries, keys, erase keys and
@@ -718,30 +693,18 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   ṽ = v ⊙ write are never written to memory. q_scale: q is multiplied by it on chip (1: q
   comes scaled). slice_stages: software-pipelining depth of the channel-slice loop
   (`blocks.CHANNEL_SLICE_STAGES`). solve (`blocks.CHANNEL_SOLVES`): "fused", NY and U made at
-  the end of the forward kernel's programs; "early", the same products with their operands
-  loaded before the inverse (K, V ≤ 128); "kernel", the forward kernel stops after M and a
+  the end of the forward kernel's programs; "kernel", the forward kernel stops after M and a
   second kernel (`_solve_kernel`, one program per chunk and 64-column block) makes them from
-  it, with the same operands and products. solve_stages: software-pipelining depth of the fused
-  solve loops (`blocks.CHANNEL_SOLVE_STAGES`); solve_bk: their columns a step (None:
-  `blocks.solve_bk`; a multiple of 16 dividing K and V).
+  it, with the same operands and products.
   """
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
     raise ValueError(f"channel_intra_fwd: {reason}")
   if slice_stages not in (1, 2, 3):
     raise ValueError(f"channel_intra_fwd: slice_stages={slice_stages} must be 1, 2 or 3")
-  if solve_stages not in (1, 2, 3):
-    raise ValueError(f"channel_intra_fwd: solve_stages={solve_stages} must be 1, 2 or 3")
-  if solve_bk is not None and (solve_bk not in (16, 32, 64) or q.shape[-1] % solve_bk
-                               or vt.shape[-1] % solve_bk):
-    raise ValueError(f"channel_intra_fwd: solve_bk={solve_bk} must be 16, 32 or 64 and divide "
-                     f"K={q.shape[-1]} and V={vt.shape[-1]}")
   if solve not in blocks.CHANNEL_SOLVES:
     raise ValueError(f"channel_intra_fwd: solve={solve!r} must be one of "
                      f"{blocks.CHANNEL_SOLVES}")
-  if solve == "early" and max(q.shape[-1], vt.shape[-1]) > 128:
-    raise ValueError(f"channel_intra_fwd: solve='early' holds whole [C, K] and [C, V] "
-                     f"operands: K={q.shape[-1]}, V={vt.shape[-1]} must be at most 128")
   if precision not in blocks.INTRA_PRECISIONS:
     raise ValueError(f"precision={precision!r}: expected one of {blocks.INTRA_PRECISIONS}")
   b, t, hv, dk = q.shape
@@ -764,7 +727,7 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
                        ((b, hv, nc, c, dk), MM_DTYPE), ((b, hv, nc, dk), f32),
                        ((b, hv, nc, c, c) if keep_m else (1,), MM_DTYPE))
   skip = _phases(skip_phases) | (blocks.PHASE_SOLVE if split else 0)
-  sbk = solve_bk or blocks.solve_bk(dk, dv)
+  sbk = blocks.solve_bk(dk, dv)
   operands = (*map(_operand, (q, k, kt, vt)), G.astype(f32), *seg, _operand(erase),
               _operand(write))
   ny, qg, p, u, kg, gc, m = _jax_triton().triton_call(
@@ -772,8 +735,7 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
       num_warps=num_warps, num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK,
       PACKED=packed, WITH_INVERSE=keep_m, PREC=precision, BAND_STAGES=band_stages, SBK=sbk,
       SKIP=skip, SPAN=_span(span), ERASE=erase_kind, WRITE=write_kind, QS=float(q_scale),
-      SLICE_STAGES=int(slice_stages), SOLVE_STAGES=int(solve_stages),
-      SOLVE_EARLY=solve == "early")
+      SLICE_STAGES=int(slice_stages))
   if by_kernel:
     _, _, kt_in, vt_in, g_in, _, cont, _, erase_in, write_in = operands
     ny, u = _jax_triton().triton_call(
