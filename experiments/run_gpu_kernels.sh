@@ -29,7 +29,7 @@ mkdir -p /tmp/triton_cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee $OUT/gpu.txt
 date -u +%FT%TZ > $OUT/date.txt
 if [ "$TT" -gt 0 ]; then
-  timeout $TT env -u MOSAIC_GPU_DUMP_PTXAS python3 -m pytest ${GPU_TESTS:-tests/test_pallas_gpu.py tests/test_pallas_gpu_intra.py} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -v -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>&1
+  timeout $TT env -u MOSAIC_GPU_DUMP_PTXAS python3 -m pytest ${GPU_TESTS:-tests/test_pallas_gpu.py tests/test_pallas_gpu_intra.py} ${GPU_TEST_K:+-k "$GPU_TEST_K"} -m "slow or not slow" -v -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|error" $OUT/test_gpu.log | tail -3
 fi
 if [ "$BT" -gt 0 ]; then

@@ -79,7 +79,8 @@ GPU_TAG=${GPU:-gpu}_$TAG
 case $PHASE in
 tests)
   # Every file with compiled GPU tests (docs/KERNELS_GPU.md "Testing"); the GPU machine's 16
-  # cores compile in parallel, which is where the suite's time goes.
+  # cores compile in parallel, which is where the suite's time goes. `slow` cases too: the CPU
+  # run leaves them to a faster case in the interpreter, compiled they cost seconds.
   FILES="tests/test_triton_gpu.py tests/test_pallas_gpu.py tests/test_pallas_gpu_intra.py
     tests/test_chunk_grads.py tests/test_chunk_walk.py tests/test_walk_pieces.py
     tests/test_state_pass_pieces.py tests/test_gpu_tuning_plumbing.py
@@ -88,7 +89,7 @@ tests)
     tests/test_state_pass_out_dtype.py tests/test_state_pass_o_rows.py
     tests/test_state_pass_products.py"
   timeout 540 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest $FILES ${XD:--n 10} -v \
-    -p no:cacheprovider -rs --durations=15 > $KEEP/test_gpu_${GPU_TAG}_compiled_suite.log 2>&1
+    -m "slow or not slow" -p no:cacheprovider -rs --durations=15 > $KEEP/test_gpu_${GPU_TAG}_compiled_suite.log 2>&1
   echo "pytest rc=$?"; grep -E "FAILED|ERROR" $KEEP/test_gpu_*.log | head -20
   tail -1 $KEEP/test_gpu_*.log
   ;;

@@ -117,7 +117,17 @@ def test_kernel_forward_with_the_xla_backward_matches_the_dense_definition():
     assert_close(a, b, 3e-3, name)
 
 
-def test_op_with_the_kernel_matches_the_xla_pair():
+# Each diagonal method through the op with both kernels (the dense tests above cover each kernel
+# of each method alone). The default run keeps the default method, "columns"; "levels" is
+# `-m slow` (suite time: ~9 s, a compile of the op's gradient): through the op it differs only
+# in the `diag` that `gpu_prepare` hands the kernels (`GpuTuning.pair_diag`), and its kernels,
+# forward and backward, run by default in
+# test_forward_and_backward_match_the_dense_definition[32-32--6.0-levels] (two blocks, decays
+# down to e^-96) and test_extreme_log_gates_stay_finite_and_exact_on_the_diagonal[levels]
+# (c = 64 as here, log gates of -1e4).
+@pytest.mark.parametrize("diag", [pytest.param(d, marks=() if d == cp.DIAG else pytest.mark.slow)
+                                  for d in cp.DIAG_CHOICES])
+def test_op_with_the_kernel_matches_the_xla_pair(diag):
   # The opt-in path through the op: same output and gradients as the default XLA pair (which
   # tests/test_pallas_gpu.py checks against the scan), within bf16 rounding. "kernel_fwd" (the
   # Pallas forward with the XLA backward) is the test above, at the custom VJP.
@@ -135,13 +145,11 @@ def test_op_with_the_kernel_matches_the_xla_pair():
     return out, grads
 
   o_x, g_x = run("xla")
-  # Both diagonal methods through the op with both kernels (the dense test above covers each
-  # kernel of each method alone).
-  for pair, diag in (("kernel", "columns"), ("kernel", "levels")):
-    o_k, g_k = run(pair, diag)
-    assert_close(o_k, o_x, 1e-3, f"o ({pair}, {diag})")
-    for name, a, b in zip(("q", "k", "v", "g", "b", "w"), g_k, g_x):
-      assert_close(a, b, 1e-2, f"d{name} ({pair}, {diag})")
+  pair = "kernel"
+  o_k, g_k = run(pair, diag)
+  assert_close(o_k, o_x, 1e-3, f"o ({pair}, {diag})")
+  for name, a, b in zip(("q", "k", "v", "g", "b", "w"), g_k, g_x):
+    assert_close(a, b, 1e-2, f"d{name} ({pair}, {diag})")
 
 
 def test_the_tuning_offers_the_kernels_diagonal_methods():

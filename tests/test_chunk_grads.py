@@ -81,8 +81,23 @@ _JOINED = sorted(c for c in CASES if CASES[c][-1])
 _SPLIT = sorted(c for c in CASES if CASES[c][4] == CASES[c][5])
 
 
-@pytest.mark.parametrize("case,join_exit,warpgroups", [(c, False, 1) for c in sorted(CASES)]
-                         + [(c, True, 1) for c in _JOINED] + [(c, True, 2) for c in _SPLIT])
+# `-m slow` (suite time): the single-warpgroup kernel (both exits) at two shapes whose default
+# kernel is the two-warpgroup one (K = V), which their (True, 2) cases keep running. Its same
+# branches stay at K = V = 64, one chunk ("-1e4 gates": the same shapes as "one chunk, K 64"),
+# at K = 64 with V = 128 and GVA, ordinary gates ("GVA, K 64, V 128"), and at K = 128
+# ("K 128, V 64, strong decay"); the interpreter runs the algebra, alike at every tile size.
+_SLOW = {("one chunk, K 64", False, 1), ("one chunk, K 64", True, 1),
+         ("K 128, V 128, GVA, one chunk", False, 1), ("K 128, V 128, GVA, one chunk", True, 1)}
+
+
+def _vjp_param(*case):
+  return pytest.param(*case, marks=pytest.mark.slow) if case in _SLOW else case
+
+
+@pytest.mark.parametrize("case,join_exit,warpgroups",
+                         [_vjp_param(c, False, 1) for c in sorted(CASES)]
+                         + [_vjp_param(c, True, 1) for c in _JOINED]
+                         + [_vjp_param(c, True, 2) for c in _SPLIT])
 def test_kernel_matches_the_chunk_vjp(case, join_exit, warpgroups):
   b, t, h, hv, dk, dv, gate_scale, floor_gates, gated = CASES[case]
   x = _inputs(b, t, h, hv, dk, dv, seed=len(case), gate_scale=gate_scale,

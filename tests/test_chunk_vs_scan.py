@@ -147,7 +147,15 @@ def test_forward_strong_decay(mixer, decay):
   assert_outputs_close(got, ref, FWD_TOL, f"{mixer}/{decay}")
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+# The chunk form takes float32 q, k, v: `api.run_mixer` upcasts bf16 inputs and casts o and r back
+# to v's dtype, the same code for every mixer, and between the casts each mixer computes what
+# its t130_c16 case above checks. The default run keeps the per-channel mixers (KDA, GDN-2);
+# the others go through the same casts and are `-m slow` (suite time).
+_BF16_DEFAULT = CHANNEL_GATE_MIXERS
+
+
+@pytest.mark.parametrize("mixer", [pytest.param(m, marks=() if m in _BF16_DEFAULT else
+                                                pytest.mark.slow) for m in MIXERS])
 def test_forward_bf16_inputs(mixer):
   """bf16 q, k, v through the chunk form vs the fp32 scan on the same bf16-rounded values."""
   shape, chunk_size = SHAPE_CASES["t130_c16"]  # same shapes: the fp32 scan is already compiled
@@ -195,7 +203,15 @@ def test_grads_strong_decay(mixer):
   assert_grads_close(mixer, got, ref, GRAD_TOL, f"{mixer}/strong_decay")
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+# The GVA map under test (value head j reads key head j // n_rep: `jnp.repeat` of q and k in
+# `scan_reference`) and the group sums of dq, dk in its gradient are the same code for every
+# mixer; the per-mixer step runs at this very shape in `test_grads_chunk_equal_scan[gva2]`. The
+# default run keeps GDN-2 (gates on both the key and the value axis); the others are `-m slow`.
+_GVA_IDENTITY_DEFAULT = ("gdn2",)
+
+
+@pytest.mark.parametrize("mixer", [pytest.param(m, marks=() if m in _GVA_IDENTITY_DEFAULT else
+                                                pytest.mark.slow) for m in MIXERS])
 def test_gva_equals_explicit_repeat(mixer):
   """§9.14: H = 2 key heads shared by n_rep = 2 value heads each == q, k repeated to HV = 4
   (value head j reads key head j // n_rep, not j % H); dq and dk equal the repeated run's
@@ -220,7 +236,16 @@ def test_gva_equals_explicit_repeat(mixer):
   assert_grads_close(mixer, (g_args, g_s0), (g_rep, g_s0_rep), FWD_TOL, f"{mixer}/gva")
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+# C = 64 matters to the per-channel gates only (four 16-row sub-chunks, `chunked._channel_factors`):
+# for the others the chunk form's segment masks do not depend on C, and a random tail marked id 0
+# (o = r = 0 there, final_state after the last real token, against the scan) is
+# tests/test_segments.py::test_packing_equals_separate[<mixer>-chunk] (trailing id-0 padding
+# in row 0). So the default run keeps KDA and GDN-2 here; the others are `-m slow`.
+_TAIL_DEFAULT = CHANNEL_GATE_MIXERS
+
+
+@pytest.mark.parametrize("mixer", [pytest.param(m, marks=() if m in _TAIL_DEFAULT else
+                                                pytest.mark.slow) for m in MIXERS])
 def test_tail_padding_with_segment_ids(mixer):
   """§9.15 at T = 65, C = 64. The chunk form pads the tail with identity steps itself, which
   chunk == scan at T = 1, 63, 65, 130 already checks (o, r and final_state). With segment ids,

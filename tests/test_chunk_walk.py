@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 import kernel_cases
-from helpers import (assert_close, make_inputs, mosaic_gpu_or_skip, output_and_state_grads,
-                     record_smem_estimates, run_jit)
+from helpers import (assert_close, make_inputs, mosaic_gpu_or_skip, record_smem_estimates,
+                     run_jit)
 
 ON_GPU, INTERPRET = mosaic_gpu_or_skip()
 
@@ -95,7 +95,13 @@ def made_m(t0, g, beta, gated):
   return (t0.astype(jnp.float32) * gam * bc).astype(jnp.bfloat16)
 
 
-@pytest.mark.parametrize("case", ["ring wraps, K 128, strong decay", "ungated (DeltaNet)"])
+# (The ungated case is slow: made_m and gated are independent branches of the walk (made_m
+# only skips making M̃ and waiting for it), so the gated case covers made_m, at K 128 with its
+# ring wrapping, and test_kernel_matches_its_rounded_reference["ungated (DeltaNet)"] the
+# ungated walk.)
+@pytest.mark.parametrize("case", [
+    "ring wraps, K 128, strong decay",
+    pytest.param("ungated (DeltaNet)", marks=pytest.mark.slow)])
 def test_kernel_reading_a_made_m_matches_its_reference(case):
   # made_m: the caller makes M̃ (here from its definition); the walk reads it from the ring
   # and neither makes it nor waits for it. Only M̃'s bf16 rounding differs from the walk's
@@ -116,6 +122,14 @@ def test_kernel_reading_a_made_m_matches_its_reference(case):
     cw.chunk_walk(q, k, v, None, g, beta, s0t, scale=1.0, made_m=True, interpret=INTERPRET)
 
 
+# Slow (the GPU run keeps it): off GPU the interpreter computes e^x exactly and approx_math is
+# only a compiler parameter, so this runs the one-chunk walks of
+# test_kernel_matches_its_rounded_reference["one chunk, K 64"] and of the reverse test's same
+# case (its check without dE_ext), and the gated one-chain maps' walk of test_walk_pieces.py's
+# test_maps_walk_gives_the_whole_walks_final_states[True-1-64-128]; approx_math (on by default)
+# reaching every walk is the op tests' (test_walk_overlap_reaches_the_reverse_walks_and_keeps_
+# the_gradients and the options tests assert it).
+@pytest.mark.slow
 def test_approximate_exponentials_keep_the_walks_within_their_bounds():
   # approx_math: e^x as ex2.approx in the walks' gates (decay masks, entry / exit factors). The
   # interpreter computes e^x exactly either way, so off GPU this checks the option's path; on
@@ -220,8 +234,11 @@ def test_overlapped_products_change_no_result(mixer, t, dk, dv):
                                     err_msg=f"{mixer} K{dk} V{dv} {name}, output {i}")
 
 
+# (K 64 is slow: the same overlapped walks, gated, forward and reverse, and the same barriers
+# as K 128, where both rings (two chunks each) wrap at 192 rows and their slots are reused; at
+# K 64 neither ring (four chunks, three) wraps here.)
 @pytest.mark.skipif(ON_GPU, reason="the race detector is the interpreter's")
-@pytest.mark.parametrize("dk", [64, 128])
+@pytest.mark.parametrize("dk", [pytest.param(64, marks=pytest.mark.slow), 128])
 def test_overlapped_walks_hand_over_tiles_without_races(dk):
   # Overlapped, the forward's output warpgroup writes the next chunk's M̃ into the ring while
   # the state warpgroup works on this one, and the reverse walk stages two register operands at
@@ -371,7 +388,13 @@ def test_training_through_both_walks_matches_scan(monkeypatch, mixer, t, hv):
   assert set(walks) == {("chunk_walk", True), ("chunk_walk_reverse", True)}
 
 
-@pytest.mark.parametrize("used", ["o", "residual"])
+# ("o" is slow: a loss on o alone, no residual and no final state, so the reverse walk without
+# dE_ext and a zero final-state cotangent, is what the GDN options cases of
+# test_grads_options_reach_chunk_grads_and_keep_the_gradients run (Σ o², every gradient
+# against the scan's), and test_walk_overlap_reaches_the_reverse_walks_and_keeps_the_gradients
+# [gated_delta_rule-1] with the default tuning; "residual", o unused (dO made zeros), is this
+# test's own.)
+@pytest.mark.parametrize("used", [pytest.param("o", marks=pytest.mark.slow), "residual"])
 def test_training_with_unused_outputs_matches_scan(used):
   # Outputs a loss does not read reach the walk's backward as symbolic zeros (no residual:
   # the reverse walk runs without its dE_ext copies; no final state, or no o): every gradient

@@ -67,7 +67,13 @@ def test_state_pass_backward_matches_autodiff(residual):
     assert_close(got, want, tol, f"{name} (residual={residual})")
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+# GDN is `-m slow` (suite time): off GPU it takes the path DeltaNet's case takes here (the
+# intra-chunk kernel with segments, then the state pass; its residual r too), and GDN's own
+# forward on it is tests/test_pallas_gpu_intra.py's: test_op_forward_matches_scan[
+# gated_delta_rule] (no segments) and test_op_with_segments_and_padding_matches_scan (these
+# segments' features: a reset inside a chunk, one crossing it, padding; GVA, initial state).
+@pytest.mark.parametrize("mixer", [pytest.param(m, marks=pytest.mark.slow)
+                                   if m == "gated_delta_rule" else m for m in MIXERS])
 def test_op_forward_matches_scan(mixer):
   for name, g, w in kernel_cases.op_forward_pairs(mixer, "pallas_gpu", b=1):
     assert_close(g, w, FWD_TOL, f"{mixer} {name} vs scan")
@@ -76,7 +82,16 @@ def test_op_forward_matches_scan(mixer):
 # (GDN with the intra kernel only where "auto" may walk: off GPU, where the triton extra does not
 # run, "auto" is "split" and this case is tests/test_pallas_gpu_intra.py's
 # test_op_gradients_match_scan, the same inputs, tuning and oracle.)
-@pytest.mark.parametrize("mixer,intra", [("gated_delta_rule", "xla"), ("kda", "kernel")]
+# Both CPU cases are `-m slow` (suite time). KDA (intra is unread for it) is the default path
+# that tests/test_state_pass_products.py's test_op_at_the_edges_of_t_with_the_pass_products[
+# kda-65] takes with the same gradients and oracle (output_and_state_grads, 3e-2): GVA, an
+# initial state, two chunks, the second padded. GDN's XLA intra-chunk path with the same state
+# pass and products is test_gradients_under_shard_map_with_varying_axes_check's (every
+# gradient against the scan); GVA, the initial state and padding through that composition
+# (off GPU KDA takes it too: pallas_gpu._core) are the KDA case's.
+@pytest.mark.parametrize("mixer,intra", [pytest.param("gated_delta_rule", "xla",
+                                                      marks=pytest.mark.slow),
+                                         pytest.param("kda", "kernel", marks=pytest.mark.slow)]
                          + ([("gated_delta_rule", "kernel")] if ON_GPU else []))
 def test_op_gradients_match_scan(mixer, intra):
   # intra: who computes GDN's intra-chunk part (the Mosaic GPU kernel by default; the XLA path
@@ -90,7 +105,11 @@ def test_op_gradients_match_scan(mixer, intra):
     assert_close(g, w, GRAD_TOL, f"{mixer} d{name}")
 
 
-@pytest.mark.parametrize("used", ["o", "residual"])
+# "o" is `-m slow` (suite time): E's cotangent a symbolic zero on KDA's default path is what
+# tests/test_state_pass_products.py's test_op_at_the_edges_of_t_with_the_pass_products[kda-*]
+# take (their loss reads o and the final state, not E), every gradient against the scan; the
+# final state's unused cotangent is "residual"'s here.
+@pytest.mark.parametrize("used", [pytest.param("o", marks=pytest.mark.slow), "residual"])
 def test_kda_gradients_with_and_without_the_residual_match_scan(used):
   # KDA's state pass gets E's cotangent only where a loss reads E (the routing residual);
   # otherwise a symbolic zero, which its reverse kernel replaces by reading nothing. Both ways

@@ -68,7 +68,10 @@ def test_kernel_matches_exact_reference(case):
     assert np.all(p[40:, :40] == 0) and np.any(p[41:, 40:41] != 0)
 
 
-@pytest.mark.parametrize("case", ["random", "correlated"])
+# "correlated" is `-m slow` (suite time): "random" runs the same kernel with with_inverse=True,
+# and test_kernel_matches_exact_reference[correlated] the same inverse on the correlated keys
+# (U = M V and NY against the exact solve).
+@pytest.mark.parametrize("case", ["random", pytest.param("correlated", marks=pytest.mark.slow)])
 def test_kernel_inverse_output(case):
   # with_inverse=True adds M = (I + L)^{-1} (the backward's input) and changes nothing else.
   # Oracle: M (I + L) = I, with L = diag(β)(K Kᵀ ⊙ Γ) strictly lower built here in float64.
@@ -111,7 +114,11 @@ def test_supported_sizes():
 KERNEL = pallas_gpu.GpuTuning(intra="kernel", forward="split")
 
 
-@pytest.mark.parametrize("mixer", ["gated_delta_rule", "delta_rule"])
+# DeltaNet is `-m slow` (suite time): GDN's case runs the same kernels with the same tuning and
+# shapes (no segments), and DeltaNet's ungated glue on this path (forward alone, against the
+# scan) is tests/test_pallas_gpu.py's test_op_forward_matches_scan[delta_rule].
+@pytest.mark.parametrize("mixer", ["gated_delta_rule",
+                                   pytest.param("delta_rule", marks=pytest.mark.slow)])
 def test_op_forward_matches_scan(monkeypatch, mixer):
   calls = []
   kernel = ic.intra_chunk_fwd

@@ -197,7 +197,8 @@ class TestPallasTPU:
 
 
 @pytest.mark.parametrize("mixer", [pytest.param("linear_attention", marks=pytest.mark.slow),
-                                   "gated_delta_rule", "gdn2"])
+                                   pytest.param("gated_delta_rule", marks=pytest.mark.slow),
+                                   "gdn2"])
 def test_bf16_inputs_match_fp32_reference(mixer):
   """bfloat16 q, k, v straight into `pallas_kernels.tpu` (the op API upcasts to float32), B=2,
   T=40, plain rows (no segments), chunk 16 (one sub-chunk per chunk), against the scan on the
@@ -205,6 +206,10 @@ def test_bf16_inputs_match_fp32_reference(mixer):
 
   Three mixers cover every kernel code path (gate kinds none/scalar/channel, erase or not);
   DeltaNet and KDA share them with GDN and GDN-2 and are left out to save interpreter minutes.
+  The default run keeps GDN-2 alone (suite time; GDN is `-m slow`): what is particular to
+  bf16 is the same code for every gate kind (the kernels widen q, k, k̃, ṽ, dO, dE to float32
+  as they load them and write o, e in `out_dtype`, `kernels.py`; the glue casts dq, dk, dv back),
+  and GDN's scalar-gate float32 code runs by default in the packed and varlen tests above.
   """
   args, kw = helpers.make_inputs(mixer, b=2, t=40, h=1, hv=1, dk=16, dv=16, seed=3)
   q, k, v, *gates = args
@@ -224,6 +229,22 @@ def test_bf16_inputs_match_fp32_reference(mixer):
   gate_names = {f"d{name}" for name, _ in api.MIXER_GATES[mixer]}
   _compare(mixer, got, ref, BF16_OUT_TOL,
            lambda name: BF16_GATE_GRAD_TOL if name in gate_names else BF16_GRAD_TOL, "scan")
+
+
+@pytest.mark.parametrize("mixer", ["linear_attention", "delta_rule"])
+def test_ungated_kernels_match_scan(mixer):
+  """The kernels' no-gate branches (linear attention without the delta edit, DeltaNet with it)
+  forward and backward, at the smallest shape that carries a state across chunks (T = 40 at
+  chunk 32, the second chunk padded), with an initial state: their packed, varlen and bf16 cases
+  are `-m slow`, so this is what runs them in the default run."""
+  args, kw = helpers.make_inputs(mixer, b=1, t=40, h=1, hv=1, dk=16, dv=16, seed=9)
+  op = _op(mixer, "pallas_tpu", chunk_size=32)
+  grad = jax.grad(lambda a, s: jnp.sum(op(a, s, {})[0]), argnums=(0, 1))
+  assert str(jax.make_jaxpr(grad)(args, kw["initial_state"])).count("pallas_call") >= 2
+  with kernel_mode():
+    got = _value_and_grads(op, args, kw["initial_state"])
+  ref = _value_and_grads(_op(mixer, "scan", chunk_size=32), args, kw["initial_state"])
+  _compare(mixer, got, ref, OUT_TOL, lambda _: GRAD_TOL, "scan")
 
 
 def test_saved_chunk_states_skip_the_recompute_pass():

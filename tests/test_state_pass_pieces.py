@@ -136,8 +136,12 @@ def test_pieces_forward_matches_scan(monkeypatch, mixer, b, t, pieces, by_rule):
 
 
 # products: who makes the state pass's products (GpuTuning.state_products); "pass", the
-# reverse pass itself (K = V = 64), walks the pieces' chunks with them.
-GRAD_CASES = [("kda", 1, 150, 2, "auto"), ("gdn2", 1, 150, 2, "pass")]
+# reverse pass itself (K = V = 64), walks the pieces' chunks with them. KDA is `-m slow` (suite
+# time): at K = V = 64 "auto" is "pass", so GDN-2's case runs the same pass in the same pieces
+# (GVA, T = 150, an initial state), and KDA's gradients in pieces against the scan are
+# test_packed_rows_in_pieces_match_scan[kda]'s.
+GRAD_CASES = [pytest.param("kda", 1, 150, 2, "auto", marks=pytest.mark.slow),
+              ("gdn2", 1, 150, 2, "pass")]
 if ON_GPU:
   GRAD_CASES += [("gdn2", 2, 333, 3, "auto"), ("kda", 1, 2048, 8, "auto"),
                  ("kda", 1, 2048, 8, "pass")]

@@ -165,10 +165,14 @@ def test_pieces_carry_the_cotangent_back(mixer, t, pieces, chains):
 
 
 # (Gated on two chains at K 64, V 128 is slow: the ungated case has its spare chain, the one-chain
-# case its gates.)
+# case its gates. Gated on two chains at K = V = 128 is slow too: K 128, V 64 has the gated
+# two-chain walk at K 128 with its rings wrapping, the ungated case a second CTA of two chains,
+# and test_pieces_forward_at_k_v_128_on_two_chains the four blocks at K = V = 128, Φ alone in
+# one CTA and Ψ in the other.)
 @pytest.mark.parametrize("gated,chains,dk,dv", [
     (True, 1, 64, 128), pytest.param(True, 2, 64, 128, marks=pytest.mark.slow),
-    (False, 2, 64, 128), (True, 2, 128, 128), (True, 2, 128, 64)])
+    (False, 2, 64, 128), pytest.param(True, 2, 128, 128, marks=pytest.mark.slow),
+    (True, 2, 128, 64)])
 def test_maps_walk_gives_the_whole_walks_final_states(gated, chains, dk, dv):
   # GDN and DeltaNet, a ring that wraps. The maps' walk gets a state 64 columns wider than v,
   # [A | S0]: its last V columns must end as the whole walk's from S0, and its first 64 as a
@@ -204,7 +208,12 @@ def test_maps_walk_chains_share_the_ring_without_races():
   assert gpu_callbacks.get_races().races_found is False
 
 
-@pytest.mark.parametrize("delta,gated", [(True, True), (False, False)])
+# (Linear attention's case is slow: states_only only leaves out the stores of dE and dh, alike
+# for every mixer (the GDN case checks it); the walk without T0 is test_chunk_walk.py's
+# test_linear_attention_walks_match_their_references's; and the op never asks it of linear
+# attention, whose entry cotangents are products.)
+@pytest.mark.parametrize("delta,gated", [
+    (True, True), pytest.param(False, False, marks=pytest.mark.slow)])
 def test_states_only_reverse_walk_gives_the_whole_walks_entry_cotangent(delta, gated):
   # Four chunks: the reverse walk's ring (three at K 64) wraps.
   q, k, _, t0, g, beta, dsf_t = kernel_cases.walk_inputs(1, 256, 1, 2, 64, 128, seed=8)
