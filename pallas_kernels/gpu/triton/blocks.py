@@ -108,6 +108,9 @@ INTRA_HEAD_DIMS = (64, 128)   # the sizes the intra kernels were checked (and pt
 # `bench_triton_parts --mixers=kda`): forward 2.46 ms at 4 warps, 3.22 at 8; the backward's
 # kernel half 3.15 at 4, 5.21 at 8 (XLA's forward part: 2.85). So 4 warps: twice the programs
 # resident an SM outweigh the backward's few spilled bytes.
+# Re-timed with today's kernels through the op (H100, 2026-12-06, B4 T4096 H16 D128 fwd+bwd,
+# queued, 3 rounds): the backward kernel at 8 warps KDA 3.81 -> 4.42 ms, GDN-2 4.18 -> 4.88; the
+# forward at 8, 4.55 / 4.90 (docs/data/channel_warps_h100_2026-12-06.log). Still 4.
 CHANNEL_WARPS = 4
 CHANNEL_BK = 16
 # Software-pipelining depth of the channel kernels' diagonal-band loops (`tl.range`): each of
