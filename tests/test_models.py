@@ -14,12 +14,13 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from lineax_attn.layers import partition
+from lineax_attn.layers import LINEAR_MIXERS, partition
 from lineax_attn.models import LanguageModel, ModelConfig, get_config
 from lineax_attn.models import params as params_lib
 from helpers import assert_close, rel_err
 
-EVERY_MIXER = "linear_attention,deltanet,gdn,kda,gdn2,softmax"
+EVERY_MIXER = ",".join(LINEAR_MIXERS + ("softmax",))   # every layer kind a model can hold
+N_EVERY = len(LINEAR_MIXERS) + 1
 
 
 def small_config(**overrides) -> ModelConfig:
@@ -124,7 +125,7 @@ def test_hidden_routing_adds_one_projection_per_linear_layer():
 
 
 def test_training_steps_through_every_mixer_with_routing():
-  config = small_config(n_layers=6, pattern=EVERY_MIXER, routing="clvr", tie_embeddings=True,
+  config = small_config(n_layers=N_EVERY, pattern=EVERY_MIXER, routing="clvr", tie_embeddings=True,
                         implementation="chunk")
   model = LanguageModel(config, rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
@@ -221,7 +222,8 @@ def perturb_routing(model: LanguageModel, key) -> None:
 
 
 def test_causality_and_packing_through_the_whole_model():
-  config = small_config(n_layers=6, pattern=EVERY_MIXER, routing="cler", implementation="chunk")
+  config = small_config(n_layers=N_EVERY, pattern=EVERY_MIXER, routing="cler",
+                        implementation="chunk")
   model = LanguageModel(config, rngs=nnx.Rngs(0))
   perturb_routing(model, jax.random.key(5))
   t, t0, la = 24, 11, 10
