@@ -11,7 +11,7 @@ date -u +%FT%TZ > $OUT/date.txt
 if [ "$TT" -gt 0 ]; then
   timeout $TT python3 -m pytest tests/test_pallas_gpu.py tests/test_pallas_gpu_intra.py \
     tests/test_index_width.py "tests/test_jit_edges.py" -k "not pallas_tpu and (not test_chunk_jit or kda or gdn2)" \
-    -m "slow or not slow" -q -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>    -q -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>&11
+    -m "slow or not slow" -q -p no:cacheprovider --durations=10 > $OUT/test_gpu.log 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|error" $OUT/test_gpu.log | tail -3
 fi
 if [ "$LT" -gt 0 ]; then
