@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 from lineax_attn import ops
 from lineax_attn.ops import api
