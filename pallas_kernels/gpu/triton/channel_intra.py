@@ -99,6 +99,10 @@ SUB = 16          # rows of a sub-chunk (the anchoring of the off-diagonal pairs
 GATE_NONE = tl.constexpr(0)
 GATE_ROW = tl.constexpr(1)
 GATE_CHANNEL = tl.constexpr(2)
+# Which pair path `_slice_grads` compiles (the channel backward's slice loops).
+PATHS_BOUNDED = tl.constexpr(1)
+PATHS_EXACT = tl.constexpr(2)
+PATHS_BOTH = tl.constexpr(3)
 
 
 @triton.jit
@@ -480,6 +484,66 @@ def _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_ptr, wl_p
 
 
 @triton.jit
+def _slice_grads(q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src, wl_ptr, erase_ptr, drk_ptr,
+                 dqg_src, dkg_src, dgc_src, dg_ptr, dera_ptr, dq_ptr, dkt_ptr, dk_ptr, rows,
+                 row0, hv, rc, ii, base, cc0, chunk, row_major, cols, cont, keep,
+                 cont_last, w_p, w_l, d_erase_rows, bounded, HV: tl.constexpr,
+                 K: tl.constexpr, C: tl.constexpr, SUBC: tl.constexpr, BK: tl.constexpr,
+                 PACKED: tl.constexpr, GRADS: tl.constexpr, BAND_STAGES: tl.constexpr,
+                 SKIP: tl.constexpr, ERASE: tl.constexpr, QS: tl.constexpr,
+                 PATHS: tl.constexpr):
+  """One channel slice of the backward's pair part, then, with GRADS, its elementwise rest
+  (`_elementwise_grads`); stores dq, dk (dk̃, dg) of the slice and returns d_erase_rows with
+  the slice's share added (ERASE == GATE_ROW). The pair part's path: PATHS_BOUNDED, the four
+  anchored blocks through their own rows; PATHS_EXACT, the exact bands and three anchored
+  blocks; PATHS_BOTH, whichever the run-time `bounded` says."""
+  q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K,
+                                erase_ptr, ERASE, QS)
+  d_q = tl.zeros((C, BK), tl.float32)
+  d_kt = tl.zeros((C, BK), tl.float32)
+  d_k = tl.zeros((C, BK), tl.float32)
+  if PATHS == PATHS_BOTH:
+    take_bounded = bounded
+  else:
+    take_bounded = PATHS == PATHS_BOUNDED
+  if take_bounded:
+    for blk in tl.static_range(C // SUBC):
+      d_q, d_kt, d_k = _anchored_grads(q, k, kt, g, g_ptr, row0, hv, rc, cols, blk, w_p, w_l,
+                                       d_q, d_kt, d_k, HV, K, SUBC, True)
+  else:
+    seg = 0.0                             # read only when PACKED
+    if PACKED:
+      seg = tl.load(seg_ptr + rows)
+    d_q, d_kt, d_k = _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src,
+                                  wl_ptr, erase_ptr, ERASE, QS, seg, row0, hv, rc, base, cc0,
+                                  cols, w_p, w_l, d_q, d_kt, d_k, HV, K, C, SUBC, PACKED,
+                                  BAND_STAGES, SKIP)
+  ck = chunk * C * K + ii * K + cols[None, :]
+  if GRADS:
+    g_last = tl.load(g_ptr + ((row0 + C - 1) * HV + hv) * K + cols)
+    d_qg = tl.load(dqg_src + ck).to(tl.float32)
+    d_kg = tl.load(dkg_src + ck).to(tl.float32)
+    d_gc = tl.load(dgc_src + chunk * K + cols)
+    d_q, d_k, d_kt, d_g = _elementwise_grads(
+        q, k, kt, g, d_q, d_kt, d_k, tl.load(drk_ptr + ck), d_qg, d_kg, d_gc, g_last,
+        cont, keep, cont_last, ii, C, PACKED)
+    ck = row_major * K + cols[None, :]
+    tl.store(dg_ptr + ck, d_g)
+    if ERASE != GATE_NONE:   # k̃ = k ⊙ erase: k's whole gradient, and the gate's
+      d_k += d_kt * _gate(erase_ptr, rows, hv, cols, HV, K, ERASE)
+      if ERASE == GATE_ROW:
+        d_erase_rows += tl.sum(d_kt * k, axis=1)
+      else:
+        tl.store(dera_ptr + ck, d_kt * k)
+  d_q = d_q * QS if QS != 1.0 else d_q                    # q's own gradient
+  tl.store(dq_ptr + ck, d_q.to(dq_ptr.dtype.element_ty))
+  if ERASE == GATE_NONE:
+    tl.store(dkt_ptr + ck, d_kt)
+  tl.store(dk_ptr + ck, d_k.to(dk_ptr.dtype.element_ty))
+  return d_erase_rows
+
+
+@triton.jit
 def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, m_ptr,
                 dny_ptr, dqg_ptr, dp_ptr, du_ptr, dkg_ptr, dgc_ptr, h_ptr, dh_ptr, do_ptr,
                 e_ptr, erase_ptr, write_ptr, t,
@@ -581,55 +645,43 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   w_p = tl.where(keep_p, tl.load(dp_src + cc).to(tl.float32), 0.0).to(tl.bfloat16)
   tl.debug_barrier()                    # the scratches above (dL, dR_k, dP), then their loads
   base = (rc // SUBC) * SUBC
-  seg = 0.0                             # read only when PACKED
-  if PACKED:
-    seg = tl.load(seg_ptr + rows)
   d_erase_rows = tl.zeros((C,), tl.float32)                  # ERASE == GATE_ROW: Σ_k dk̃ ⊙ k
+  # Unpacked, the slices go in two loops, the bounded-span ones first, then the exact ones: the
+  # same work, but each loop holds one path's registers. ptxas sm_90a, K = V = 128, KDA's gates:
+  # the paths alone spill 48 and 124 bytes, both behind a branch in one loop 472 / 672 bytes
+  # (stores / loads), two loops 364 / 408. Packed rows keep the one loop (732 / 852 in two
+  # loops against 524 / 740).
+  SPLIT: tl.constexpr = SPAN > 0 and not PACKED
+  if SPLIT:
+    for s in range(K // BK):
+      cols = s * BK + rb
+      if _slice_bounded(g_ptr, row0, hv, cols, HV, K, C, SUBC, SPAN):
+        d_erase_rows = _slice_grads(
+            q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src, wl_ptr, erase_ptr, drk_ptr, dqg_src,
+            dkg_src, dgc_src, dg_ptr, dera_ptr, dq_ptr, dkt_ptr, dk_ptr, rows, row0, hv, rc, ii,
+            base, cc0, chunk, row_major, cols, cont, keep, cont_last, w_p, w_l, d_erase_rows,
+            True, HV, K, C, SUBC, BK, PACKED, GRADS, BAND_STAGES, SKIP, ERASE, QS,
+            PATHS_BOUNDED)
   for s in range(K // BK):
     cols = s * BK + rb
-    q, k, kt, g = _slice_operands(q_ptr, k_ptr, kt_ptr, g_ptr, rows, hv, cols, HV, K,
-                                  erase_ptr, ERASE, QS)
-    # Diagonal blocks, exact float32, band r: this row x and b = 16⌊x/16⌋ + r of its sub-chunk.
-    # As i (dQ, dK̃): W_xb K_b E_xb, b ≤ x; as j (dK): W_bx A_b E_bx, b ≥ x. A run-time loop,
-    # pipelined as in the forward. First, in tiles of the operands' layout: added to the
-    # products' accumulators, each band cost three layout conversions through shared memory.
-    d_q = tl.zeros((C, BK), tl.float32)
-    d_kt = tl.zeros((C, BK), tl.float32)
-    d_k = tl.zeros((C, BK), tl.float32)
     bounded = False
     if SPAN > 0:   # the bounded-span path (`blocks.CHANNEL_SPAN`): no bands, four anchored blocks
       bounded = _slice_bounded(g_ptr, row0, hv, cols, HV, K, C, SUBC, SPAN)
-    if bounded:
-      for blk in tl.static_range(C // SUBC):
-        d_q, d_kt, d_k = _anchored_grads(q, k, kt, g, g_ptr, row0, hv, rc, cols, blk, w_p, w_l,
-                                         d_q, d_kt, d_k, HV, K, SUBC, True)
+    if SPLIT:
+      if not bounded:
+        d_erase_rows = _slice_grads(
+            q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src, wl_ptr, erase_ptr, drk_ptr, dqg_src,
+            dkg_src, dgc_src, dg_ptr, dera_ptr, dq_ptr, dkt_ptr, dk_ptr, rows, row0, hv, rc, ii,
+            base, cc0, chunk, row_major, cols, cont, keep, cont_last, w_p, w_l, d_erase_rows,
+            False, HV, K, C, SUBC, BK, PACKED, GRADS, BAND_STAGES, SKIP, ERASE, QS,
+            PATHS_EXACT)
     else:
-      d_q, d_kt, d_k = _exact_grads(q, k, kt, g, q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src,
-                                    wl_ptr, erase_ptr, ERASE, QS, seg, row0, hv, rc, base,
-                                    cc0, cols, w_p, w_l, d_q, d_kt, d_k, HV, K, C, SUBC,
-                                    PACKED, BAND_STAGES, SKIP)
-    ck = chunk * C * K + ii * K + cols[None, :]
-    if GRADS:
-      g_last = tl.load(g_ptr + ((row0 + C - 1) * HV + hv) * K + cols)
-      d_qg = tl.load(dqg_src + ck).to(tl.float32)
-      d_kg = tl.load(dkg_src + ck).to(tl.float32)
-      d_gc = tl.load(dgc_src + chunk * K + cols)
-      d_q, d_k, d_kt, d_g = _elementwise_grads(
-          q, k, kt, g, d_q, d_kt, d_k, tl.load(drk_ptr + ck), d_qg, d_kg, d_gc, g_last,
-          cont, keep, cont_last, ii, C, PACKED)
-      ck = row_major * K + cols[None, :]
-      tl.store(dg_ptr + ck, d_g)
-      if ERASE != GATE_NONE:   # k̃ = k ⊙ erase: k's whole gradient, and the gate's
-        d_k += d_kt * _gate(erase_ptr, rows, hv, cols, HV, K, ERASE)
-        if ERASE == GATE_ROW:
-          d_erase_rows += tl.sum(d_kt * k, axis=1)
-        else:
-          tl.store(dera_ptr + ck, d_kt * k)
-    d_q = d_q * QS if QS != 1.0 else d_q                    # q's own gradient
-    tl.store(dq_ptr + ck, d_q.to(dq_ptr.dtype.element_ty))
-    if ERASE == GATE_NONE:
-      tl.store(dkt_ptr + ck, d_kt)
-    tl.store(dk_ptr + ck, d_k.to(dk_ptr.dtype.element_ty))
+      d_erase_rows = _slice_grads(
+          q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src, wl_ptr, erase_ptr, drk_ptr, dqg_src,
+          dkg_src, dgc_src, dg_ptr, dera_ptr, dq_ptr, dkt_ptr, dk_ptr, rows, row0, hv, rc, ii,
+          base, cc0, chunk, row_major, cols, cont, keep, cont_last, w_p, w_l, d_erase_rows,
+          bounded, HV, K, C, SUBC, BK, PACKED, GRADS, BAND_STAGES, SKIP, ERASE, QS,
+          PATHS_BOTH if SPAN > 0 else PATHS_EXACT)
   if ERASE == GATE_ROW:
     tl.store(dera_ptr + rows * HV + hv, d_erase_rows)
 
