@@ -652,36 +652,23 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   # (stores / loads), two loops 364 / 408. Packed rows keep the one loop (732 / 852 in two
   # loops against 524 / 740).
   SPLIT: tl.constexpr = SPAN > 0 and not PACKED
-  if SPLIT:
+  for part in tl.static_range(2 if SPLIT else 1):   # split: 0 the bounded-span slices, 1 the rest
     for s in range(K // BK):
       cols = s * BK + rb
-      if _slice_bounded(g_ptr, row0, hv, cols, HV, K, C, SUBC, SPAN):
+      bounded = False
+      if SPAN > 0:   # the bounded-span path (`blocks.CHANNEL_SPAN`): no bands, four anchored blocks
+        bounded = _slice_bounded(g_ptr, row0, hv, cols, HV, K, C, SUBC, SPAN)
+      paths: tl.constexpr = ((PATHS_BOUNDED if part == 0 else PATHS_EXACT) if SPLIT else
+                             PATHS_BOTH if SPAN > 0 else PATHS_EXACT)
+      take = True
+      if SPLIT:
+        take = bounded if part == 0 else not bounded
+      if take:
         d_erase_rows = _slice_grads(
             q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src, wl_ptr, erase_ptr, drk_ptr, dqg_src,
             dkg_src, dgc_src, dg_ptr, dera_ptr, dq_ptr, dkt_ptr, dk_ptr, rows, row0, hv, rc, ii,
             base, cc0, chunk, row_major, cols, cont, keep, cont_last, w_p, w_l, d_erase_rows,
-            True, HV, K, C, SUBC, BK, PACKED, GRADS, BAND_STAGES, SKIP, ERASE, QS,
-            PATHS_BOUNDED)
-  for s in range(K // BK):
-    cols = s * BK + rb
-    bounded = False
-    if SPAN > 0:   # the bounded-span path (`blocks.CHANNEL_SPAN`): no bands, four anchored blocks
-      bounded = _slice_bounded(g_ptr, row0, hv, cols, HV, K, C, SUBC, SPAN)
-    if SPLIT:
-      if not bounded:
-        d_erase_rows = _slice_grads(
-            q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src, wl_ptr, erase_ptr, drk_ptr, dqg_src,
-            dkg_src, dgc_src, dg_ptr, dera_ptr, dq_ptr, dkt_ptr, dk_ptr, rows, row0, hv, rc, ii,
-            base, cc0, chunk, row_major, cols, cont, keep, cont_last, w_p, w_l, d_erase_rows,
-            False, HV, K, C, SUBC, BK, PACKED, GRADS, BAND_STAGES, SKIP, ERASE, QS,
-            PATHS_EXACT)
-    else:
-      d_erase_rows = _slice_grads(
-          q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src, wl_ptr, erase_ptr, drk_ptr, dqg_src,
-          dkg_src, dgc_src, dg_ptr, dera_ptr, dq_ptr, dkt_ptr, dk_ptr, rows, row0, hv, rc, ii,
-          base, cc0, chunk, row_major, cols, cont, keep, cont_last, w_p, w_l, d_erase_rows,
-          bounded, HV, K, C, SUBC, BK, PACKED, GRADS, BAND_STAGES, SKIP, ERASE, QS,
-          PATHS_BOTH if SPAN > 0 else PATHS_EXACT)
+            bounded, HV, K, C, SUBC, BK, PACKED, GRADS, BAND_STAGES, SKIP, ERASE, QS, paths)
   if ERASE == GATE_ROW:
     tl.store(dera_ptr + rows * HV + hv, d_erase_rows)
 
