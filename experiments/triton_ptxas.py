@@ -12,13 +12,18 @@ dim asked for, with and without packed segments:
     python -m experiments.triton_ptxas --arch=80 --kernels=state_pass   # A100
 
 Prints a markdown table (kernel, K, V, packed, warps, stages, registers, spill stores / loads in
-bytes, shared memory); `--out_md` writes it too. Exits 1 if any kernel spills with
-`--fail_on_spill`.
+bytes, shared memory, and a digest of the PTX without its line info); `--out_md` writes it too.
+Exits 1 if any kernel spills with `--fail_on_spill`.
+
+The digest is for refactors of kernels already timed: run the tool before and after, and where
+every launch's digest is the same, the GPU runs the same instructions and the timings still hold
+(moving code between lines changes only the line info, which is left out).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import itertools
@@ -226,6 +231,16 @@ def _signature(fn, constexprs, bf16_pointers):
   return sig, consts
 
 
+def ptx_digest(ptx: str) -> str:
+  """sha256 (16 hex digits) of PTX without what depends on where the source lines are: the
+  debug sections, `.loc` / `.file` directives, comments and the `$L__tmp` labels they use."""
+  body = ptx.split(".section\t.debug", 1)[0]
+  code = (line.split("//", 1)[0].rstrip() for line in body.splitlines())
+  kept = [line for line in code
+          if line.strip() and not line.strip().startswith((".loc", ".file", "$L__tmp"))]
+  return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+
+
 def compile_report(launch: Launch, arch: int) -> dict:
   """Compiles one launch for `arch` and returns ptxas's registers and spills."""
   import triton  # noqa: PLC0415 (the optional extra)
@@ -256,7 +271,7 @@ def compile_report(launch: Launch, arch: int) -> dict:
   return dict(registers=int(regs.group(1)) if regs else None,
               spill_stores=int(spill.group(1)) if spill else None,
               spill_loads=int(spill.group(2)) if spill else None,
-              shared=compiled.metadata.shared)
+              shared=compiled.metadata.shared, ptx=ptx_digest(compiled.asm["ptx"]))
 
 
 def main(argv):
@@ -277,11 +292,11 @@ def main(argv):
                      launch.num_stages, r))
         print(f"[ptxas] {rows[-1][0]} K{d} V{d} packed={packed}: {r}", flush=True)
   lines = [f"sm_{arch}: registers a thread, spills in bytes (stores / loads), shared in bytes",
-           "", "| kernel | K | V | packed | warps | stages | registers | spills | shared |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "", "| kernel | K | V | packed | warps | stages | registers | spills | shared | ptx |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for name, dk, dv, packed, warps, stages, r in rows:
     lines.append(f"| {name} | {dk} | {dv} | {packed} | {warps} | {stages} | {r['registers']} | "
-                 f"{r['spill_stores']} / {r['spill_loads']} | {r['shared']} |")
+                 f"{r['spill_stores']} / {r['spill_loads']} | {r['shared']} | {r['ptx']} |")
   table = "\n".join(lines)
   print(table)
   if _OUT_MD.value:
