@@ -235,9 +235,8 @@ def ptx_digest(ptx: str) -> str:
   """sha256 (16 hex digits) of PTX without what depends on where the source lines are: the
   debug sections, `.loc` / `.file` directives, comments and the `$L__tmp` labels they use."""
   body = ptx.split(".section\t.debug", 1)[0]
-  code = (line.split("//", 1)[0].rstrip() for line in body.splitlines())
-  kept = [line for line in code
-          if line.strip() and not line.strip().startswith((".loc", ".file", "$L__tmp"))]
+  code = (line.split("//", 1)[0].strip() for line in body.splitlines())
+  kept = [line for line in code if line and not line.startswith((".loc", ".file", "$L__tmp"))]
   return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 
 
