@@ -18,6 +18,10 @@ Exits 1 if any kernel spills with `--fail_on_spill`.
 The digest is for refactors of kernels already timed: run the tool before and after, and where
 every launch's digest is the same, the GPU runs the same instructions and the timings still hold
 (moving code between lines changes only the line info, which is left out).
+
+`--dump_dir=DIR` also writes each launch's TTGIR and PTX there, for questions ptxas's counts do
+not answer: e.g. whether triton converts a loop-invariant operand to the product's layout once or
+once a step (`grep convert_layout`, `grep local_alloc` in the `.ttgir`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ _FUSED_LAUNCHES = flags.DEFINE_list(
     "fused_launches", "", "BLOCK_V:warps:stages of the fused walks to compile at besides "
     "`blocks.fused_walk_launch`'s (e.g. 64:4:1,16:4:2).")
 _FAIL_ON_SPILL = flags.DEFINE_bool("fail_on_spill", False, "Exit 1 if any kernel spills.")
+_DUMP_DIR = flags.DEFINE_string(
+    "dump_dir", "", "Also write each launch's TTGIR and PTX here (e.g. to count the layout "
+    "conversions of a loop's operands: `grep -c local_alloc`).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,8 +247,9 @@ def ptx_digest(ptx: str) -> str:
   return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 
 
-def compile_report(launch: Launch, arch: int) -> dict:
-  """Compiles one launch for `arch` and returns ptxas's registers and spills."""
+def compile_report(launch: Launch, arch: int, dump_as: str = "") -> dict:
+  """Compiles one launch for `arch` and returns ptxas's registers and spills; with `dump_as`
+  (a path without suffix) also writes the launch's TTGIR and PTX there."""
   import triton  # noqa: PLC0415 (the optional extra)
   from triton.backends.compiler import GPUTarget  # noqa: PLC0415
   module = importlib.import_module(f"pallas_kernels.gpu.triton.{launch.module}")
@@ -257,6 +265,10 @@ def compile_report(launch: Launch, arch: int) -> dict:
                             target=GPUTarget("cuda", arch, 32),
                             options=dict(num_warps=launch.num_warps,
                                          num_stages=launch.num_stages))
+  if dump_as:
+    for stage in ("ttgir", "ptx"):
+      with open(f"{dump_as}.{stage}", "w") as f:
+        f.write(compiled.asm[stage])
   ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
   gpu_name = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
   with tempfile.TemporaryDirectory() as tmp:
@@ -286,9 +298,14 @@ def main(argv):
           continue
         if "PACKED" not in launch.constexprs and packed:
           continue   # the state pass has no segment variant
-        r = compile_report(launch, arch)
-        rows.append((f"{launch.module}.{launch.kernel}", d, d, packed, launch.num_warps,
-                     launch.num_stages, r))
+        name = f"{launch.module}.{launch.kernel}"
+        dump_as = ""
+        if _DUMP_DIR.value:
+          os.makedirs(_DUMP_DIR.value, exist_ok=True)
+          dump_as = os.path.join(_DUMP_DIR.value,
+                                 re.sub(r"[^\w.]+", "_", f"{name}_K{d}_V{d}_packed{packed}"))
+        r = compile_report(launch, arch, dump_as)
+        rows.append((name, d, d, packed, launch.num_warps, launch.num_stages, r))
         print(f"[ptxas] {rows[-1][0]} K{d} V{d} packed={packed}: {r}", flush=True)
   lines = [f"sm_{arch}: registers a thread, spills in bytes (stores / loads), shared in bytes",
            "", "| kernel | K | V | packed | warps | stages | registers | spills | shared | ptx |",
