@@ -19,9 +19,11 @@ The digest is for refactors of kernels already timed: run the tool before and af
 every launch's digest is the same, the GPU runs the same instructions and the timings still hold
 (moving code between lines changes only the line info, which is left out).
 
-`--dump_dir=DIR` also writes each launch's TTGIR and PTX there, for questions ptxas's counts do
-not answer: e.g. whether triton converts a loop-invariant operand to the product's layout once or
-once a step (`grep convert_layout`, `grep local_alloc` in the `.ttgir`).
+`--dump_dir=DIR` also writes each launch's TTGIR, PTX and SASS (ptxas, then nvdisasm) there,
+for questions ptxas's counts do not answer: e.g. whether a loop-invariant operand is converted
+to the product's layout once or once a step. Read the SASS for that, not only the TTGIR: the
+channel forward's TTGIR converts M inside each solve step, yet its SASS packs M's operand
+registers once before the loops (2026-12-07; docs/KERNELS_GPU.md "The solve loops unrolled").
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ _FUSED_LAUNCHES = flags.DEFINE_list(
     "`blocks.fused_walk_launch`'s (e.g. 64:4:1,16:4:2).")
 _FAIL_ON_SPILL = flags.DEFINE_bool("fail_on_spill", False, "Exit 1 if any kernel spills.")
 _DUMP_DIR = flags.DEFINE_string(
-    "dump_dir", "", "Also write each launch's TTGIR and PTX here (e.g. to count the layout "
-    "conversions of a loop's operands: `grep -c local_alloc`).")
+    "dump_dir", "", "Also write each launch's TTGIR, PTX and SASS here (e.g. to see where a "
+    "loop's operands are converted to the products' layouts).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +251,7 @@ def ptx_digest(ptx: str) -> str:
 
 def compile_report(launch: Launch, arch: int, dump_as: str = "") -> dict:
   """Compiles one launch for `arch` and returns ptxas's registers and spills; with `dump_as`
-  (a path without suffix) also writes the launch's TTGIR and PTX there."""
+  (a path without suffix) also writes the launch's TTGIR, PTX and SASS there."""
   import triton  # noqa: PLC0415 (the optional extra)
   from triton.backends.compiler import GPUTarget  # noqa: PLC0415
   module = importlib.import_module(f"pallas_kernels.gpu.triton.{launch.module}")
@@ -269,14 +271,19 @@ def compile_report(launch: Launch, arch: int, dump_as: str = "") -> dict:
     for stage in ("ttgir", "ptx"):
       with open(f"{dump_as}.{stage}", "w") as f:
         f.write(compiled.asm[stage])
-  ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+  tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
   gpu_name = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
   with tempfile.TemporaryDirectory() as tmp:
     ptx = os.path.join(tmp, "kernel.ptx")
     with open(ptx, "w") as f:
       f.write(compiled.asm["ptx"])
-    out = subprocess.run([ptxas, "-v", "--gpu-name", gpu_name, ptx, "-o", os.devnull],
-                         capture_output=True, text=True, check=True).stderr
+    cubin = f"{dump_as}.cubin" if dump_as else os.devnull
+    out = subprocess.run([os.path.join(tools, "ptxas"), "-v", "--gpu-name", gpu_name, ptx,
+                          "-o", cubin], capture_output=True, text=True, check=True).stderr
+  if dump_as:   # the machine code, where the TTGIR's layout conversions may turn out free
+    with open(f"{dump_as}.sass", "w") as f:
+      subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], stdout=f, check=True)
+    os.remove(cubin)
   regs = re.search(r"Used (\d+) registers", out)
   spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
   return dict(registers=int(regs.group(1)) if regs else None,

@@ -366,9 +366,9 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   keep_p, keep_l = _pair_masks(seg_ptr, rows, ii, jj, PACKED)
   tl.store(p_ptr + cc, tl.where(keep_p, p_acc, 0.0).to(tl.bfloat16))
   m = _unit_lower_inverse(tl.where(keep_l, l_acc, 0.0), ii, jj, PREC).to(tl.bfloat16)
-  # NY = −M (K̃ ⊙ e^G) and U = M Ṽ, SBK columns at a time: triton 3.6 converts M to the
-  # product's operand layout inside each iteration (through shared memory), so wide slices
-  # (only M is live here) convert it fewer times.
+  # NY = −M (K̃ ⊙ e^G) and U = M Ṽ, SBK columns at a time (only M is live here, so wide
+  # steps). The TTGIR converts M to the product's operand layout inside each step, but in the
+  # SASS (sm_90a, K = V = 128) M's bf16 operand registers are packed once, before the loops.
   rs = tl.arange(0, SBK)
   n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
   for s in range(n_solve * K // SBK):
