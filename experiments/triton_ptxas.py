@@ -297,6 +297,8 @@ def main(argv):
   if importlib.util.find_spec("triton") is None:
     raise app.UsageError("triton is not installed: pip install -e '.[triton]' (no GPU needed)")
   arch = int(_ARCH.value)
+  if _DUMP_DIR.value:
+    os.makedirs(_DUMP_DIR.value, exist_ok=True)
   rows = []
   for d in (int(x) for x in _HEAD_DIMS.value):
     for packed in (False, True):
@@ -308,7 +310,6 @@ def main(argv):
         name = f"{launch.module}.{launch.kernel}"
         dump_as = ""
         if _DUMP_DIR.value:
-          os.makedirs(_DUMP_DIR.value, exist_ok=True)
           dump_as = os.path.join(_DUMP_DIR.value,
                                  re.sub(r"[^\w.]+", "_", f"{name}_K{d}_V{d}_packed{packed}"))
         r = compile_report(launch, arch, dump_as)
