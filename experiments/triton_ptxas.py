@@ -186,6 +186,11 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
              dict(channel_bwd, GRADS=True, PRODUCTS=False, ERASE=1, WRITE=1, QS=0.0883883461),
              f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr",
                 "dkg_ptr", "dq_ptr", "dk_ptr", "dvt_ptr"}), blocks.CHANNEL_WARPS, 1),
+      # ... with GDN-2's gates (erase and write one per channel; `UNROLL` off in the backward)
+      Launch("channel_intra", "_bwd_kernel+grads@gdn2_gates+bf16_grads",
+             dict(channel_bwd, GRADS=True, PRODUCTS=False, ERASE=2, WRITE=2, QS=0.0883883461),
+             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr",
+                "dkg_ptr", "dq_ptr", "dk_ptr", "dvt_ptr"}), blocks.CHANNEL_WARPS, 1),
   ] + (_fused_launches(dk, dv, packed, hopper) if dk <= 128 else [])
 
 

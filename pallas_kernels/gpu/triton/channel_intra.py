@@ -544,6 +544,45 @@ def _slice_grads(q_ptr, k_ptr, kt_ptr, g_ptr, seg_ptr, dp_src, wl_ptr, erase_ptr
 
 
 @triton.jit
+def _solve_grads_k(cols, m, mt, neg_dl, kt_ptr, g_ptr, cont, rows, hv, ii, chunk, dny_src,
+                   drk_ptr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                   PACKED: tl.constexpr, erase_ptr, ERASE: tl.constexpr):
+  """One K slice of the solve's backward: Y = M R_k, dR_k = Mᵀ dY (stored); returns −dL plus
+  dR_k Yᵀ."""
+  y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED, erase_ptr, ERASE)
+  ck = chunk * C * K + ii * K + cols[None, :]
+  d_y = (-tl.load(dny_src + ck).to(tl.float32)).to(tl.bfloat16)
+  d_rk = tl.dot(mt, d_y)
+  tl.store(drk_ptr + ck, d_rk)
+  return tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)), neg_dl)
+
+
+@triton.jit
+def _solve_grads_v(cols, m, mt, neg_dl, d_write_rows, vt_ptr, write_ptr, rows, hv, ii,
+                   row_major, chunk, du_ptr, dvt_ptr, dwri_ptr, HV: tl.constexpr,
+                   V: tl.constexpr, C: tl.constexpr, GRADS: tl.constexpr, WRITE: tl.constexpr):
+  """One V slice of the solve's backward: U = M Ṽ, dR_v = Mᵀ dU (stored: dṽ, or with GRADS dv
+  and the write gate's share); returns −dL plus dR_v Uᵀ, and the row gate's Σ_v dṽ ⊙ v."""
+  v_in = _rows(vt_ptr, rows, hv, cols, HV, V)
+  w_gate = 1.0
+  if WRITE != GATE_NONE:
+    w_gate = _gate(write_ptr, rows, hv, cols, HV, V, WRITE)
+  u = tl.dot(m, (v_in * w_gate).to(tl.bfloat16))
+  cv = chunk * C * V + ii * V + cols[None, :]
+  d_rv = tl.dot(mt, tl.load(du_ptr + cv).to(tl.bfloat16))
+  if GRADS:
+    tl.store(dvt_ptr + row_major * V + cols[None, :],                  # ṽ = v ⊙ write
+             (d_rv * w_gate).to(dvt_ptr.dtype.element_ty))
+    if WRITE == GATE_ROW:
+      d_write_rows += tl.sum(d_rv * v_in, axis=1)
+    elif WRITE == GATE_CHANNEL:
+      tl.store(dwri_ptr + row_major * V + cols[None, :], d_rv * v_in)
+  else:
+    tl.store(dvt_ptr + cv, d_rv)
+  return tl.dot(d_rv.to(tl.bfloat16), tl.trans(u.to(tl.bfloat16)), neg_dl), d_write_rows
+
+
+@triton.jit
 def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr, m_ptr,
                 dny_ptr, dqg_ptr, dp_ptr, du_ptr, dkg_ptr, dgc_ptr, h_ptr, dh_ptr, do_ptr,
                 e_ptr, erase_ptr, write_ptr, t,
@@ -608,34 +647,27 @@ def _bwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   mt = tl.trans(m)
   neg_dl = tl.zeros((C, C), tl.float32)
   n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
-  for s in range(n_solve * K // SBK):
-    cols = s * SBK + rs
-    y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED, erase_ptr, ERASE)
-    ck = chunk * C * K + ii * K + cols[None, :]
-    d_y = (-tl.load(dny_src + ck).to(tl.float32)).to(tl.bfloat16)
-    d_rk = tl.dot(mt, d_y)
-    tl.store(drk_ptr + ck, d_rk)
-    neg_dl = tl.dot(d_rk.to(tl.bfloat16), tl.trans(y.to(tl.bfloat16)), neg_dl)
   d_write_rows = tl.zeros((C,), tl.float32)                  # WRITE == GATE_ROW: Σ_v dṽ ⊙ v
-  for s in range(n_solve * V // SBK):
-    cols = s * SBK + rs
-    v_in = _rows(vt_ptr, rows, hv, cols, HV, V)
-    w_gate = 1.0
-    if WRITE != GATE_NONE:
-      w_gate = _gate(write_ptr, rows, hv, cols, HV, V, WRITE)
-    u = tl.dot(m, (v_in * w_gate).to(tl.bfloat16))
-    cv = chunk * C * V + ii * V + cols[None, :]
-    d_rv = tl.dot(mt, tl.load(du_ptr + cv).to(tl.bfloat16))
-    if GRADS:
-      tl.store(dvt_ptr + row_major * V + cols[None, :],                  # ṽ = v ⊙ write
-               (d_rv * w_gate).to(dvt_ptr.dtype.element_ty))
-      if WRITE == GATE_ROW:
-        d_write_rows += tl.sum(d_rv * v_in, axis=1)
-      elif WRITE == GATE_CHANNEL:
-        tl.store(dwri_ptr + row_major * V + cols[None, :], d_rv * v_in)
-    else:
-      tl.store(dvt_ptr + cv, d_rv)
-    neg_dl = tl.dot(d_rv.to(tl.bfloat16), tl.trans(u.to(tl.bfloat16)), neg_dl)
+  # Unrolled (static_range) unless the write gate is per channel: on an H100 (2026-12-07,
+  # B4 T4096 H16, fwd+bwd) unrolled loops took KDA's op 3.546 -> 3.505 ms at K = 128 (3.34 ->
+  # 3.32 at 64) but GDN-2's 3.90 -> 3.92 (3.68 -> 3.71). ptxas: KDA's spills 364 / 408 -> 276 / 292.
+  UNROLL: tl.constexpr = WRITE != GATE_CHANNEL
+  if UNROLL:
+    for s in tl.static_range(n_solve * K // SBK):
+      neg_dl = _solve_grads_k(s * SBK + rs, m, mt, neg_dl, kt_ptr, g_ptr, cont, rows, hv, ii,
+                              chunk, dny_src, drk_ptr, HV, K, C, PACKED, erase_ptr, ERASE)
+    for s in tl.static_range(n_solve * V // SBK):
+      neg_dl, d_write_rows = _solve_grads_v(
+          s * SBK + rs, m, mt, neg_dl, d_write_rows, vt_ptr, write_ptr, rows, hv, ii, row_major,
+          chunk, du_ptr, dvt_ptr, dwri_ptr, HV, V, C, GRADS, WRITE)
+  else:
+    for s in range(n_solve * K // SBK):
+      neg_dl = _solve_grads_k(s * SBK + rs, m, mt, neg_dl, kt_ptr, g_ptr, cont, rows, hv, ii,
+                              chunk, dny_src, drk_ptr, HV, K, C, PACKED, erase_ptr, ERASE)
+    for s in range(n_solve * V // SBK):
+      neg_dl, d_write_rows = _solve_grads_v(
+          s * SBK + rs, m, mt, neg_dl, d_write_rows, vt_ptr, write_ptr, rows, hv, ii, row_major,
+          chunk, du_ptr, dvt_ptr, dwri_ptr, HV, V, C, GRADS, WRITE)
   if WRITE == GATE_ROW:
     tl.store(dwri_ptr + rows * HV + hv, d_write_rows)
   keep_p, keep_l = _pair_masks(seg_ptr, rows, ii, jj, PACKED)
