@@ -67,6 +67,9 @@ _ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds; every variant is timed once
                                **_F)
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per variant and round.", **_F)
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls per variant and round.", **_F)
+_SETTLE_S = flags.DEFINE_float("settle_s", 1.0, "Seconds of untimed calls of every variant "
+                               "before each mixer and mode's first round (`bench.settle`: an "
+                               "idle GPU's clocks rise; 0 = one call each).", **_F)
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Raw per-round medians as JSON.", **_F)
 _TIMING = flags.DEFINE_enum(
     "timing", "waited", TIMINGS, "waited: each call timed alone and waited for (host dispatch "
@@ -270,15 +273,15 @@ def to_markdown(tables, meta) -> str:
 
 def main(argv):
   del argv
-  if _ROUNDS.value < 1 or _ITERS.value < 1 or _WARMUP.value < 0:
-    raise ValueError("--rounds and --iters must be >= 1 and --warmup >= 0")
+  if _ROUNDS.value < 1 or _ITERS.value < 1 or _WARMUP.value < 0 or _SETTLE_S.value < 0:
+    raise ValueError("--rounds and --iters must be >= 1, --warmup and --settle_s >= 0")
   if set(_MODES.value) - set(peer_ops.MODES):
     raise ValueError(f"--modes: {_MODES.value} are not all of {peer_ops.MODES}")
   b, t, h, d = (int(x) for x in _SHAPE.value.split(","))
   meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
           "device": jax.devices()[0].device_kind, "jax": jax.__version__,
           "shape": [b, t, h, d], "rounds": _ROUNDS.value, "iters": _ITERS.value,
-          "warmup": _WARMUP.value, "baseline": _BASELINE.value, "variants": _VARIANTS.value,
+          "warmup": _WARMUP.value, "settle_s": _SETTLE_S.value, "baseline": _BASELINE.value, "variants": _VARIANTS.value,
           "timing": _TIMING.value}
   tables, raw = {}, []
   for mixer in _MIXERS.value:
@@ -287,7 +290,8 @@ def main(argv):
       t0 = time.time()
       steps = {v: make_step(v, mixer, mode, np_in) for v in _VARIANTS.value}
       print(f"[compiled] {mixer} {mode}: {time.time() - t0:.0f} s", flush=True)
-      medians = interleave(steps, _ROUNDS.value, _ITERS.value, _WARMUP.value, _TIMING.value)
+      medians = interleave(steps, _ROUNDS.value, _ITERS.value, _WARMUP.value, _TIMING.value,
+                           _SETTLE_S.value)
       rows = summarise(medians, _BASELINE.value)
       tables[(mixer, mode)] = rows
       raw.append({"mixer": mixer, "mode": mode, "round_medians_ms": medians, "rows": rows})

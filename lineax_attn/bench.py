@@ -7,7 +7,8 @@ Methodology (docs/MATH.md §7.3): compile once (the first call, untimed), run `w
 then time `repeats` calls one by one with `jax.block_until_ready`; report the median (and the
 20/80 percentiles with `measure`; `measure_with_output` also keeps the first call's output,
 `compiled_memory_bytes` reads a compiled executable's memory). `interleave` times several
-variants in rounds whose order rotates, each call waited for or queued (`time_round`).
+variants in rounds whose order rotates, each call waited for or queued (`time_round`), after a
+second of untimed calls that lets an idle GPU's clocks rise (`settle`).
 """
 
 from __future__ import annotations
@@ -112,12 +113,32 @@ def time_round(step, iters: int, warmup: int, timing: str = "waited") -> float:
   return Timing.from_times(times).median_ms
 
 
+def settle(steps: dict, seconds: float) -> int:
+  """Untimed calls of every step in turn, each waited for, until `seconds` have passed (at least
+  one round); returns how many rounds ran. A GPU left idle (while the steps compiled) starts
+  timing at low clocks: in 34 of the 96 `bench_ab` runs in docs/data up to 2026-12-07 the first
+  variant's first round was over 1.15x its median (up to 3x), and a round's `warmup` of a few
+  calls did not hide it."""
+  if seconds < 0:
+    raise ValueError(f"seconds must be >= 0, got {seconds}")
+  wrapped = [s if isinstance(s, Step) else Step(s, lambda _: None) for s in steps.values()]
+  t0, done = time.perf_counter(), 0
+  while True:
+    for step in wrapped:
+      step.wait(step.call())
+    done += 1
+    if time.perf_counter() - t0 >= seconds:
+      return done
+
+
 def interleave(steps: dict, rounds: int, iters: int, warmup: int,
-               timing: str = "waited") -> dict[str, list[float]]:
-  """Per variant, its time (ms a call) in each round; the order rotates by one each round."""
+               timing: str = "waited", settle_s: float = 1.0) -> dict[str, list[float]]:
+  """Per variant, its time (ms a call) in each round; the order rotates by one each round.
+  The steps first run untimed for `settle_s` seconds (`settle`; 0: one round of calls)."""
   if timing not in TIMINGS:
     raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
   names = list(steps)
+  settle(steps, settle_s)
   medians = {n: [] for n in names}
   for r in range(rounds):
     for n in names[r % len(names):] + names[:r % len(names)]:

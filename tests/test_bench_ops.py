@@ -8,6 +8,7 @@ and every attention row its dense reference.
 from __future__ import annotations
 
 import json
+import time
 
 from absl import app
 from absl import flags
@@ -283,6 +284,25 @@ def test_traffic_floor_counts_each_tensor_once():
     bench.hbm_tb_s(None)
 
 
+def test_settle_calls_every_step_until_its_seconds_have_passed():
+  # lineax_attn.bench.settle, on stand-in steps that take 10 ms: the oracle is the clock and a
+  # count of calls. Rounds of every step in turn until 50 ms have passed, at least one round,
+  # each call waited for.
+  log = []
+  def step(name):
+    return bench.Step(lambda: time.sleep(0.01) or name,
+                      lambda out: log.append(("wait", out)))
+  t0 = time.perf_counter()
+  rounds = bench.settle({"a": step("a"), "b": step("b")}, seconds=0.05)
+  assert time.perf_counter() - t0 >= 0.05
+  assert 1 <= rounds <= 3                     # >= 20 ms a round: the third reaches 50 ms
+  assert log == [("wait", n) for _ in range(rounds) for n in ("a", "b")]
+  plain = []
+  assert bench.settle({"x": lambda: plain.append(1)}, seconds=0.0) == 1 and plain == [1]
+  with pytest.raises(ValueError, match="seconds"):
+    bench.settle({"x": lambda: None}, seconds=-1.0)
+
+
 def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():
   # experiments/bench_ab.py's logic with stand-in steps (plain Python calls: what is timed is
   # irrelevant here): every variant runs once per round, the first one rotates, and the ratio
@@ -291,9 +311,11 @@ def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():
   from experiments import bench_ab
   order = []
   steps = {n: (lambda n=n: order.append(n)) for n in ("a", "b", "c")}
-  medians = bench_ab.interleave(steps, rounds=4, iters=1, warmup=0)
-  assert order[::3] == ["a", "b", "c", "a"]            # round r starts with variant r mod 3
-  assert all(len(set(order[3 * r:3 * r + 3])) == 3 for r in range(4))
+  medians = bench_ab.interleave(steps, rounds=4, iters=1, warmup=0, settle_s=0.0)
+  assert order[:3] == ["a", "b", "c"]                  # settle_s=0: one untimed call each first
+  timed = order[3:]
+  assert timed[::3] == ["a", "b", "c", "a"]            # round r starts with variant r mod 3
+  assert all(len(set(timed[3 * r:3 * r + 3])) == 3 for r in range(4))
   assert {n: len(m) for n, m in medians.items()} == {"a": 4, "b": 4, "c": 4}
   # A baseline that drifts 1 -> 3 ms and a variant at 0.9x of it in every round: a ratio of
   # the overall medians could say anything between 0.3x and 2.7x; the paired one says 0.9x.
