@@ -281,8 +281,8 @@ def main(argv):
   meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
           "device": jax.devices()[0].device_kind, "jax": jax.__version__,
           "shape": [b, t, h, d], "rounds": _ROUNDS.value, "iters": _ITERS.value,
-          "warmup": _WARMUP.value, "settle_s": _SETTLE_S.value, "baseline": _BASELINE.value, "variants": _VARIANTS.value,
-          "timing": _TIMING.value}
+          "warmup": _WARMUP.value, "settle_s": _SETTLE_S.value, "baseline": _BASELINE.value,
+          "variants": _VARIANTS.value, "timing": _TIMING.value}
   tables, raw = {}, []
   for mixer in _MIXERS.value:
     np_in = peer_ops.make_inputs(mixer, b, t, h, d)
