@@ -59,6 +59,9 @@ _FLA_MIXERS = flags.DEFINE_list("fla_mixers", "gated_delta_rule",
                                 "Mixers FLA runs for (each autotunes 90-200 s on first use).")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls after compilation.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls; the median is reported.")
+_SETTLE_S = flags.DEFINE_float("settle_s", 1.0, "Seconds of untimed calls after each compile, "
+                               "before the warm-up (`bench.settle`: the GPU idled while it "
+                               "compiled, and its clocks take a while to rise).")
 _SCAN_MAX_T = flags.DEFINE_integer("scan_max_t", 4096, "Time the scan forward only up to this T.")
 _BUDGET = flags.DEFINE_float("time_budget_s", 1e9, "Skip what is left after this many seconds.")
 _ERR_TOL = flags.DEFINE_float(
@@ -157,7 +160,7 @@ def time_jax(fn, args):
   compiled = jax.jit(fn).lower(*args).compile()
   peak = bench.compiled_memory_bytes(compiled)
   timing, out = bench.measure_with_output(compiled, *args, repeats=_ITERS.value,
-                                          warmup=_WARMUP.value)
+                                          warmup=_WARMUP.value, settle_s=_SETTLE_S.value)
   return (timing.median_ms, timing.p20_ms, timing.p80_ms,
           None if peak is None else peak / 2**30, out)
 
@@ -167,6 +170,10 @@ def time_torch(fn):
   import torch
   fn()
   torch.cuda.synchronize()
+  t0 = time.perf_counter()
+  while time.perf_counter() - t0 < _SETTLE_S.value:   # as `bench.settle` does for JAX calls
+    fn()
+    torch.cuda.synchronize()
   for _ in range(_WARMUP.value):
     fn()
   torch.cuda.synchronize()
@@ -521,6 +528,8 @@ def write_markdown(path, text):
 
 def main(argv):
   del argv
+  if _SETTLE_S.value < 0:
+    raise ValueError(f"--settle_s must be >= 0, got {_SETTLE_S.value}")
   start = time.time()
   from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
   # Passed to every pallas_gpu call (a static value: each setting is its own jit trace).

@@ -49,8 +49,12 @@ def _check_counts(repeats: int, warmup: int) -> None:
     raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}.")
 
 
-def _time_calls(fn: Callable[..., Any], args, repeats: int, warmup: int) -> Timing:
-  """`warmup` untimed calls, then `repeats` timed one by one (after the first call)."""
+def _time_calls(fn: Callable[..., Any], args, repeats: int, warmup: int,
+                settle_s: float = 0.0) -> Timing:
+  """`settle_s` seconds of untimed calls (`settle`, where > 0), `warmup` more, then `repeats`
+  timed one by one (after the first call)."""
+  if settle_s > 0:
+    settle({"fn": Step(lambda: fn(*args), jax.block_until_ready)}, settle_s)
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   times = []
@@ -61,21 +65,30 @@ def _time_calls(fn: Callable[..., Any], args, repeats: int, warmup: int) -> Timi
   return Timing.from_times(times)
 
 
-def measure(fn: Callable[..., Any], *args, repeats: int = 10, warmup: int = 3) -> Timing:
-  """Times `fn(*args)`: one untimed call (compiles a jitted fn), `warmup` calls, `repeats` timed."""
+def _check_settle(settle_s: float) -> None:
+  if settle_s < 0:
+    raise ValueError(f"settle_s must be >= 0, got {settle_s}")
+
+
+def measure(fn: Callable[..., Any], *args, repeats: int = 10, warmup: int = 3,
+            settle_s: float = 0.0) -> Timing:
+  """Times `fn(*args)`: one untimed call (compiles a jitted fn), `settle_s` seconds of untimed
+  calls (for a GPU left idle by the compile: `settle`), `warmup` calls, `repeats` timed."""
   _check_counts(repeats, warmup)
+  _check_settle(settle_s)
   jax.block_until_ready(fn(*args))  # compile (and first-run allocation) stays out of the numbers
-  return _time_calls(fn, args, repeats, warmup)
+  return _time_calls(fn, args, repeats, warmup, settle_s)
 
 
-def measure_with_output(fn: Callable[..., Any], *args, repeats: int = 10,
-                        warmup: int = 3) -> tuple[Timing, Any]:
+def measure_with_output(fn: Callable[..., Any], *args, repeats: int = 10, warmup: int = 3,
+                        settle_s: float = 0.0) -> tuple[Timing, Any]:
   """`measure`, also returning the output of the first (untimed) call, so a benchmark can check
   the numbers it timed without one more call. The output stays alive while the rest is timed
   (`measure` drops it at once: use that where memory is tight)."""
   _check_counts(repeats, warmup)
+  _check_settle(settle_s)
   out = jax.block_until_ready(fn(*args))
-  return _time_calls(fn, args, repeats, warmup), out
+  return _time_calls(fn, args, repeats, warmup, settle_s), out
 
 
 # Interleaved rounds (`experiments/bench_ab.py`, `bench_t0.py`): how a round times a call.

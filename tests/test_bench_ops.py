@@ -301,6 +301,19 @@ def test_settle_calls_every_step_until_its_seconds_have_passed():
   assert bench.settle({"x": lambda: plain.append(1)}, seconds=0.0) == 1 and plain == [1]
   with pytest.raises(ValueError, match="seconds"):
     bench.settle({"x": lambda: None}, seconds=-1.0)
+  # `measure`'s settle (bench_kernels --settle_s): after the first call, 10 ms calls until 50 ms
+  # have passed (at most 5 of them: sleeps only overrun), then the warm-up and the timed calls.
+  calls = []
+  def slow(x):
+    calls.append(time.perf_counter())
+    time.sleep(0.01)
+    return x
+  timing = bench.measure(slow, jnp.ones(2), repeats=2, warmup=1, settle_s=0.05)
+  assert timing.repeats == 2 and timing.median_ms >= 10
+  settled = len(calls) - 1 - 1 - 2
+  assert 1 <= settled <= 5 and calls[1 + settled] - calls[1] >= 0.049
+  with pytest.raises(ValueError, match="settle_s"):
+    bench.measure_with_output(slow, jnp.ones(2), settle_s=-1.0)
 
 
 def test_bench_ab_rotates_the_order_and_pairs_ratios_within_a_round():
