@@ -170,10 +170,8 @@ def time_torch(fn):
   import torch
   fn()
   torch.cuda.synchronize()
-  t0 = time.perf_counter()
-  while time.perf_counter() - t0 < _SETTLE_S.value:   # as `bench.settle` does for JAX calls
-    fn()
-    torch.cuda.synchronize()
+  if _SETTLE_S.value > 0:
+    bench.settle({"fn": bench.Step(fn, lambda _: torch.cuda.synchronize())}, _SETTLE_S.value)
   for _ in range(_WARMUP.value):
     fn()
   torch.cuda.synchronize()
