@@ -67,9 +67,10 @@ _ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds; every variant is timed once
                                **_F)
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per variant and round.", **_F)
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls per variant and round.", **_F)
-_SETTLE_S = flags.DEFINE_float("settle_s", 1.0, "Seconds of untimed calls of every variant "
-                               "before each mixer and mode's first round (`bench.settle`: an "
-                               "idle GPU's clocks rise; 0 = one call each).", **_F)
+_SETTLE_S = flags.DEFINE_float("settle_s", 1.0, "Seconds of untimed rounds (as --timing "
+                               "times them) of every variant before each mixer and mode's first "
+                               "round (`bench.settle`: an idle GPU's clocks rise, a first burst "
+                               "of queued calls is slow; 0 = one round each).", **_F)
 _OUT_JSON = flags.DEFINE_string("out_json", "", "Raw per-round medians as JSON.", **_F)
 _TIMING = flags.DEFINE_enum(
     "timing", "waited", TIMINGS, "waited: each call timed alone and waited for (host dispatch "

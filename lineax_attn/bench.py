@@ -126,19 +126,22 @@ def time_round(step, iters: int, warmup: int, timing: str = "waited") -> float:
   return Timing.from_times(times).median_ms
 
 
-def settle(steps: dict, seconds: float) -> int:
-  """Untimed calls of every step in turn, each waited for, until `seconds` have passed (at least
-  one round); returns how many rounds ran. A GPU left idle (while the steps compiled) starts
-  timing at low clocks: in 34 of the 96 `bench_ab` runs in docs/data up to 2026-12-07 the first
-  variant's first round was over 1.15x its median (up to 3x), and a round's `warmup` of a few
-  calls did not hide it."""
+def settle(steps: dict, seconds: float, iters: int = 1, timing: str = "waited") -> int:
+  """Untimed rounds of every step in turn (`time_round` with `iters` and `timing`, no warm-up)
+  until `seconds` have passed (at least one round); returns how many rounds ran.
+
+  Why: a GPU left idle (while the steps compiled) starts timing at low clocks: in 34 of the 96
+  `bench_ab` runs in docs/data up to 2026-12-07 the first variant's first round was over 1.15x
+  its median (up to 3x), and a round's `warmup` of a few calls did not hide it. And the first
+  burst of queued calls is slow by itself: one variant alone (linear attention's must row) ran
+  its first queued round at 2-3x the rest in all eight runs up to 2026-12-07, after a second of
+  waited calls too; so `interleave` settles in the rounds' own mode."""
   if seconds < 0:
     raise ValueError(f"seconds must be >= 0, got {seconds}")
-  wrapped = [s if isinstance(s, Step) else Step(s, lambda _: None) for s in steps.values()]
   t0, done = time.perf_counter(), 0
   while True:
-    for step in wrapped:
-      step.wait(step.call())
+    for step in steps.values():
+      time_round(step, iters, 0, timing)
     done += 1
     if time.perf_counter() - t0 >= seconds:
       return done
@@ -147,11 +150,11 @@ def settle(steps: dict, seconds: float) -> int:
 def interleave(steps: dict, rounds: int, iters: int, warmup: int,
                timing: str = "waited", settle_s: float = 1.0) -> dict[str, list[float]]:
   """Per variant, its time (ms a call) in each round; the order rotates by one each round.
-  The steps first run untimed for `settle_s` seconds (`settle`; 0: one round of calls)."""
+  The steps first run untimed rounds for `settle_s` seconds (`settle`; 0: one round)."""
   if timing not in TIMINGS:
     raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
   names = list(steps)
-  settle(steps, settle_s)
+  settle(steps, settle_s, iters, timing)
   medians = {n: [] for n in names}
   for r in range(rounds):
     for n in names[r % len(names):] + names[:r % len(names)]:

@@ -299,6 +299,17 @@ def test_settle_calls_every_step_until_its_seconds_have_passed():
   assert log == [("wait", n) for _ in range(rounds) for n in ("a", "b")]
   plain = []
   assert bench.settle({"x": lambda: plain.append(1)}, seconds=0.0) == 1 and plain == [1]
+  # In the rounds' own mode (as `interleave` settles): queued, each round launches `iters`
+  # calls of a step back to back and waits once, for the last.
+  events = []
+  def queued(name):
+    count = iter(range(100))
+    return bench.Step(lambda: events.append(("call", name)) or (name, next(count)),
+                      lambda out: events.append(("wait", out)))
+  assert bench.settle({"a": queued("a"), "b": queued("b")}, seconds=0.0, iters=3,
+                      timing="queued") == 1
+  assert events == [("call", "a")] * 3 + [("wait", ("a", 2))] + [("call", "b")] * 3 + [
+      ("wait", ("b", 2))]
   with pytest.raises(ValueError, match="seconds"):
     bench.settle({"x": lambda: None}, seconds=-1.0)
   # `measure`'s settle (bench_kernels --settle_s): after the first call, 10 ms calls until 50 ms
