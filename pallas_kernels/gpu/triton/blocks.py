@@ -242,11 +242,12 @@ def intra_supported(kind: str, chunk: int, dk: int, dv: int) -> str | None:
 # ("triton_kernel_call", which XLA never puts into a command buffer, so every Triton kernel
 # splits the op's CUDA graph); "ffi" is jaxlib's typed-FFI twin "triton_kernel_call_ffi", which
 # XLA's command buffers can take (where the running jaxlib lacks it, "ffi" falls back to
-# "legacy"). Read at trace time. Timed on the H200 (docs/BENCHMARKS.md, "eleventh stage"):
-# no difference in the op's time (each call is GPU-bound), so the default stays the call the
-# whole compiled test file ran on.
+# "legacy"). Read at trace time. On the H200 of the eleventh stage (docs/BENCHMARKS.md), with
+# 2.2 ms ops, no difference; with today's 0.75-0.8 ms GDN / DeltaNet ops on an H100 ("forty-
+# first stage") "ffi" is 0.7-1.5 % faster (the T0 kernel no longer splits the op's graph), KDA
+# 0.5 %, GDN-2 level: the default since.
 CALL_TARGETS = ("legacy", "ffi")
-CALL_TARGET = "legacy"
+CALL_TARGET = "ffi"
 
 
 # Where `fused_forward`'s walks get the masked scores s q kᵀ: "walk", each program makes them
