@@ -24,7 +24,8 @@
 # fwdbwd,fwdbwd_dep; fwdbwd alone where a third variant would not fit the 280 s), SWEEP_BUDGET
 # and SWEEP_TIMEOUT (the sweep's time budget and hard limit, default 500 and 540 s; the budget
 # skips the points it would overrun, so on an H100 the KDA rows need a call of their own:
-# SWEEP_MIXERS=kda), MUST_MEM_FRACTION (the train phase's XLA memory fraction, default 0.95),
+# SWEEP_MIXERS=kda; an entry takes 20-35 s with its compile and settle, so even one mixer
+# wants SWEEP_BUDGET=270 SWEEP_TIMEOUT=310: at 200 s GDN lost its T 65536 point, 2026-12-07), MUST_MEM_FRACTION (the train phase's XLA memory fraction, default 0.95),
 # PEER_MIXERS (peers: default gated_delta_rule,delta_rule,kda,gdn2; FLA autotunes 90-200 s a
 # mixer on a cold cache, so a first call takes two mixers; Triton's cache comes back as
 # $OUT/triton_cache.tgz, and carried as .whl/triton_cache.tgz it cuts that to seconds; FLA's GDN-2
