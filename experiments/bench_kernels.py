@@ -22,7 +22,8 @@ the markers below gets only the text between them replaced) and a JSON file of r
 the whole op with the XLA or the Mosaic GPU intra-chunk part: `GpuTuning.intra` A/B);
 `--skip=mixer:impl[:T]` and `--merge_json=run1.json` split a long run over several device calls;
 `--time_budget_s` stops starting new entries after that many seconds (results are written after
-every entry, so a killed run still leaves its table).
+every entry, so a killed run still leaves its table); the T sweep's points run ends first
+(`bench.sweep_timing_order`), so a budget drops inner points, not an end of the rise.
 """
 
 from __future__ import annotations
@@ -566,7 +567,7 @@ def main(argv):
 
   results: list[Result] = []
   shapes = [tuple(int(x) for x in s.split(",")) for s in _SHAPES.value.split(";") if s]
-  shapes += [s for s in sweep_shapes() if s not in shapes]
+  shapes += [s for s in bench.sweep_timing_order(sweep_shapes()) if s not in shapes]
 
   skip = [x.split(":") for x in _SKIP.value]
 

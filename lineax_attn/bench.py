@@ -261,6 +261,17 @@ def sweep_rise(times) -> str:
   return rise if len(known) == len(times) else f"{rise} ({len(known)} of {len(times)} points)"
 
 
+def sweep_timing_order(points):
+  """The order a T sweep's points (B, T, ...) are timed in: the longest T, the shortest, then the
+  rest from long to short. A time budget skips the points it would overrun, so it then drops
+  inner points and keeps both ends of the rise (2026-12-07 a 200 s budget lost GDN's T 65,536,
+  the one point that decides whether the sweep is flat, when the points ran short to long)."""
+  by_t = sorted(points, key=lambda p: p[1])
+  if len(by_t) <= 2:
+    return by_t[::-1]
+  return [by_t[-1], by_t[0]] + by_t[-2:0:-1]
+
+
 def traffic_floor_ms(mixer: str, mode: str, *, batch: int, seq_len: int, heads: int,
                      v_heads: int, head_dim_k: int, head_dim_v: int, io_bytes: int = 2,
                      gate_bytes: int = 4, tb_s: float = H200_HBM_TB_S) -> float:

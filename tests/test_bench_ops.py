@@ -157,6 +157,18 @@ def test_bench_kernels_sweep_writes_table_json_and_plot(tmp_path):
   assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_sweep_points_are_timed_ends_first():
+  # lineax_attn.bench.sweep_timing_order on the must sweep's five lengths (B, T, H, D): T 65,536
+  # and T 1,024 first, then the inner points from long to short; any order in, the same out.
+  points = [(65536 // t, t, 16, 128) for t in (1024, 2048, 4096, 16384, 65536)]
+  want = [(1, 65536, 16, 128), (64, 1024, 16, 128), (4, 16384, 16, 128), (16, 4096, 16, 128),
+          (32, 2048, 16, 128)]
+  assert bench.sweep_timing_order(points) == want
+  assert bench.sweep_timing_order(points[::-1]) == want
+  assert bench.sweep_timing_order(points[:2]) == [points[1], points[0]]
+  assert bench.sweep_timing_order([]) == []
+
+
 def test_sweep_rise_says_when_points_are_missing():
   # The sweep table's rise column (experiments/bench_kernels.py): slowest over fastest of the
   # known points, saying how many of the sweep's it covers when the budget skipped some.
