@@ -46,7 +46,11 @@ _IMPLS = flags.DEFINE_list("impls", "triton,pallas_gpu",
                            flag_values=FLAGS)
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).",
                              flag_values=FLAGS)
-_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "fwd and/or fwdbwd.", flag_values=FLAGS)
+_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "Of fwd, fwdbwd, fwdbwd_dep (the cotangent "
+                           "made from the output, as `bench_ab` times it: `peer_ops.MODES`). "
+                           "Beside fwdbwd it shows what of the backward ran beside the forward "
+                           "(with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true "
+                           "the trace keeps the timed run's CUDA graphs).", flag_values=FLAGS)
 _ITERS = flags.DEFINE_integer("iters", 5, "Traced calls (after two untraced ones).",
                               flag_values=FLAGS)
 _TOP = flags.DEFINE_integer("top", 25, "Kernels listed per op (the rest summed in one row).",
@@ -179,8 +183,12 @@ def profile_call(fn, args, *, iters: int, plane_prefix: str = "/device:GPU"):
 
 
 def op_function(mixer: str, impl: str, mode: str, shape):
-  """(jitted fn, args) of one op call: the forward, or <o, do>'s gradients w.r.t. every input."""
+  """(jitted fn, args) of one op call: the forward, or <o, do>'s gradients w.r.t. every input
+  (fwdbwd_dep: with do + `peer_ops.DEP_WEIGHT` · o as the cotangent)."""
+  from experiments import peer_ops  # pylint: disable=g-import-not-at-top
   from lineax_attn import bench, ops  # pylint: disable=g-import-not-at-top
+  if mode not in peer_ops.MODES:
+    raise ValueError(f"mode {mode!r} is not one of {peer_ops.MODES}")
   b, t, h, d = shape
   args = list(bench.mixer_inputs(mixer, batch=b, seq_len=t, heads=h, v_heads=h, head_dim_k=d,
                                  head_dim_v=d, dtype=jnp.bfloat16))
@@ -188,7 +196,6 @@ def op_function(mixer: str, impl: str, mode: str, shape):
   tuning = ops.GpuTuning.parse(tuning_text.replace(";", ",")) if tuning_text else None
   if impl == "jla":   # the peer's kernels, profiled the same way (their kernel breakdown is
     # the target each of ours is measured against)
-    from experiments import peer_ops  # pylint: disable=g-import-not-at-top
     fwd = peer_ops.jla_op(mixer, ops.specs.resolve(mixer).gate_names)
   else:
     op = getattr(ops, mixer)
@@ -196,6 +203,8 @@ def op_function(mixer: str, impl: str, mode: str, shape):
   if mode == "fwd":
     return jax.jit(fwd), args
   do = jax.random.normal(jax.random.key(1), args[2].shape, jnp.float32)
+  if mode == "fwdbwd_dep":
+    return jax.jit(peer_ops.grad_fn(fwd, len(args), dependent=True)), [do] + args
   return jax.jit(bench.forward_backward(fwd)), [do] + args
 
 

@@ -75,3 +75,30 @@ def test_module_spans_without_a_module_line_cut_the_calls_at_the_widest_gaps():
   spans = op_profile.module_spans(types.SimpleNamespace(planes=[gpu]), calls=3)
   assert spans == [(3.0, 2.0), (3.0, 3.0), (4.0, 2.5)]
   assert op_profile.module_spans(types.SimpleNamespace(planes=[gpu])) == []   # calls unknown
+
+
+def test_op_function_dependent_mode_takes_the_output_into_its_cotangent():
+  # op_profile.op_function's fwdbwd_dep on the XLA chunk form (CPU): its gradients are those of
+  # the fixed-cotangent call with do + DEP_WEIGHT · o as the cotangent (the dependent loss
+  # <o, do> + w |o|² / 2 has that gradient); an unknown mode is refused.
+  import jax.numpy as jnp
+  import numpy as np
+  from experiments import peer_ops
+  shape = (1, 64, 2, 16)
+  dep, dep_args = op_profile.op_function("gated_delta_rule", "chunk", "fwdbwd_dep", shape)
+  fixed, args = op_profile.op_function("gated_delta_rule", "chunk", "fwdbwd", shape)
+  fwd, fwd_args = op_profile.op_function("gated_delta_rule", "chunk", "fwd", shape)
+  do, inputs = args[0], args[1:]
+  o = fwd(*fwd_args).astype(jnp.float32)
+  _, want = fixed(do + peer_ops.DEP_WEIGHT * o, *inputs)
+  _, plain = fixed(do, *inputs)
+  got = dep(*dep_args)
+  assert len(got) == len(want) == len(inputs)
+  for g, w, p in zip(got, want, plain):
+    g, w, p = (np.asarray(x, np.float32) for x in (g, w, p))
+    scale = np.abs(w).max()
+    # the same float32 sums (equal on this CPU), far inside the o term's own ~1e-3 share
+    assert np.abs(g - w).max() <= 1e-6 * scale
+    assert np.abs(g - p).max() >= 1e-4 * scale
+  with pytest.raises(ValueError, match="mode"):
+    op_profile.op_function("gated_delta_rule", "chunk", "bwd", shape)
