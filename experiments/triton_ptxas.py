@@ -91,7 +91,8 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                  BAND_STAGES=blocks.CHANNEL_BAND_STAGES, SPAN=float(blocks.CHANNEL_SPAN),
                  ERASE=0, WRITE=0, QS=1.0)
   channel_fwd = dict(channel, SBK=blocks.solve_bk(dk, dv), SKIP=0,
-                     SLICE_STAGES=blocks.CHANNEL_SLICE_STAGES)
+                     SLICE_STAGES=blocks.CHANNEL_SLICE_STAGES,
+                     SOLVE_PAIRED=blocks.CHANNEL_SOLVE == "paired")
   channel_bwd = dict(channel, SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=hopper), SKIP=0,
                      DO_ROWS=False)
   f = frozenset
@@ -168,6 +169,19 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
       # ... with KDA's β made on chip (k, v and a row gate instead of k̃, ṽ), bf16 inputs
       Launch("channel_intra", "_fwd_kernel@gates", dict(channel_fwd, ERASE=1, WRITE=1,
                                                         QS=0.0883883461),
+             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
+                "m_ptr"}), blocks.CHANNEL_WARPS, 1),
+      # ... and its solve loops paired (`solve="paired"`), with KDA's and with GDN-2's gates
+      Launch("channel_intra", "_fwd_kernel@gates+solve_paired",
+             dict(channel_fwd, ERASE=1, WRITE=1, QS=0.0883883461, SOLVE_PAIRED=True),
+             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
+                "m_ptr"}), blocks.CHANNEL_WARPS, 1),
+      Launch("channel_intra", "_fwd_kernel@gdn2_gates",
+             dict(channel_fwd, ERASE=2, WRITE=2, QS=0.0883883461),
+             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
+                "m_ptr"}), blocks.CHANNEL_WARPS, 1),
+      Launch("channel_intra", "_fwd_kernel@gdn2_gates+solve_paired",
+             dict(channel_fwd, ERASE=2, WRITE=2, QS=0.0883883461, SOLVE_PAIRED=True),
              f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
                 "m_ptr"}), blocks.CHANNEL_WARPS, 1),
       Launch("channel_intra", "_bwd_kernel+grads+states@gates",

@@ -625,6 +625,37 @@ def test_channel_forward_solve_kernel_matches_the_fused_solve(case, gates):
     call("split", False)
 
 
+@pytest.mark.parametrize("dk,dv,case,gates", [(128, 128, "random", "row"),
+                                               (64, 128, "packed", "channel"),
+                                               pytest.param(128, 64, "strong", "none",
+                                                            marks=pytest.mark.slow)])
+def test_channel_forward_paired_solve_is_the_fused_solve(dk, dv, case, gates):
+  # solve="paired" (GpuTuning.channel_solve): the fused solve's loops as one, each step making
+  # NY's and U's blocks of the same columns, the columns K or V has beyond the other after it.
+  # The same operands and products in another order, so every output equals the fused
+  # solve's to the bit: K = V (two paired steps at 128), K < V and K > V (one paired step,
+  # then U's or NY's block alone), the exact and bounded-span paths, packed rows, gates on chip.
+  from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
+  q, k, _, v, _, G = _channel_inputs(23, dk=dk, dv=dv, tau=_TAU[case])
+  q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  ks = jax.random.split(jax.random.key(24), 2)
+  gated = {}
+  if gates != "none":
+    shape = lambda x: x.shape[:3] + ((1,) if gates == "row" else x.shape[3:])
+    gated = dict(erase=jax.nn.sigmoid(jax.random.normal(ks[0], shape(k))),
+                 write=jax.nn.sigmoid(jax.random.normal(ks[1], shape(v))))
+  segments = gpu_chunks.kernel_segments(_packed_ids(), 64) if case == "packed" else None
+  call = lambda solve: channel_intra.channel_intra_fwd(
+      q, k, k, v, G, segments, chunk=64, with_inverse=True, solve=solve, q_scale=0.125,
+      **gated)
+  fused, paired = call("fused"), call("paired")
+  for name, a, b in zip(("ny", "qg", "p", "u", "kg", "gc", "m"), paired, fused):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    # (gc, the chunks' whole decay, is 0 under strong decay and where a segment begins)
+    assert np.all(np.isfinite(a)) and (name == "gc" or np.abs(b).max() > 0), name
+    np.testing.assert_array_equal(a, b, err_msg=f"{name} ({dk}, {dv}, {case}, {gates})")
+
+
 def test_channel_kernel_phases_split_the_pair_matrix_exactly():
   # The timing knob `skip_phases` (bench_triton_parts --phase_costs) leaves out one phase: the
   # anchored products and the diagonal bands fill disjoint entries of P (the anchored operands
@@ -881,31 +912,33 @@ def test_op_with_channel_grads_states_at_the_edges_of_t(monkeypatch, mixer, t):
   assert calls, "the states path did not run"
 
 
-@pytest.mark.parametrize("mixer,implementation,t", [("kda", "pallas_gpu", 65),
-                                                    ("gdn2", "pallas_gpu", 128),
-                                                    ("kda", "triton", 1)])
-def test_op_with_the_solve_kernel_matches_scan(monkeypatch, mixer, implementation, t):
-  # GpuTuning(channel_solve="kernel") reaches the forward kernel's call on both GPU paths, and
-  # the op's output, residual and every gradient still match the scan under jit.
+@pytest.mark.parametrize("mixer,implementation,t,solve", [("kda", "pallas_gpu", 65, "kernel"),
+                                                          ("gdn2", "pallas_gpu", 128, "kernel"),
+                                                          ("kda", "triton", 1, "kernel"),
+                                                          ("gdn2", "pallas_gpu", 65, "paired"),
+                                                          ("kda", "triton", 128, "paired")])
+def test_op_with_the_solve_kernel_matches_scan(monkeypatch, mixer, implementation, t, solve):
+  # GpuTuning(channel_solve="kernel" or "paired") reaches the forward kernel's call on both GPU
+  # paths, and the op's output, residual and every gradient still match the scan under jit.
   if implementation == "pallas_gpu" and not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
     pytest.skip("pallas_gpu needs a Hopper GPU")
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
   solves, real = [], channel_intra.channel_intra_fwd
   monkeypatch.setattr(channel_intra, "channel_intra_fwd",
                       lambda *a, **k: solves.append(k.get("solve")) or real(*a, **k))
-  tuning = ops.GpuTuning(triton_intra="kernel", channel_intra="triton", channel_solve="kernel")
+  tuning = ops.GpuTuning(triton_intra="kernel", channel_intra="triton", channel_solve=solve)
   args, kw = make_inputs(mixer, b=1, t=t, h=2, hv=2, dk=64, dv=64, seed=31 + t)
   fwd = lambda impl, tun: jax.jit(lambda *a: run(mixer, a, implementation=impl, tuning=tun,
                                                  return_residual=True))(*args)
   got, want = fwd(implementation, tuning), fwd("scan", None)
-  assert solves and set(solves) == {"kernel"}, solves
+  assert solves and set(solves) == {solve}, solves
   assert_close(got[0], want[0], FWD_TOL, f"{mixer} T={t} output")
   assert_close(got[-1], want[-1], FWD_TOL, f"{mixer} T={t} residual")
   grads = output_and_state_grads(mixer, args, kw["initial_state"], implementation,
                                  tuning=tuning)
   for i, (g_, w) in enumerate(zip(grads, output_and_state_grads(
       mixer, args, kw["initial_state"], "scan"))):
-    assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} T={t} solve kernel, grad {i}")
+    assert_close(g_, w, GRAD_TOL, f"{mixer} {implementation} T={t} solve {solve}, grad {i}")
 
 
 @pytest.mark.parametrize("mixer", ["kda", "gdn2"])

@@ -175,6 +175,26 @@ def _ny_block(m, kt_ptr, g_ptr, cont, rows, hv, cols, chunk, ny_ptr, HV: tl.cons
 
 
 @triton.jit
+def _solve_pair(m, kt_ptr, g_ptr, vt_ptr, cont, rows, hv, cols, chunk, ny_ptr, u_ptr,
+                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                PACKED: tl.constexpr, erase_ptr, ERASE: tl.constexpr, write_ptr,
+                WRITE: tl.constexpr):
+  """`_ny_block` and `_u_block` on the same columns, the same values, with Ṽ's loads issued
+  beside K̃'s and G's, before either product: the kernel's barriers keep every load of a
+  block behind the block before it (SASS, sm_90a), so only loads written first overlap."""
+  entry = tl.exp(_rows(g_ptr, rows, hv, cols, HV, K))
+  if PACKED:
+    entry = entry * cont
+  kt = _gated_rows(kt_ptr, erase_ptr, rows, hv, cols, HV, K, ERASE)
+  vt = _gated_rows(vt_ptr, write_ptr, rows, hv, cols, HV, V, WRITE)
+  y = tl.dot(m, (kt * entry).to(tl.bfloat16))
+  tl.store(ny_ptr + chunk * C * K + tl.arange(0, C)[:, None] * K + cols[None, :],
+           (-y).to(tl.bfloat16))
+  u = tl.dot(m, vt.to(tl.bfloat16))
+  tl.store(u_ptr + chunk * C * V + tl.arange(0, C)[:, None] * V + cols[None, :], u)
+
+
+@triton.jit
 def _u_block(m, vt_ptr, rows, hv, cols, chunk, u_ptr, HV: tl.constexpr, V: tl.constexpr,
              C: tl.constexpr, write_ptr, WRITE: tl.constexpr):
   """Stores U = M Ṽ on the columns `cols` of this chunk (float32, chunk-major)."""
@@ -328,7 +348,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, BAND_STAGES: tl.constexpr,
                 SBK: tl.constexpr, SKIP: tl.constexpr, SPAN: tl.constexpr,
                 ERASE: tl.constexpr, WRITE: tl.constexpr, QS: tl.constexpr,
-                SLICE_STAGES: tl.constexpr):
+                SLICE_STAGES: tl.constexpr, SOLVE_PAIRED: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
@@ -371,10 +391,17 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   # SASS (sm_90a, K = V = 128) M's bf16 operand registers are packed once, before the loops.
   rs = tl.arange(0, SBK)
   n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
-  for s in range(n_solve * K // SBK):
+  # SOLVE_PAIRED (solve="paired"): one loop whose step makes NY's and U's blocks of the same
+  # columns (`_solve_pair`), so each step's loads (K̃, G and Ṽ) are in flight together, in
+  # half the steps; the columns one of K, V has beyond the other follow in a loop of their own.
+  n_paired: tl.constexpr = (min(K, V) // SBK) if SOLVE_PAIRED else 0
+  for s in range(n_solve * n_paired):
+    _solve_pair(m, kt_ptr, g_ptr, vt_ptr, cont, rows, hv, s * SBK + rs, chunk, ny_ptr, u_ptr,
+                HV, K, V, C, PACKED, erase_ptr, ERASE, write_ptr, WRITE)
+  for s in range(n_solve * n_paired, n_solve * K // SBK):
     _ny_block(m, kt_ptr, g_ptr, cont, rows, hv, s * SBK + rs, chunk, ny_ptr, HV, K, C, PACKED,
               erase_ptr, ERASE)
-  for s in range(n_solve * V // SBK):
+  for s in range(n_solve * n_paired, n_solve * V // SBK):
     _u_block(m, vt_ptr, rows, hv, s * SBK + rs, chunk, u_ptr, HV, V, C, write_ptr, WRITE)
   if WITH_INVERSE:
     tl.store(m_ptr + cc, m)
@@ -764,9 +791,10 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   ṽ = v ⊙ write are never written to memory. q_scale: q is multiplied by it on chip (1: q
   comes scaled). slice_stages: software-pipelining depth of the channel-slice loop
   (`blocks.CHANNEL_SLICE_STAGES`). solve (`blocks.CHANNEL_SOLVES`): "fused", NY and U made at
-  the end of the forward kernel's programs; "kernel", the forward kernel stops after M and a
-  second kernel (`_solve_kernel`, one program per chunk and 64-column block) makes them from
-  it, with the same operands and products.
+  the end of the forward kernel's programs, NY's column blocks, then U's; "paired", the same,
+  each step making NY's and U's blocks of the same columns; "kernel", the forward kernel stops
+  after M and a second kernel (`_solve_kernel`, one program per chunk and 64-column block)
+  makes them from it. The same operands and products every way.
   """
   reason = supported(chunk, q.shape[-1], vt.shape[-1])
   if reason:
@@ -806,7 +834,7 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
       num_warps=num_warps, num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK,
       PACKED=packed, WITH_INVERSE=keep_m, PREC=precision, BAND_STAGES=band_stages, SBK=sbk,
       SKIP=skip, SPAN=_span(span), ERASE=erase_kind, WRITE=write_kind, QS=float(q_scale),
-      SLICE_STAGES=int(slice_stages))
+      SLICE_STAGES=int(slice_stages), SOLVE_PAIRED=solve == "paired")
   if by_kernel:
     _, _, kt_in, vt_in, g_in, _, cont, _, erase_in, write_in = operands
     ny, u = _jax_triton().triton_call(
