@@ -95,7 +95,15 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                      SOLVE_PAIRED=blocks.CHANNEL_SOLVE == "paired")
   channel_bwd = dict(channel, SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=hopper), SKIP=0,
                      DO_ROWS=False)
+
   f = frozenset
+
+  def gated_fwd(name, **constexprs):
+    """The channel forward as the op launches it with gates on chip (k, v, q's scale; bf16)."""
+    return Launch("channel_intra", name, dict(channel_fwd, QS=0.0883883461, **constexprs),
+                  f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
+                     "m_ptr"}), blocks.CHANNEL_WARPS, 1)
+
   return [
       Launch("state_pass", "_fwd_kernel",
              dict(state, BV=fwd_bv, SAVE_STATES=True, STAGES=fwd_stages),
@@ -151,10 +159,7 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                   WRITE=1),
              f({"m_ptr", "kt_ptr", "vt_ptr", "ny_ptr"}), blocks.CHANNEL_WARPS, 1),
       # ... with KDA's gates on chip and its slice loop pipelined (`slice_stages=2`; opt-in)
-      Launch("channel_intra", "_fwd_kernel@gates+slice_stages2",
-             dict(channel_fwd, ERASE=1, WRITE=1, QS=0.0883883461, SLICE_STAGES=2),
-             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
-                "m_ptr"}), blocks.CHANNEL_WARPS, 1),
+      gated_fwd("_fwd_kernel@gates+slice_stages2", ERASE=1, WRITE=1, SLICE_STAGES=2),
       Launch("channel_intra", "_bwd_kernel", dict(channel_bwd, GRADS=False, PRODUCTS=False),
              f({"m_ptr", "dny_ptr", "dqg_ptr", "dp_ptr", "dkg_ptr"}), blocks.CHANNEL_WARPS, 1),
       Launch("channel_intra", "_bwd_kernel+grads", dict(channel_bwd, GRADS=True, PRODUCTS=False),
@@ -167,23 +172,11 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                 "dps_ptr", "du_ptr", "e_ptr", "sny_ptr", "sqg_ptr", "skg_ptr"}),
              blocks.CHANNEL_WARPS, 1),
       # ... with KDA's β made on chip (k, v and a row gate instead of k̃, ṽ), bf16 inputs
-      Launch("channel_intra", "_fwd_kernel@gates", dict(channel_fwd, ERASE=1, WRITE=1,
-                                                        QS=0.0883883461),
-             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
-                "m_ptr"}), blocks.CHANNEL_WARPS, 1),
+      gated_fwd("_fwd_kernel@gates", ERASE=1, WRITE=1),
       # ... and its solve loops paired (`solve="paired"`), with KDA's and with GDN-2's gates
-      Launch("channel_intra", "_fwd_kernel@gates+solve_paired",
-             dict(channel_fwd, ERASE=1, WRITE=1, QS=0.0883883461, SOLVE_PAIRED=True),
-             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
-                "m_ptr"}), blocks.CHANNEL_WARPS, 1),
-      Launch("channel_intra", "_fwd_kernel@gdn2_gates",
-             dict(channel_fwd, ERASE=2, WRITE=2, QS=0.0883883461),
-             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
-                "m_ptr"}), blocks.CHANNEL_WARPS, 1),
-      Launch("channel_intra", "_fwd_kernel@gdn2_gates+solve_paired",
-             dict(channel_fwd, ERASE=2, WRITE=2, QS=0.0883883461, SOLVE_PAIRED=True),
-             f({"q_ptr", "k_ptr", "kt_ptr", "vt_ptr", "ny_ptr", "qg_ptr", "p_ptr", "kg_ptr",
-                "m_ptr"}), blocks.CHANNEL_WARPS, 1),
+      gated_fwd("_fwd_kernel@gates+solve_paired", ERASE=1, WRITE=1, SOLVE_PAIRED=True),
+      gated_fwd("_fwd_kernel@gdn2_gates", ERASE=2, WRITE=2),
+      gated_fwd("_fwd_kernel@gdn2_gates+solve_paired", ERASE=2, WRITE=2, SOLVE_PAIRED=True),
       Launch("channel_intra", "_bwd_kernel+grads+states@gates",
              dict(channel_bwd, GRADS=True, PRODUCTS=True, DO_ROWS=True, ERASE=1, WRITE=1,
                   QS=0.0883883461),
