@@ -92,7 +92,7 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
                  ERASE=0, WRITE=0, QS=1.0)
   channel_fwd = dict(channel, SBK=blocks.solve_bk(dk, dv), SKIP=0,
                      SLICE_STAGES=blocks.CHANNEL_SLICE_STAGES,
-                     SOLVE_PAIRED=blocks.CHANNEL_SOLVE == "paired")
+                     SOLVE_LOOP=blocks.CHANNEL_SOLVE_LOOPS.get(blocks.CHANNEL_SOLVE, 0))
   channel_bwd = dict(channel, SBK=blocks.channel_bwd_solve_bk(dk, dv, hopper=hopper), SKIP=0,
                      DO_ROWS=False)
 
@@ -173,10 +173,13 @@ def launches(dk: int, dv: int, packed: bool, hopper: bool) -> list[Launch]:
              blocks.CHANNEL_WARPS, 1),
       # ... with KDA's β made on chip (k, v and a row gate instead of k̃, ṽ), bf16 inputs
       gated_fwd("_fwd_kernel@gates", ERASE=1, WRITE=1),
-      # ... and its solve loops paired (`solve="paired"`), with KDA's and with GDN-2's gates
-      gated_fwd("_fwd_kernel@gates+solve_paired", ERASE=1, WRITE=1, SOLVE_PAIRED=True),
+      # ... and its solve loops paired (`solve="paired"`, "prefetched"), with KDA's and with
+      # GDN-2's gates
+      gated_fwd("_fwd_kernel@gates+solve_paired", ERASE=1, WRITE=1, SOLVE_LOOP=1),
+      gated_fwd("_fwd_kernel@gates+solve_prefetched", ERASE=1, WRITE=1, SOLVE_LOOP=2),
       gated_fwd("_fwd_kernel@gdn2_gates", ERASE=2, WRITE=2),
-      gated_fwd("_fwd_kernel@gdn2_gates+solve_paired", ERASE=2, WRITE=2, SOLVE_PAIRED=True),
+      gated_fwd("_fwd_kernel@gdn2_gates+solve_paired", ERASE=2, WRITE=2, SOLVE_LOOP=1),
+      gated_fwd("_fwd_kernel@gdn2_gates+solve_prefetched", ERASE=2, WRITE=2, SOLVE_LOOP=2),
       Launch("channel_intra", "_bwd_kernel+grads+states@gates",
              dict(channel_bwd, GRADS=True, PRODUCTS=True, DO_ROWS=True, ERASE=1, WRITE=1,
                   QS=0.0883883461),

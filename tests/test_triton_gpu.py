@@ -631,8 +631,9 @@ def test_channel_forward_solve_kernel_matches_the_fused_solve(case, gates):
                                                             marks=pytest.mark.slow)])
 def test_channel_forward_paired_solve_is_the_fused_solve(dk, dv, case, gates):
   # solve="paired" (GpuTuning.channel_solve): the fused solve's loops as one, each step making
-  # NY's and U's blocks of the same columns, the columns K or V has beyond the other after it.
-  # The same operands and products in another order, so every output equals the fused
+  # NY's and U's blocks of the same columns, the columns K or V has beyond the other after it;
+  # "prefetched", the same with the next step's tiles loaded during this one (none past the
+  # last). The same operands and products in another order, so every output equals the fused
   # solve's to the bit: K = V (two paired steps at 128), K < V and K > V (one paired step,
   # then U's or NY's block alone), the exact and bounded-span paths, packed rows, gates on chip.
   from pallas_kernels.gpu.triton import channel_intra  # pylint: disable=g-import-not-at-top
@@ -648,12 +649,14 @@ def test_channel_forward_paired_solve_is_the_fused_solve(dk, dv, case, gates):
   call = lambda solve: channel_intra.channel_intra_fwd(
       q, k, k, v, G, segments, chunk=64, with_inverse=True, solve=solve, q_scale=0.125,
       **gated)
-  fused, paired = call("fused"), call("paired")
-  for name, a, b in zip(("ny", "qg", "p", "u", "kg", "gc", "m"), paired, fused):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    # (gc, the chunks' whole decay, is 0 under strong decay and where a segment begins)
-    assert np.all(np.isfinite(a)) and (name == "gc" or np.abs(b).max() > 0), name
-    np.testing.assert_array_equal(a, b, err_msg=f"{name} ({dk}, {dv}, {case}, {gates})")
+  fused = call("fused")
+  for solve in ("paired", "prefetched"):
+    for name, a, b in zip(("ny", "qg", "p", "u", "kg", "gc", "m"), call(solve), fused):
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      # (gc, the chunks' whole decay, is 0 under strong decay and where a segment begins)
+      assert np.all(np.isfinite(a)) and (name == "gc" or np.abs(b).max() > 0), name
+      np.testing.assert_array_equal(a, b, err_msg=f"{solve}: {name} ({dk}, {dv}, {case}, "
+                                    f"{gates})")
 
 
 def test_channel_kernel_phases_split_the_pair_matrix_exactly():
@@ -916,7 +919,7 @@ def test_op_with_channel_grads_states_at_the_edges_of_t(monkeypatch, mixer, t):
                                                           ("gdn2", "pallas_gpu", 128, "kernel"),
                                                           ("kda", "triton", 1, "kernel"),
                                                           ("gdn2", "pallas_gpu", 65, "paired"),
-                                                          ("kda", "triton", 128, "paired")])
+                                                          ("kda", "triton", 128, "prefetched")])
 def test_op_with_the_solve_kernel_matches_scan(monkeypatch, mixer, implementation, t, solve):
   # GpuTuning(channel_solve="kernel" or "paired") reaches the forward kernel's call on both GPU
   # paths, and the op's output, residual and every gradient still match the scan under jit.

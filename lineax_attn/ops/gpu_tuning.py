@@ -21,7 +21,7 @@ SOLVE_CHOICES = ("inverse", "trsm")
 STATE_PASS_CHOICES = ("mosaic", "triton")
 STATE_PRODUCTS_CHOICES = ("auto", "xla", "kernel", "channel", "pass")
 FORWARD_CHOICES = ("auto", "split", "fused", "walk")
-CHANNEL_SOLVE_CHOICES = ("fused", "paired", "kernel")   # = pallas_kernels.gpu.triton.blocks.CHANNEL_SOLVES
+CHANNEL_SOLVE_CHOICES = ("fused", "paired", "prefetched", "kernel")   # = pallas_kernels.gpu.triton.blocks.CHANNEL_SOLVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +168,8 @@ class GpuTuning:
       3.78 ms, GDN-2 4.07 -> 4.20), though the loops take ~0.3-0.4 of the fused forward's ~1.0
       ms there (`bench_triton_parts --phase_costs`); kept opt-in for other cards. "paired":
       as "fused", with the two loops as one, each step making NY's and U's blocks of the same
-      columns (their loads in flight together, half the steps; untimed, 2026-12-07).
+      columns (their loads in flight together, half the steps); "prefetched": "paired" with the
+      next step's tiles loaded before this step's products (both untimed, 2026-12-07).
     approx_math: whether the walk path's kernels compute e^x as ex2.approx (relative error
       ~2⁻²², far below their bf16 operands') instead of the exact float32 exp: the per-chunk
       backward (`pallas_kernels.gpu.chunk_grads`) and, since 2026-12-05, the walks (forward,

@@ -136,9 +136,12 @@ CHANNEL_SLICE_STAGES = 1
 # forward with the gates on chip 0.862 -> 0.965 ms; the op's fwd+bwd KDA 3.72 -> 3.78, GDN-2
 # 4.07 -> 4.20), as were the loops' operands loaded before the inverse (0.992) and the loops
 # software-pipelined (0.887; both tried in 53c2212 and removed). So "fused".
-# "paired": the fused loops as one, each step making NY's and U's blocks of the same columns
-# (2026-12-07, untimed: see docs/KERNELS_GPU.md "The solve loops paired").
-CHANNEL_SOLVES = ("fused", "paired", "kernel")
+# "paired": the fused loops as one, each step making NY's and U's blocks of the same columns;
+# "prefetched": that, with the next step's tiles loaded before this step's products (2026-12-07,
+# untimed: docs/KERNELS_GPU.md "The solve loops paired or prefetched"). CHANNEL_SOLVE_LOOPS:
+# the forward kernel's SOLVE_LOOP for each.
+CHANNEL_SOLVES = ("fused", "paired", "prefetched", "kernel")
+CHANNEL_SOLVE_LOOPS = {"fused": 0, "paired": 1, "prefetched": 2}
 CHANNEL_SOLVE = "fused"
 # The bounded-span path of the channel kernels (docs/KERNELS_GPU.md "Toward KDA / GDN-2 at jla's
 # speed"): 0 keeps the exact float32 diagonal blocks everywhere. Above 0, a channel slice of a

@@ -175,18 +175,29 @@ def _ny_block(m, kt_ptr, g_ptr, cont, rows, hv, cols, chunk, ny_ptr, HV: tl.cons
 
 
 @triton.jit
-def _solve_pair(m, kt_ptr, g_ptr, vt_ptr, cont, rows, hv, cols, chunk, ny_ptr, u_ptr,
+def _raw_tile(ptr, rows, hv, cols, HV: tl.constexpr, D: tl.constexpr, live=True):
+  """`_rows` as stored (bf16 or float32), widened where it is used; `live` False: no load
+  (zeros), for a prefetch past the last step."""
+  return tl.load(ptr + (rows * HV + hv)[:, None] * D + cols[None, :], mask=live, other=0.0)
+
+
+@triton.jit
+def _solve_pair(m, g, kt, vt, erase_ptr, write_ptr, cont, rows, hv, cols, chunk, ny_ptr, u_ptr,
                 HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                PACKED: tl.constexpr, erase_ptr, ERASE: tl.constexpr, write_ptr,
-                WRITE: tl.constexpr):
-  """`_ny_block` and `_u_block` on the same columns, the same values, with Ṽ's loads issued
-  beside K̃'s and G's, before either product: the kernel's barriers keep every load of a
-  block behind the block before it (SASS, sm_90a), so only loads written first overlap."""
-  entry = tl.exp(_rows(g_ptr, rows, hv, cols, HV, K))
+                PACKED: tl.constexpr, ERASE: tl.constexpr, WRITE: tl.constexpr):
+  """`_ny_block` and `_u_block` on the same columns, the same values, from the tiles of G, K̃
+  and Ṽ loaded by the caller (`_raw_tile`) before either product: the kernel's barriers keep
+  every load of a block behind the block before it (SASS, sm_90a), so only loads written
+  first overlap."""
+  entry = tl.exp(g.to(tl.float32))
   if PACKED:
     entry = entry * cont
-  kt = _gated_rows(kt_ptr, erase_ptr, rows, hv, cols, HV, K, ERASE)
-  vt = _gated_rows(vt_ptr, write_ptr, rows, hv, cols, HV, V, WRITE)
+  kt = kt.to(tl.float32)
+  if ERASE != GATE_NONE:
+    kt = kt * _gate(erase_ptr, rows, hv, cols, HV, K, ERASE)
+  vt = vt.to(tl.float32)
+  if WRITE != GATE_NONE:
+    vt = vt * _gate(write_ptr, rows, hv, cols, HV, V, WRITE)
   y = tl.dot(m, (kt * entry).to(tl.bfloat16))
   tl.store(ny_ptr + chunk * C * K + tl.arange(0, C)[:, None] * K + cols[None, :],
            (-y).to(tl.bfloat16))
@@ -348,7 +359,7 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
                 WITH_INVERSE: tl.constexpr, PREC: tl.constexpr, BAND_STAGES: tl.constexpr,
                 SBK: tl.constexpr, SKIP: tl.constexpr, SPAN: tl.constexpr,
                 ERASE: tl.constexpr, WRITE: tl.constexpr, QS: tl.constexpr,
-                SLICE_STAGES: tl.constexpr, SOLVE_PAIRED: tl.constexpr):
+                SLICE_STAGES: tl.constexpr, SOLVE_LOOP: tl.constexpr):
   tl.static_assert((K % BK == 0) and (V % BK == 0) and (K % SBK == 0) and (V % SBK == 0))
   hv, row0, rows, rc, chunk = _chunk_index(t, HV, C)
   rb = tl.arange(0, BK)
@@ -391,13 +402,32 @@ def _fwd_kernel(q_ptr, k_ptr, kt_ptr, vt_ptr, g_ptr, seg_ptr, cont_ptr, keep_ptr
   # SASS (sm_90a, K = V = 128) M's bf16 operand registers are packed once, before the loops.
   rs = tl.arange(0, SBK)
   n_solve: tl.constexpr = 1 if (SKIP & 1) == 0 else 0   # blocks.PHASE_SOLVE
-  # SOLVE_PAIRED (solve="paired"): one loop whose step makes NY's and U's blocks of the same
-  # columns (`_solve_pair`), so each step's loads (K̃, G and Ṽ) are in flight together, in
-  # half the steps; the columns one of K, V has beyond the other follow in a loop of their own.
-  n_paired: tl.constexpr = (min(K, V) // SBK) if SOLVE_PAIRED else 0
-  for s in range(n_solve * n_paired):
-    _solve_pair(m, kt_ptr, g_ptr, vt_ptr, cont, rows, hv, s * SBK + rs, chunk, ny_ptr, u_ptr,
-                HV, K, V, C, PACKED, erase_ptr, ERASE, write_ptr, WRITE)
+  # SOLVE_LOOP (`blocks.CHANNEL_SOLVES`): 0 ("fused"), NY's loop, then U's; 1 ("paired"), one
+  # loop whose step loads the tiles of K̃, G and Ṽ of the same columns, then makes NY's and U's
+  # blocks (`_solve_pair`): a program waits for loads half as often; 2 ("prefetched"), the
+  # same with the next step's tiles loaded before this step's products, so only the first
+  # step's loads are waited for. The columns one of K, V has beyond the other follow alone.
+  n_paired: tl.constexpr = (min(K, V) // SBK) if SOLVE_LOOP > 0 else 0
+  if SOLVE_LOOP == 2:
+    g_n = _raw_tile(g_ptr, rows, hv, rs, HV, K)
+    kt_n = _raw_tile(kt_ptr, rows, hv, rs, HV, K)
+    vt_n = _raw_tile(vt_ptr, rows, hv, rs, HV, V)
+    for s in range(n_solve * n_paired):
+      g, kt, vt = g_n, kt_n, vt_n
+      live = s + 1 < n_paired
+      nxt = (s + 1) * SBK + rs
+      g_n = _raw_tile(g_ptr, rows, hv, nxt, HV, K, live)
+      kt_n = _raw_tile(kt_ptr, rows, hv, nxt, HV, K, live)
+      vt_n = _raw_tile(vt_ptr, rows, hv, nxt, HV, V, live)
+      _solve_pair(m, g, kt, vt, erase_ptr, write_ptr, cont, rows, hv, s * SBK + rs, chunk,
+                  ny_ptr, u_ptr, HV, K, V, C, PACKED, ERASE, WRITE)
+  else:
+    for s in range(n_solve * n_paired):
+      cols = s * SBK + rs
+      _solve_pair(m, _raw_tile(g_ptr, rows, hv, cols, HV, K),
+                  _raw_tile(kt_ptr, rows, hv, cols, HV, K),
+                  _raw_tile(vt_ptr, rows, hv, cols, HV, V), erase_ptr, write_ptr, cont, rows,
+                  hv, cols, chunk, ny_ptr, u_ptr, HV, K, V, C, PACKED, ERASE, WRITE)
   for s in range(n_solve * n_paired, n_solve * K // SBK):
     _ny_block(m, kt_ptr, g_ptr, cont, rows, hv, s * SBK + rs, chunk, ny_ptr, HV, K, C, PACKED,
               erase_ptr, ERASE)
@@ -792,7 +822,8 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
   comes scaled). slice_stages: software-pipelining depth of the channel-slice loop
   (`blocks.CHANNEL_SLICE_STAGES`). solve (`blocks.CHANNEL_SOLVES`): "fused", NY and U made at
   the end of the forward kernel's programs, NY's column blocks, then U's; "paired", the same,
-  each step making NY's and U's blocks of the same columns; "kernel", the forward kernel stops
+  each step making NY's and U's blocks of the same columns; "prefetched", "paired" with the
+  next step's tiles loaded before this step's products; "kernel", the forward kernel stops
   after M and a second kernel (`_solve_kernel`, one program per chunk and 64-column block)
   makes them from it. The same operands and products every way.
   """
@@ -834,7 +865,7 @@ def channel_intra_fwd(q, k, kt, vt, G, segments=None, *, chunk: int, with_invers
       num_warps=num_warps, num_stages=1, HV=hv, K=dk, V=dv, C=c, SUBC=SUB, BK=blocks.CHANNEL_BK,
       PACKED=packed, WITH_INVERSE=keep_m, PREC=precision, BAND_STAGES=band_stages, SBK=sbk,
       SKIP=skip, SPAN=_span(span), ERASE=erase_kind, WRITE=write_kind, QS=float(q_scale),
-      SLICE_STAGES=int(slice_stages), SOLVE_PAIRED=solve == "paired")
+      SLICE_STAGES=int(slice_stages), SOLVE_LOOP=blocks.CHANNEL_SOLVE_LOOPS.get(solve, 0))
   if by_kernel:
     _, _, kt_in, vt_in, g_in, _, cont, _, erase_in, write_in = operands
     ny, u = _jax_triton().triton_call(
