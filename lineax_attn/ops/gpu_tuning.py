@@ -21,7 +21,8 @@ SOLVE_CHOICES = ("inverse", "trsm")
 STATE_PASS_CHOICES = ("mosaic", "triton")
 STATE_PRODUCTS_CHOICES = ("auto", "xla", "kernel", "channel", "pass")
 FORWARD_CHOICES = ("auto", "split", "fused", "walk")
-CHANNEL_SOLVE_CHOICES = ("fused", "paired", "prefetched", "kernel")   # = pallas_kernels.gpu.triton.blocks.CHANNEL_SOLVES
+# = pallas_kernels.gpu.triton.blocks.CHANNEL_SOLVES
+CHANNEL_SOLVE_CHOICES = ("fused", "paired", "prefetched", "kernel")
 
 
 @dataclasses.dataclass(frozen=True)

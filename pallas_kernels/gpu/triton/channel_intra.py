@@ -165,13 +165,25 @@ def _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV: tl.constexpr, K: tl
 
 
 @triton.jit
+def _store_ny(ny_ptr, y, chunk, cols, K: tl.constexpr, C: tl.constexpr):
+  """NY = −Y on the columns `cols` of this chunk (bf16, chunk-major)."""
+  tl.store(ny_ptr + chunk * C * K + tl.arange(0, C)[:, None] * K + cols[None, :],
+           (-y).to(tl.bfloat16))
+
+
+@triton.jit
+def _store_u(u_ptr, u, chunk, cols, V: tl.constexpr, C: tl.constexpr):
+  """U on the columns `cols` of this chunk (float32, chunk-major)."""
+  tl.store(u_ptr + chunk * C * V + tl.arange(0, C)[:, None] * V + cols[None, :], u)
+
+
+@triton.jit
 def _ny_block(m, kt_ptr, g_ptr, cont, rows, hv, cols, chunk, ny_ptr, HV: tl.constexpr,
               K: tl.constexpr, C: tl.constexpr, PACKED: tl.constexpr, erase_ptr,
               ERASE: tl.constexpr):
   """Stores NY = −M (K̃ ⊙ e^G) on the columns `cols` of this chunk (bf16, chunk-major)."""
   y = _solve_slice(m, kt_ptr, g_ptr, cont, rows, hv, cols, HV, K, PACKED, erase_ptr, ERASE)
-  tl.store(ny_ptr + chunk * C * K + tl.arange(0, C)[:, None] * K + cols[None, :],
-           (-y).to(tl.bfloat16))
+  _store_ny(ny_ptr, y, chunk, cols, K, C)
 
 
 @triton.jit
@@ -198,11 +210,8 @@ def _solve_pair(m, g, kt, vt, erase_ptr, write_ptr, cont, rows, hv, cols, chunk,
   vt = vt.to(tl.float32)
   if WRITE != GATE_NONE:
     vt = vt * _gate(write_ptr, rows, hv, cols, HV, V, WRITE)
-  y = tl.dot(m, (kt * entry).to(tl.bfloat16))
-  tl.store(ny_ptr + chunk * C * K + tl.arange(0, C)[:, None] * K + cols[None, :],
-           (-y).to(tl.bfloat16))
-  u = tl.dot(m, vt.to(tl.bfloat16))
-  tl.store(u_ptr + chunk * C * V + tl.arange(0, C)[:, None] * V + cols[None, :], u)
+  _store_ny(ny_ptr, tl.dot(m, (kt * entry).to(tl.bfloat16)), chunk, cols, K, C)
+  _store_u(u_ptr, tl.dot(m, vt.to(tl.bfloat16)), chunk, cols, V, C)
 
 
 @triton.jit
@@ -210,7 +219,7 @@ def _u_block(m, vt_ptr, rows, hv, cols, chunk, u_ptr, HV: tl.constexpr, V: tl.co
              C: tl.constexpr, write_ptr, WRITE: tl.constexpr):
   """Stores U = M Ṽ on the columns `cols` of this chunk (float32, chunk-major)."""
   u = tl.dot(m, _gated_rows(vt_ptr, write_ptr, rows, hv, cols, HV, V, WRITE).to(tl.bfloat16))
-  tl.store(u_ptr + chunk * C * V + tl.arange(0, C)[:, None] * V + cols[None, :], u)
+  _store_u(u_ptr, u, chunk, cols, V, C)
 
 
 @triton.jit
