@@ -61,8 +61,9 @@ _VARIANTS = flags.DEFINE_list("variants", "triton,triton:tiles,fla",
                               "impl or impl:inverse (see the module docstring).", **_F)
 _BASELINE = flags.DEFINE_string("baseline", "fla", "The variant every ratio is against.", **_F)
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D.", **_F)
-_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "Of fwd, fwdbwd, fwdbwd_dep (the cotangent "
-                           "depending on the output, as in training: `peer_ops.MODES`).", **_F)
+_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "Of fwd, fwdbwd (loss and gradients), "
+                           "fwdbwd_dep (the cotangent depending on the output, as in training), "
+                           "fwdbwd_grads (the gradients alone): `peer_ops.MODES`.", **_F)
 _ROUNDS = flags.DEFINE_integer("rounds", 9, "Rounds; every variant is timed once per round.",
                                **_F)
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per variant and round.", **_F)

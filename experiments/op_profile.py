@@ -47,10 +47,11 @@ _IMPLS = flags.DEFINE_list("impls", "triton,pallas_gpu",
 _SHAPE = flags.DEFINE_string("shape", "4,4096,16,128", "B,T,H,D (K = V = D, HV = H).",
                              flag_values=FLAGS)
 _MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "Of fwd, fwdbwd, fwdbwd_dep (the cotangent "
-                           "made from the output, as `bench_ab` times it: `peer_ops.MODES`). "
-                           "Beside fwdbwd it shows what of the backward ran beside the forward "
-                           "(with XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true "
-                           "the trace keeps the timed run's CUDA graphs).", flag_values=FLAGS)
+                           "made from the output), fwdbwd_grads (the gradients alone: what XLA "
+                           "drops when the loss is not returned), as `bench_ab` times them: "
+                           "`peer_ops.MODES` (with XLA_FLAGS=--xla_enable_command_buffers_during_"
+                           "profiling=true the trace keeps the timed run's CUDA graphs).",
+                           flag_values=FLAGS)
 _ITERS = flags.DEFINE_integer("iters", 5, "Traced calls (after two untraced ones).",
                               flag_values=FLAGS)
 _TOP = flags.DEFINE_integer("top", 25, "Kernels listed per op (the rest summed in one row).",
@@ -183,8 +184,9 @@ def profile_call(fn, args, *, iters: int, plane_prefix: str = "/device:GPU"):
 
 
 def op_function(mixer: str, impl: str, mode: str, shape):
-  """(jitted fn, args) of one op call: the forward, or <o, do>'s gradients w.r.t. every input
-  (fwdbwd_dep: with do + `peer_ops.DEP_WEIGHT` · o as the cotangent)."""
+  """(jitted fn, args) of one op call: the forward, or <o, do> and its gradients w.r.t. every
+  input (fwdbwd_dep: with do + `peer_ops.DEP_WEIGHT` · o as the cotangent; fwdbwd_grads: the
+  gradients alone, `peer_ops.MODES`)."""
   from experiments import peer_ops  # pylint: disable=g-import-not-at-top
   from lineax_attn import bench, ops  # pylint: disable=g-import-not-at-top
   if mode not in peer_ops.MODES:
@@ -203,9 +205,8 @@ def op_function(mixer: str, impl: str, mode: str, shape):
   if mode == "fwd":
     return jax.jit(fwd), args
   do = jax.random.normal(jax.random.key(1), args[2].shape, jnp.float32)
-  if mode == "fwdbwd_dep":
-    return jax.jit(peer_ops.grad_fn(fwd, len(args), dependent=True)), [do] + args
-  return jax.jit(bench.forward_backward(fwd)), [do] + args
+  return jax.jit(peer_ops.grad_fn(fwd, len(args), dependent=mode == "fwdbwd_dep",
+                                  with_loss=mode != "fwdbwd_grads")), [do] + args
 
 
 def main(argv):

@@ -23,31 +23,39 @@ def make_inputs(mixer, b, t, h, d, seed=0):
   return q, k, v, dict(zip(specs.resolve(mixer).gate_names, gates))
 
 
-# Modes of the op benchmarks. "fwdbwd_dep": fwd+bwd with an output cotangent that depends on
-# the output, dO = do + DEP_WEIGHT · o (the loss <o, do> + DEP_WEIGHT |o|² / 2), as in training,
-# where dO comes back through the layers above. With a fixed do the backward's kernels do not
-# wait for the forward's outputs, so XLA may run them beside the forward's (one program, a
-# CUDA graph of independent nodes): a saving no training step gets.
-MODES = ("fwd", "fwdbwd", "fwdbwd_dep")
+# Modes of the op benchmarks. "fwdbwd": the loss <o, do> on a fixed cotangent and its gradients,
+# the loss returned so that o is made, as in training (where o feeds the layer above).
+# "fwdbwd_dep": the same with a cotangent that depends on the output, dO = do + DEP_WEIGHT · o
+# (the loss <o, do> + DEP_WEIGHT |o|² / 2), as dO comes back through the layers above in
+# training: the backward then waits for the forward's outputs. "fwdbwd_grads": the gradients
+# alone (the loss dropped; what "fwdbwd" timed before 2026-12-07): XLA then removes every kernel
+# that only makes o, so an op whose VJP saves no o times without its forward's output pass
+# (jla's GDN and DeltaNet: their forward kernel is dropped, ~0.18 ms of the 0.92 on an H100,
+# docs/BENCHMARKS.md "forty-second stage"). No training step gets that saving.
+MODES = ("fwd", "fwdbwd", "fwdbwd_dep", "fwdbwd_grads")
 DEP_WEIGHT = 1e-3
 
 
-def grad_fn(fwd, n_args, dependent: bool = False):
-  """jit-able fwd+bwd: gradients of <o, do> (dependent: + DEP_WEIGHT |o|² / 2) with respect to
-  every input."""
+def grad_fn(fwd, n_args, dependent: bool = False, with_loss: bool = True):
+  """jit-able fwd+bwd: (loss, gradients) of <o, do> (dependent: + DEP_WEIGHT |o|² / 2) with
+  respect to every input; with_loss=False: the gradients alone (`MODES`' "fwdbwd_grads")."""
   def loss(do, *a):
     o = fwd(*a).astype(jnp.float32)
     return jnp.sum(o * do) + (0.5 * DEP_WEIGHT * jnp.sum(o * o) if dependent else 0.0)
 
   def f(do, *args):
-    return jax.grad(lambda *a: loss(do, *a), argnums=tuple(range(n_args)))(*args)
+    argnums = tuple(range(n_args))
+    if not with_loss:
+      return jax.grad(lambda *a: loss(do, *a), argnums=argnums)(*args)
+    return jax.value_and_grad(lambda *a: loss(do, *a), argnums=argnums)(*args)
   return f
 
 
 def jax_call(fwd, np_in, mode):
   """(function, arguments) to time for `mode` (`MODES`): "fwd" is fwd(q, k, v, *gates) on bf16
-  q, k, v and float32 gates; "fwdbwd" is `grad_fn(fwd)` on a fixed bf16 cotangent and the same;
-  "fwdbwd_dep" the same with the cotangent depending on the output."""
+  q, k, v and float32 gates; "fwdbwd" is `grad_fn(fwd)` (loss and gradients) on a fixed bf16
+  cotangent and the same; "fwdbwd_dep" the same with the cotangent depending on the output;
+  "fwdbwd_grads" the fixed cotangent's gradients alone."""
   if mode not in MODES:
     raise ValueError(f"mode {mode!r} is not one of {MODES}")
   q, k, v, gates = np_in
@@ -57,7 +65,8 @@ def jax_call(fwd, np_in, mode):
     return fwd, args
   do = jnp.asarray(np.random.default_rng(1).standard_normal(v.shape, dtype=np.float32),
                    jnp.bfloat16)
-  return grad_fn(fwd, len(args), dependent=mode == "fwdbwd_dep"), [do] + args
+  return grad_fn(fwd, len(args), dependent=mode == "fwdbwd_dep",
+                 with_loss=mode != "fwdbwd_grads"), [do] + args
 
 
 def ours_op(mixer, impl, tuning=None, pieces=None):

@@ -429,9 +429,39 @@ def test_dependent_cotangent_adds_the_outputs_own_gradient():
   from experiments import peer_ops
   a = jnp.array([[2.0, 0.0], [1.0, 3.0]])
   x, do = jnp.array([1.0, -1.0]), jnp.array([0.5, 2.0])
-  (fixed,) = peer_ops.grad_fn(lambda x_: a @ x_, 1)(do, x)
-  (dep,) = peer_ops.grad_fn(lambda x_: a @ x_, 1, dependent=True)(do, x)
+  loss, (fixed,) = peer_ops.grad_fn(lambda x_: a @ x_, 1)(do, x)
+  dep_loss, (dep,) = peer_ops.grad_fn(lambda x_: a @ x_, 1, dependent=True)(do, x)
+  (alone,) = peer_ops.grad_fn(lambda x_: a @ x_, 1, with_loss=False)(do, x)
+  o = a @ x
+  np.testing.assert_allclose(loss, o @ do, rtol=1e-6)
+  np.testing.assert_allclose(dep_loss, o @ do + 0.5 * peer_ops.DEP_WEIGHT * (o @ o), rtol=1e-6)
   np.testing.assert_allclose(fixed, a.T @ do, rtol=1e-6)
-  np.testing.assert_allclose(dep, a.T @ (do + peer_ops.DEP_WEIGHT * (a @ x)), rtol=1e-6)
+  np.testing.assert_allclose(alone, a.T @ do, rtol=1e-6)
+  np.testing.assert_allclose(dep, a.T @ (do + peer_ops.DEP_WEIGHT * o), rtol=1e-6)
   with pytest.raises(ValueError, match="mode"):
     peer_ops.jax_call(lambda *a_: a_[0], (x, x, x, {}), "bwd")
+
+
+def test_fwdbwd_makes_the_output_where_fwdbwd_grads_may_drop_it():
+  # An op whose VJP saves no output (as jla's GDN forward): o = sin(x), its backward cos(x) g.
+  # With the gradients alone XLA removes sin (nothing reads o); "fwdbwd" returns the loss, so
+  # o is made, as a training step makes it. Read from the compiled programs' HLO.
+  from experiments import peer_ops
+
+  @jax.custom_vjp
+  def op(x, y, z):
+    return jnp.sin(x) * y * z
+
+  op.defvjp(lambda x, y, z: (op(x, y, z), (x, y, z)),
+            lambda res, g: (jnp.cos(res[0]) * res[1] * res[2] * g,
+                            jnp.zeros_like(res[1]), jnp.zeros_like(res[2])))
+  np_in = tuple(np.linspace(0.1, 1.0, 8, dtype=np.float32).reshape(1, 8, 1, 1) for _ in range(3))
+
+  def compiled_text(mode):
+    fn, args = peer_ops.jax_call(op, np_in + ({},), mode)
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+  assert " sine(" in compiled_text("fwdbwd")
+  assert " sine(" in compiled_text("fwdbwd_dep")
+  assert " sine(" not in compiled_text("fwdbwd_grads")
+  assert " cosine(" in compiled_text("fwdbwd_grads")
