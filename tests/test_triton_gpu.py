@@ -919,9 +919,10 @@ def test_op_with_channel_grads_states_at_the_edges_of_t(monkeypatch, mixer, t):
                                                           ("gdn2", "pallas_gpu", 128, "kernel"),
                                                           ("kda", "triton", 1, "kernel"),
                                                           ("gdn2", "pallas_gpu", 65, "paired"),
-                                                          ("kda", "triton", 128, "prefetched")])
+                                                          ("kda", "triton", 128, "prefetched"),
+                                                          ("gdn2", "triton", 64, "fused")])
 def test_op_with_the_solve_kernel_matches_scan(monkeypatch, mixer, implementation, t, solve):
-  # GpuTuning(channel_solve="kernel" or "paired") reaches the forward kernel's call on both GPU
+  # GpuTuning(channel_solve=...) (every choice) reaches the forward kernel's call on both GPU
   # paths, and the op's output, residual and every gradient still match the scan under jit.
   if implementation == "pallas_gpu" and not (pallas_gpu.is_hopper() or triton_gpu.interpreted()):
     pytest.skip("pallas_gpu needs a Hopper GPU")

@@ -162,15 +162,15 @@ class GpuTuning:
       0, compute them exactly in float32. On the H200 (2026-12-04) 80 took KDA fwd+bwd from
       5.65 to 4.62 ms and GDN-2 from 5.82 to 4.84 (docs/KERNELS_GPU.md, "Toward KDA / GDN-2").
     channel_solve: where the per-channel Triton forward (KDA, GDN-2) makes NY = −M (K̃ ⊙ e^G)
-      and U = M Ṽ (`pallas_kernels.gpu.triton.blocks.CHANNEL_SOLVE`): "fused" (the default),
-      in the forward kernel's two solve loops after the inverse; "kernel", in a second kernel
-      from the stored M, one program per chunk and 64-column block. The same products either
-      way. "kernel" is slower on an H100 (2026-12-06, B4 T4096 H16 D128 fwd+bwd: KDA 3.72 ->
-      3.78 ms, GDN-2 4.07 -> 4.20), though the loops take ~0.3-0.4 of the fused forward's ~1.0
-      ms there (`bench_triton_parts --phase_costs`); kept opt-in for other cards. "paired":
-      as "fused", with the two loops as one, each step making NY's and U's blocks of the same
-      columns (their loads in flight together, half the steps); "prefetched": "paired" with the
-      next step's tiles loaded before this step's products (both untimed, 2026-12-07).
+      and U = M Ṽ (`pallas_kernels.gpu.triton.blocks.CHANNEL_SOLVE`), the same products every
+      way: "fused", in the forward kernel's two solve loops after the inverse; "paired", those
+      loops as one, each step making NY's and U's blocks of the same columns (their loads in
+      flight together, half the steps); "prefetched" (the default), "paired" with the next
+      step's tiles loaded before this step's products; "kernel", in a second kernel from the
+      stored M, one program per chunk and 64-column block. On an H100 (2026-12-07, B4 T4096 H16
+      D128 fwd+bwd, 5 rounds) "prefetched" was faster than "fused" in every round (KDA 3.507 ->
+      3.484 ms, GDN-2 3.906 -> 3.901), "paired" in between; "kernel" slower (2026-12-06: KDA
+      3.72 -> 3.78, GDN-2 4.07 -> 4.20), kept opt-in for other cards.
     approx_math: whether the walk path's kernels compute e^x as ex2.approx (relative error
       ~2⁻²², far below their bf16 operands') instead of the exact float32 exp: the per-chunk
       backward (`pallas_kernels.gpu.chunk_grads`) and, since 2026-12-05, the walks (forward,
@@ -249,7 +249,7 @@ class GpuTuning:
   state_products: str = "auto"
   forward: str = "auto"
   channel_span: float = 80.0   # = blocks.CHANNEL_SPAN (literal: no kernel import at start-up)
-  channel_solve: str = "fused"
+  channel_solve: str = "prefetched"   # = blocks.CHANNEL_SOLVE
   approx_math: bool = True
   join_exit: bool = True
   grads_warpgroups: int = 2

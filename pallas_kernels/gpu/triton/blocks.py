@@ -137,12 +137,14 @@ CHANNEL_SLICE_STAGES = 1
 # 4.07 -> 4.20), as were the loops' operands loaded before the inverse (0.992) and the loops
 # software-pipelined (0.887; both tried in 53c2212 and removed). So "fused".
 # "paired": the fused loops as one, each step making NY's and U's blocks of the same columns;
-# "prefetched": that, with the next step's tiles loaded before this step's products (2026-12-07,
-# untimed: docs/KERNELS_GPU.md "The solve loops paired or prefetched"). CHANNEL_SOLVE_LOOPS:
+# "prefetched" (the default since 2026-12-07): that, with the next step's tiles loaded before
+# this step's products (docs/KERNELS_GPU.md "The solve loops paired or prefetched"): the same
+# values to the bit, faster in every round on an H100 (B4 T4096 H16 D128 fwd+bwd, 5 rounds:
+# KDA 3.507 -> 3.484 ms, GDN-2 3.906 -> 3.901; "paired" 3.500 and 3.901). CHANNEL_SOLVE_LOOPS:
 # the forward kernel's SOLVE_LOOP for each.
 CHANNEL_SOLVES = ("fused", "paired", "prefetched", "kernel")
 CHANNEL_SOLVE_LOOPS = {"fused": 0, "paired": 1, "prefetched": 2}
-CHANNEL_SOLVE = "fused"
+CHANNEL_SOLVE = "prefetched"
 # The bounded-span path of the channel kernels (docs/KERNELS_GPU.md "Toward KDA / GDN-2 at jla's
 # speed"): 0 keeps the exact float32 diagonal blocks everywhere. Above 0, a channel slice of a
 # chunk whose every 16-row sub-chunk decays by at most CHANNEL_SPAN nats (in every channel of
