@@ -55,7 +55,8 @@ _SHAPES = flags.DEFINE_string("shapes", "4,4096,16,128;2,16384,16,128",
 _MIXERS = flags.DEFINE_list("mixers", "gated_delta_rule,kda,delta_rule,gdn2,linear_attention",
                             "Mixers in priority order.")
 _IMPLS = flags.DEFINE_list("impls", "pallas_gpu,chunk,scan,jla,fla,cudnn,sdpa", "What to time.")
-_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "fwd and/or fwdbwd.")
+_MODES = flags.DEFINE_list("modes", "fwd,fwdbwd", "fwd and/or fwdbwd (the loss <o, do> and its "
+                           "gradients: `peer_ops.MODES`).")
 _FLA_MIXERS = flags.DEFINE_list("fla_mixers", "gated_delta_rule",
                                 "Mixers FLA runs for (each autotunes 90-200 s on first use).")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed calls after compilation.")
@@ -529,6 +530,9 @@ def main(argv):
   del argv
   if _SETTLE_S.value < 0:
     raise ValueError(f"--settle_s must be >= 0, got {_SETTLE_S.value}")
+  if not _MODES.value or set(_MODES.value) - {"fwd", "fwdbwd"}:
+    # (the other `peer_ops.MODES` are bench_ab's: FLA, cuDNN and SDPA here time these two)
+    raise ValueError(f"--modes must be fwd and/or fwdbwd, got {_MODES.value}")
   start = time.time()
   from lineax_attn.ops import pallas_gpu  # pylint: disable=g-import-not-at-top
   # Passed to every pallas_gpu call (a static value: each setting is its own jit trace).

@@ -267,6 +267,23 @@ def test_bench_kernels_exits_nonzero_on_a_row_over_its_error_tolerance(tmp_path)
   assert "over --err_tol=0.006" in proc.stdout
 
 
+def test_bench_kernels_refuses_a_mode_it_cannot_time(tmp_path):
+  # bench_kernels times fwd and fwdbwd only (FLA, cuDNN and SDPA have no other): bench_ab's
+  # fwdbwd_dep or fwdbwd_grads is refused with the flag's name, before anything runs.
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cmd = [sys.executable, "-m", "experiments.bench_kernels", "--shapes=", "--sweep_lengths=",
+         "--impls=chunk", "--modes=fwd,fwdbwd_grads", "--mixers=kda",
+         f"--out_md={tmp_path / 'b.md'}"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert "--modes must be fwd and/or fwdbwd" in proc.stderr
+  assert not (tmp_path / "b.md").exists()
+
+
 def test_traffic_floor_counts_each_tensor_once():
   # Hand count at B1 T2 H1 HV1 K=V=2, bf16 io and float32 gates; tb_s=1e-9 makes ms = bytes.
   # GDN: q, k 16 B, v 8, gates g and beta 2 x 8, o 8 -> fwd 48; the backward reads q, k, v,
