@@ -44,11 +44,10 @@ def grad_fn(fwd, n_args, dependent: bool = False, with_loss: bool = True):
     o = fwd(*a).astype(jnp.float32)
     return jnp.sum(o * do) + (0.5 * DEP_WEIGHT * jnp.sum(o * o) if dependent else 0.0)
 
+  differentiate = jax.value_and_grad if with_loss else jax.grad
+
   def f(do, *args):
-    argnums = tuple(range(n_args))
-    if not with_loss:
-      return jax.grad(lambda *a: loss(do, *a), argnums=argnums)(*args)
-    return jax.value_and_grad(lambda *a: loss(do, *a), argnums=argnums)(*args)
+    return differentiate(lambda *a: loss(do, *a), argnums=tuple(range(n_args)))(*args)
   return f
 
 
