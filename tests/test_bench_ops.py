@@ -8,6 +8,9 @@ and every attention row its dense reference.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 from absl import app
@@ -20,6 +23,19 @@ import pytest
 from experiments import bench_ops
 from lineax_attn import bench
 from lineax_attn import ops
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FAST_XLA = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
+
+
+def _run_python(args, xla_flags=None):
+  """Runs `python ARGS` from the repository root on the CPU, as a user starts a program."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if xla_flags:
+    env["XLA_FLAGS"] = xla_flags
+  return subprocess.run([sys.executable, *args], cwd=_ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
 
 ERR_TOL = 1e-4
 
@@ -130,17 +146,12 @@ def test_bench_kernels_sweep_writes_table_json_and_plot(tmp_path):
   # experiments/bench_kernels.py on CPU (no peers, no kernels): the T sweep at fixed tokens
   # adds one row per length, the table/JSON/plot are written, and the err column compares the
   # chunk form to itself only when pallas_gpu ran (not here).
-  import os
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   md, js, png = (str(tmp_path / n) for n in ("b.md", "b.json", "b.png"))
-  cmd = [sys.executable, "-m", "experiments.bench_kernels", "--shapes=", "--sweep_tokens=256",
-         "--sweep_lengths=64,256", "--sweep_hd=2,32", "--impls=chunk", "--modes=fwd",
-         "--mixers=gated_delta_rule", "--iters=2", "--warmup=0", f"--out_md={md}",
-         f"--out_json={js}", f"--out_png={png}"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
-  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  proc = _run_python(
+      ["-m", "experiments.bench_kernels", "--shapes=", "--sweep_tokens=256",
+       "--sweep_lengths=64,256", "--sweep_hd=2,32", "--impls=chunk", "--modes=fwd",
+       "--mixers=gated_delta_rule", "--iters=2", "--warmup=0", f"--out_md={md}",
+       f"--out_json={js}", f"--out_png={png}"], xla_flags=_FAST_XLA)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   rows = json.load(open(js))["results"]
   assert sorted(tuple(r["shape"]) for r in rows) == [(1, 256, 2, 32), (4, 64, 2, 32)]
@@ -182,21 +193,15 @@ def test_bench_kernels_past_its_time_budget_makes_no_inputs(tmp_path):
   # Past --time_budget_s every point is skipped, and a skipped shape's host inputs are never
   # made (on an H100 making KDA's at B1 T65536 H16 overran a device call): the program runs
   # with make_inputs replaced by one that fails.
-  import os
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   js = tmp_path / "b.json"
   code = ("import sys; from absl import app; from experiments import bench_kernels as bk, cli\n"
           "def made(*a): raise AssertionError(f'inputs made for {a}')\n"
           "bk.make_inputs = made\n"
           "app.run(bk.main, argv=sys.argv, flags_parser=cli.parse_flags)\n")
-  proc = subprocess.run(
-      [sys.executable, "-c", code, "--shapes=", "--sweep_tokens=256", "--sweep_lengths=64,256",
+  proc = _run_python(
+      ["-c", code, "--shapes=", "--sweep_tokens=256", "--sweep_lengths=64,256",
        "--sweep_hd=2,32", "--impls=chunk", "--modes=fwd", "--mixers=kda,gated_delta_rule",
-       "--time_budget_s=0", f"--out_json={js}"],
-      cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-      timeout=300)
+       "--time_budget_s=0", f"--out_json={js}"])
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   rows = json.load(open(js))["results"]
   assert len(rows) == 4 and all(r["note"] == "skipped (time budget)" for r in rows), rows
@@ -247,21 +252,16 @@ def test_wrong_row_is_marked_and_the_program_exits_nonzero(tmp_path, doubled_imp
 def test_bench_kernels_exits_nonzero_on_a_row_over_its_error_tolerance(tmp_path):
   # Re-tabling a run (--merge_json) whose pallas_gpu forward was off from the chunk form by 2 %:
   # above --err_tol (6e-3) the row is marked WRONG in the table and the program exits 1.
-  import os
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   old = {"meta": {"date": "2026-12-01", "device": "NVIDIA H200", "jax": "0.11.2"},
          "results": [{"shape": [1, 64, 2, 64], "mixer": "kda", "impl": "pallas_gpu",
                       "mode": "fwd", "ms": 1.0, "q20": 1.0, "q80": 1.0, "peak_gib": 0.1,
                       "err_vs_chunk": 0.02, "note": ""}]}
   js, md = tmp_path / "old.json", tmp_path / "b.md"
   js.write_text(json.dumps(old))
-  cmd = [sys.executable, "-m", "experiments.bench_kernels", "--shapes=", "--sweep_lengths=",
-         "--impls=chunk", "--modes=fwd", "--mixers=kda", f"--merge_json={js}", f"--out_md={md}"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
-  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  proc = _run_python(
+      ["-m", "experiments.bench_kernels", "--shapes=", "--sweep_lengths=", "--impls=chunk",
+       "--modes=fwd", "--mixers=kda", f"--merge_json={js}", f"--out_md={md}"],
+      xla_flags=_FAST_XLA)
   assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
   assert "2.0e-02 WRONG" in md.read_text()
   assert "over --err_tol=0.006" in proc.stdout
@@ -270,15 +270,9 @@ def test_bench_kernels_exits_nonzero_on_a_row_over_its_error_tolerance(tmp_path)
 def test_bench_kernels_refuses_a_mode_it_cannot_time(tmp_path):
   # bench_kernels times fwd and fwdbwd only (FLA, cuDNN and SDPA have no other): bench_ab's
   # fwdbwd_dep or fwdbwd_grads is refused with the flag's name, before anything runs.
-  import os
-  import subprocess
-  import sys
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cmd = [sys.executable, "-m", "experiments.bench_kernels", "--shapes=", "--sweep_lengths=",
-         "--impls=chunk", "--modes=fwd,fwdbwd_grads", "--mixers=kda",
-         f"--out_md={tmp_path / 'b.md'}"]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  proc = _run_python(
+      ["-m", "experiments.bench_kernels", "--shapes=", "--sweep_lengths=", "--impls=chunk",
+       "--modes=fwd,fwdbwd_grads", "--mixers=kda", f"--out_md={tmp_path / 'b.md'}"])
   assert proc.returncode != 0
   assert "--modes must be fwd and/or fwdbwd" in proc.stderr
   assert not (tmp_path / "b.md").exists()
