@@ -26,6 +26,8 @@
 # skips the points it would overrun, so on an H100 the KDA rows need a call of their own:
 # SWEEP_MIXERS=kda; an entry takes 20-35 s with its compile and settle, so even one mixer
 # wants SWEEP_BUDGET=270 SWEEP_TIMEOUT=310: at 200 s GDN lost its T 65536 point, 2026-12-07), MUST_MEM_FRACTION (the train phase's XLA memory fraction, default 0.95),
+# MUST_TESTS_LIMIT (the suite's limit, default 540 s: 272 s on one H100, > 380 s on another,
+# 2026-12-07; an outer `timeout` would kill the phase before it archives the log),
 # PEER_MIXERS (peers: default gated_delta_rule,delta_rule,kda,gdn2; FLA autotunes 90-200 s a
 # mixer on a cold cache, so a first call takes two mixers; Triton's cache comes back as
 # $OUT/triton_cache.tgz, and carried as .whl/triton_cache.tgz it cuts that to seconds; FLA's GDN-2
@@ -89,7 +91,8 @@ tests)
     tests/test_triton_ffi_call.py tests/test_triton_path.py tests/test_bench_ops.py
     tests/test_state_pass_out_dtype.py tests/test_state_pass_o_rows.py
     tests/test_state_pass_products.py"
-  timeout 540 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest $FILES ${XD:--n 10} -v \
+  # MUST_TESTS_LIMIT cuts the suite, not the call, so a short budget still brings back its log.
+  timeout ${MUST_TESTS_LIMIT:-540} env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest $FILES ${XD:--n 10} -v \
     -m "slow or not slow" -p no:cacheprovider -rs --durations=15 > $KEEP/test_gpu_${GPU_TAG}_compiled_suite.log 2>&1
   echo "pytest rc=$?"; grep -E "FAILED|ERROR" $KEEP/test_gpu_*.log | head -20
   tail -1 $KEEP/test_gpu_*.log
