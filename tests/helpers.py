@@ -143,13 +143,20 @@ def record_smem_estimates(monkeypatch) -> list:
   return estimates
 
 
-def run_cpu_program(module: str, *args, timeout: int = 600):
-  """`python -m module args...` from the repository root on the CPU (JAX_PLATFORMS=cpu), its
-  output captured: how the tests run an experiments/ program end to end."""
+def run_cpu_python(args, *, xla_flags: str | None = None, timeout: int = 600):
+  """`python args...` from the repository root on the CPU (JAX_PLATFORMS=cpu, XLA_FLAGS set
+  when given), its output captured: how the tests run a program end to end."""
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=root,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if xla_flags:
+    env["XLA_FLAGS"] = xla_flags
+  return subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True,
                         text=True, timeout=timeout)
+
+
+def run_cpu_program(module: str, *args, timeout: int = 600):
+  """`python -m module args...` on the CPU (run_cpu_python): an experiments/ program."""
+  return run_cpu_python(["-m", module, *args], timeout=timeout)

@@ -8,9 +8,6 @@ and every attention row its dense reference.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 from absl import app
@@ -21,23 +18,13 @@ import numpy as np
 import pytest
 
 from experiments import bench_ops
+from helpers import run_cpu_python
 from lineax_attn import bench
 from lineax_attn import ops
 
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_FAST_XLA = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
-
-
-def _run_python(args, xla_flags=None):
-  """Runs `python ARGS` from the repository root on the CPU, as a user starts a program."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  if xla_flags:
-    env["XLA_FLAGS"] = xla_flags
-  return subprocess.run([sys.executable, *args], cwd=_ROOT, env=env, capture_output=True,
-                        text=True, timeout=300)
-
 ERR_TOL = 1e-4
+# One CPU device, no backend optimisation: the subprocess tests compile in seconds.
+_FAST_XLA = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
 
 
 def _table_lines(table):
@@ -147,7 +134,7 @@ def test_bench_kernels_sweep_writes_table_json_and_plot(tmp_path):
   # adds one row per length, the table/JSON/plot are written, and the err column compares the
   # chunk form to itself only when pallas_gpu ran (not here).
   md, js, png = (str(tmp_path / n) for n in ("b.md", "b.json", "b.png"))
-  proc = _run_python(
+  proc = run_cpu_python(
       ["-m", "experiments.bench_kernels", "--shapes=", "--sweep_tokens=256",
        "--sweep_lengths=64,256", "--sweep_hd=2,32", "--impls=chunk", "--modes=fwd",
        "--mixers=gated_delta_rule", "--iters=2", "--warmup=0", f"--out_md={md}",
@@ -198,7 +185,7 @@ def test_bench_kernels_past_its_time_budget_makes_no_inputs(tmp_path):
           "def made(*a): raise AssertionError(f'inputs made for {a}')\n"
           "bk.make_inputs = made\n"
           "app.run(bk.main, argv=sys.argv, flags_parser=cli.parse_flags)\n")
-  proc = _run_python(
+  proc = run_cpu_python(
       ["-c", code, "--shapes=", "--sweep_tokens=256", "--sweep_lengths=64,256",
        "--sweep_hd=2,32", "--impls=chunk", "--modes=fwd", "--mixers=kda,gated_delta_rule",
        "--time_budget_s=0", f"--out_json={js}"])
@@ -258,7 +245,7 @@ def test_bench_kernels_exits_nonzero_on_a_row_over_its_error_tolerance(tmp_path)
                       "err_vs_chunk": 0.02, "note": ""}]}
   js, md = tmp_path / "old.json", tmp_path / "b.md"
   js.write_text(json.dumps(old))
-  proc = _run_python(
+  proc = run_cpu_python(
       ["-m", "experiments.bench_kernels", "--shapes=", "--sweep_lengths=", "--impls=chunk",
        "--modes=fwd", "--mixers=kda", f"--merge_json={js}", f"--out_md={md}"],
       xla_flags=_FAST_XLA)
@@ -270,7 +257,7 @@ def test_bench_kernels_exits_nonzero_on_a_row_over_its_error_tolerance(tmp_path)
 def test_bench_kernels_refuses_a_mode_it_cannot_time(tmp_path):
   # bench_kernels times fwd and fwdbwd only (FLA, cuDNN and SDPA have no other): bench_ab's
   # fwdbwd_dep or fwdbwd_grads is refused with the flag's name, before anything runs.
-  proc = _run_python(
+  proc = run_cpu_python(
       ["-m", "experiments.bench_kernels", "--shapes=", "--sweep_lengths=", "--impls=chunk",
        "--modes=fwd,fwdbwd_grads", "--mixers=kda", f"--out_md={tmp_path / 'b.md'}"])
   assert proc.returncode != 0
