@@ -143,6 +143,10 @@ def record_smem_estimates(monkeypatch) -> list:
   return estimates
 
 
+# One CPU device, no backend optimisation: a program started by a test compiles in seconds.
+FAST_CPU_XLA = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
+
+
 def run_cpu_python(args, *, xla_flags: str | None = None, timeout: int = 600):
   """`python args...` from the repository root on the CPU (JAX_PLATFORMS=cpu, XLA_FLAGS set
   when given), its output captured: how the tests run a program end to end."""

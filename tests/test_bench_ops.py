@@ -18,13 +18,11 @@ import numpy as np
 import pytest
 
 from experiments import bench_ops
-from helpers import run_cpu_python
+from helpers import FAST_CPU_XLA, run_cpu_python
 from lineax_attn import bench
 from lineax_attn import ops
 
 ERR_TOL = 1e-4
-# One CPU device, no backend optimisation: the subprocess tests compile in seconds.
-_FAST_XLA = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
 
 
 def _table_lines(table):
@@ -138,7 +136,7 @@ def test_bench_kernels_sweep_writes_table_json_and_plot(tmp_path):
       ["-m", "experiments.bench_kernels", "--shapes=", "--sweep_tokens=256",
        "--sweep_lengths=64,256", "--sweep_hd=2,32", "--impls=chunk", "--modes=fwd",
        "--mixers=gated_delta_rule", "--iters=2", "--warmup=0", f"--out_md={md}",
-       f"--out_json={js}", f"--out_png={png}"], xla_flags=_FAST_XLA)
+       f"--out_json={js}", f"--out_png={png}"], xla_flags=FAST_CPU_XLA)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   rows = json.load(open(js))["results"]
   assert sorted(tuple(r["shape"]) for r in rows) == [(1, 256, 2, 32), (4, 64, 2, 32)]
@@ -248,7 +246,7 @@ def test_bench_kernels_exits_nonzero_on_a_row_over_its_error_tolerance(tmp_path)
   proc = run_cpu_python(
       ["-m", "experiments.bench_kernels", "--shapes=", "--sweep_lengths=", "--impls=chunk",
        "--modes=fwd", "--mixers=kda", f"--merge_json={js}", f"--out_md={md}"],
-      xla_flags=_FAST_XLA)
+      xla_flags=FAST_CPU_XLA)
   assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
   assert "2.0e-02 WRONG" in md.read_text()
   assert "over --err_tol=0.006" in proc.stdout

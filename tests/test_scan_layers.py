@@ -323,13 +323,13 @@ def test_bench_startup_compile_only(tmp_path):
   """experiments/bench_startup.py --compile_only: the step lowered and compiled on abstract
   inputs (nothing initialised or run), with the CPU seconds and HLO lines in the row."""
   import json  # pylint: disable=g-import-not-at-top
-  from helpers import run_cpu_python  # pylint: disable=g-import-not-at-top
+  from helpers import FAST_CPU_XLA, run_cpu_python  # pylint: disable=g-import-not-at-top
   out = tmp_path / "startup.json"
   proc = run_cpu_python(
       ["-m", "experiments.bench_startup", "--config=configs/mixers.py:tiny", "--arms=softmax",
        "--compile_only", "--noisolate", "--config.model.scan_layers=true",
        "--config.model.n_layers=3", "--config.train.seq_len=32", f"--json_out={out}"],
-      xla_flags="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
+      xla_flags=FAST_CPU_XLA)
   assert proc.returncode == 0, proc.stderr[-3000:]
   (row,) = json.loads(out.read_text())
   assert row["scan_layers"] is True and row["init_compiles"] == 0 and "loss" not in row
