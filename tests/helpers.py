@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,22 +147,31 @@ def record_smem_estimates(monkeypatch) -> list:
   return estimates
 
 
-# One CPU device, no backend optimisation: a program started by a test compiles in seconds.
-FAST_CPU_XLA = "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"
+def fast_cpu_xla(devices: int = 1) -> str:
+  """XLA flags for a program a test starts: `devices` CPU devices and no backend optimisation,
+  so it compiles in seconds."""
+  return (f"--xla_force_host_platform_device_count={devices} "
+          "--xla_backend_optimization_level=0")
 
 
-def run_cpu_python(args, *, xla_flags: str | None = None, timeout: int = 600):
-  """`python args...` from the repository root on the CPU (JAX_PLATFORMS=cpu, XLA_FLAGS set
-  when given), its output captured: how the tests run a program end to end."""
-  import os  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+FAST_CPU_XLA = fast_cpu_xla()
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_env(xla_flags: str | None = None, **extra: str) -> dict[str, str]:
+  """This process's environment for a child on the CPU: JAX_PLATFORMS=cpu, XLA_FLAGS when given,
+  and `extra` variables."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **extra)
   if xla_flags:
     env["XLA_FLAGS"] = xla_flags
-  return subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True,
-                        text=True, timeout=timeout)
+  return env
+
+
+def run_cpu_python(args, *, xla_flags: str | None = None, timeout: int = 600, **extra_env: str):
+  """`python args...` from the repository root on the CPU (cpu_env), its output captured: how
+  the tests run a program end to end."""
+  return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=cpu_env(xla_flags, **extra_env),
+                        capture_output=True, text=True, timeout=timeout)
 
 
 def run_cpu_program(module: str, *args, timeout: int = 600):

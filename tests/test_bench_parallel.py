@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 from experiments import bench_parallel
+from helpers import fast_cpu_xla, run_cpu_python
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL = 1e-4   # float32 on CPU: data / context parallel reorder sums only (~1e-7 seen)
 STUDY_MESHES = "data=1;data=2;data=8;data=2,fsdp=4;data=4,tensor=2;data=2,sequence=4"
 
@@ -34,17 +31,15 @@ def test_meshes_rows_losses_and_table(tmp_path):
   from configs import mixers  # pylint: disable=g-import-not-at-top
   assert mixers.get_config("tiny").model.dtype == "float32"  # the tolerance assumes float32
   out_md = tmp_path / "meshes.md"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-      "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"))
-  cmd = [sys.executable, "-m", "experiments.bench_parallel",
+  flags = fast_cpu_xla(8)
+  cmd = ["-m", "experiments.bench_parallel",
          "--config=configs/mixers.py:tiny", "--config.arm=gdn",
          "--config.train.global_batch_size=4", "--config.train.seq_len=32",
          "--config.model.chunk_size=16", "--config.model.n_layers=1",
          "--steps=2", "--loss_steps=2", f"--loss_rtol={LOSS_RTOL}", "--noisolate",
          "--meshes=data=1;data=2,sequence=2;data=16", "--reference=paper",
          f"--out_md={out_md}"]
-  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-                        check=False)
+  proc = run_cpu_python(cmd, xla_flags=flags, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = json.loads((tmp_path / "meshes.json").read_text())
   assert [r["spec"] for r in rows] == ["data=1", "data=2,sequence=2", "data=16"]
@@ -74,20 +69,18 @@ def test_meshes_rows_losses_and_table(tmp_path):
   # --merge_json: the earlier rows come first and are not run again (nothing here compiles).
   merged_md = tmp_path / "merged.md"
   args = [a for a in cmd if not a.startswith(("--meshes", "--out_md"))]
-  proc = subprocess.run([*args, "--meshes=data=2,sequence=2;data=16",
-                         f"--merge_json={tmp_path / 'meshes.json'}",
-                         f"--out_md={merged_md}"], cwd=REPO, env=env, capture_output=True,
-                        text=True, timeout=300, check=False)
+  proc = run_cpu_python([*args, "--meshes=data=2,sequence=2;data=16",
+                         f"--merge_json={tmp_path / 'meshes.json'}", f"--out_md={merged_md}"],
+                        xla_flags=flags, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   merged = json.loads((tmp_path / "merged.json").read_text())
   assert [r["spec"] for r in merged] == [r["spec"] for r in rows]
   assert [r.get("losses") for r in merged] == [r.get("losses") for r in rows]
   assert "from " in proc.stderr and "step 1/2" not in proc.stderr
   # ... and refuse rows of another run (here another sequence length).
-  proc = subprocess.run([*[a.replace("seq_len=32", "seq_len=64") for a in args],
+  proc = run_cpu_python([*[a.replace("seq_len=32", "seq_len=64") for a in args],
                          "--meshes=data=2,sequence=2", f"--merge_json={tmp_path / 'meshes.json'}",
-                         f"--out_md={tmp_path / 'other.md'}"], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=300, check=False)
+                         f"--out_md={tmp_path / 'other.md'}"], xla_flags=flags, timeout=300)
   assert proc.returncode != 0 and "--merge_json: row 'data=1' ran" in proc.stderr, proc.stderr
 
 

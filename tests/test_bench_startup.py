@@ -14,26 +14,22 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
+
+from helpers import FAST_CPU_XLA, run_cpu_python
 
 
 # The stages bench_startup's docstring names, in order (not imported: the program defines absl
 # flags at import, which would clash with other programs' flags in the same test process).
 STAGES = ("imports", "config", "trainer", "init", "batch", "step_compiled", "step_done")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_two_arms_in_fresh_processes(tmp_path):
   out = tmp_path / "startup.json"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-      "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"))
-  cmd = [sys.executable, "-m", "experiments.bench_startup", "--config=configs/mixers.py:tiny",
-         "--arms", "softmax,gdn2", "--config.train.global_batch_size=2",
-         "--config.train.seq_len=32", "--config.model.chunk_size=16",
-         "--config.model.n_layers=1", f"--json_out={out}"]
-  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-                        check=False)
+  proc = run_cpu_python(["-m", "experiments.bench_startup", "--config=configs/mixers.py:tiny",
+                         "--arms", "softmax,gdn2", "--config.train.global_batch_size=2",
+                         "--config.train.seq_len=32", "--config.model.chunk_size=16",
+                         "--config.model.n_layers=1", f"--json_out={out}"],
+                        xla_flags=FAST_CPU_XLA)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = json.loads(out.read_text())
   assert [r["arm"] for r in rows] == ["softmax", "gdn2"]

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import FAST_CPU_XLA, run_cpu_python
+
 ARMS = ("softmax", "gdn")
 STEPS = 2
 # One layer per arm: the subject is the program's bookkeeping (table, JSON, plot, skip-finished,
@@ -24,11 +23,9 @@ OVERRIDES = ["--config.model.n_layers=1", f"--config.train.steps={STEPS}",
 
 
 def _compare(workdir, *extra):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
-  cmd = [sys.executable, "-m", "experiments.compare", "--config=configs/mixers.py:tiny",
-         f"--workdir={workdir}", f"--arms={','.join(ARMS)}", "--progress=false", *OVERRIDES,
-         *extra]
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  proc = run_cpu_python(["-m", "experiments.compare", "--config=configs/mixers.py:tiny",
+                         f"--workdir={workdir}", f"--arms={','.join(ARMS)}", "--progress=false",
+                         *OVERRIDES, *extra], xla_flags=FAST_CPU_XLA)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout
 

@@ -22,6 +22,7 @@ from ml_collections import config_flags
 
 from configs import base
 from configs import hybrids, mixers, optimizers, routing
+from helpers import fast_cpu_xla, run_cpu_python
 from lineax_attn import ops
 from lineax_attn.models import abstract_model, count_params, get_config
 from lineax_attn.models.config import MIXERS
@@ -251,12 +252,8 @@ def test_bad_configs_fail_naming_the_field(mutate, match):
 
 
 def _train_cli(args, workdir, devices=1):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-             "--xla_backend_optimization_level=0")
-  return subprocess.run(
-      [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *args],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  return run_cpu_python(["-m", "experiments.train", f"--workdir={workdir}", *args],
+                        xla_flags=fast_cpu_xla(devices), timeout=120)
 
 
 @pytest.mark.parametrize("override, devices, match", [

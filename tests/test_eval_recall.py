@@ -293,34 +293,27 @@ def test_niah_of_trained_models_merged_into_one_table(tmp_path):
   # The pipeline of `run_gpu_train.sh niah` at toy size: two arms trained by experiments.compare
   # (real checkpoints), each restored and scored by `eval_recall --checkpoint`, then the two
   # niah.json files merged into one table with the lengths as multiples of the training context.
-  import subprocess
-  import sys
-
   from experiments import eval_recall
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  from helpers import FAST_CPU_XLA, run_cpu_python
   runs = tmp_path / "runs"
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1 "
-                       "--xla_backend_optimization_level=0")
-  proc = subprocess.run(
-      [sys.executable, "-m", "experiments.compare", "--config=configs/mixers.py:tiny",
+  proc = run_cpu_python(
+      ["-m", "experiments.compare", "--config=configs/mixers.py:tiny",
        f"--workdir={runs}", "--arms=softmax,gdn", "--progress=false",
        "--config.model.n_layers=1", "--config.train.steps=2", "--config.train.seq_len=128",
        "--config.train.global_batch_size=2", "--config.optim.warmup_steps=1",
        "--config.train.log_every=1", "--config.train.eval_every=2",
-       "--config.train.eval_batches=1"],
-      cwd=root, env=env, capture_output=True, text=True, timeout=600)
+       "--config.train.eval_batches=1"], xla_flags=FAST_CPU_XLA)
   assert proc.returncode == 0, proc.stderr[-3000:]
   for arm in ("softmax", "gdn"):
     # One process per model, as the GPU runner does (the --config.* override flags are
     # defined once per process).
-    argv = [sys.executable, "-m", "experiments.eval_recall", "--config=configs/mqar.py:cpu",
+    argv = ["-m", "experiments.eval_recall", "--config=configs/mqar.py:cpu",
             f"--checkpoint={runs / arm}",
             f"--workdir={runs / arm / 'niah'}", "--config.niah.lengths=(256,512)",
             "--config.niah.tasks=('s_niah_1','s_niah_2')", "--config.niah.num_depths=2",
             "--config.niah.samples_per_depth=1", "--config.niah.max_new_tokens=8",
             "--config.niah.batch_size=2", "--config.niah.template=short"]
-    proc = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_cpu_python(argv, xla_flags=FAST_CPU_XLA)
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((runs / arm / "niah" / "niah.json").read_text())["metadata"]
     assert meta["model"] == arm and meta["train_seq_len"] == 128

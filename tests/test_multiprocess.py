@@ -31,7 +31,7 @@ from lineax_attn.data import pipeline as pipeline_lib
 from lineax_attn.train import checkpoint as checkpoint_lib
 from lineax_attn.train import experiment, loop
 from lineax_attn.train import sharding as sharding_lib
-from tests.helpers import rel_err
+from tests.helpers import cpu_env, fast_cpu_xla, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
@@ -90,8 +90,7 @@ def _oracle():
 
 def test_two_processes_match_one(tmp_path):
   port = _free_port()
-  flags = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=flags)
+  env = cpu_env(fast_cpu_xla(4), PYTHONPATH=ROOT)
   workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(port), str(i), str(tmp_path)],
                               cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT) for i in range(2)]

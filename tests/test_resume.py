@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from configs import base
-from helpers import tensorboard_scalars
+from helpers import FAST_CPU_XLA, cpu_env, tensorboard_scalars
 from lineax_attn.train import checkpoint as checkpoint_lib
 from lineax_attn.train import experiment, loop
 from lineax_attn.train import sharding as sharding_lib
@@ -45,8 +45,7 @@ OVERRIDES = {
     "train.checkpoint_every": 3, "train.eval_batches": 0, "train.async_checkpoint": True,
     "optim.warmup_steps": 2, "optim.decay_fraction": 0.5, "mesh.data": 1,
 }
-ENV = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest",
-           XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
+ENV = cpu_env(FAST_CPU_XLA, JAX_DEFAULT_MATMUL_PRECISION="highest")
 
 
 def _command(workdir, *extra, overrides=None):
