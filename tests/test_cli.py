@@ -12,8 +12,9 @@ import re
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+from helpers import REPO_ROOT as ROOT, cpu_env
+
+ENV = cpu_env()
 
 
 def _programs() -> dict[str, str]:

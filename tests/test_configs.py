@@ -22,13 +22,12 @@ from ml_collections import config_flags
 
 from configs import base
 from configs import hybrids, mixers, optimizers, routing
-from helpers import fast_cpu_xla, run_cpu_python
+from helpers import fast_cpu_xla, REPO_ROOT as ROOT, run_cpu_python
 from lineax_attn import ops
 from lineax_attn.models import abstract_model, count_params, get_config
 from lineax_attn.models.config import MIXERS
 from lineax_attn.train import experiment, optim
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = {"mixers": mixers, "hybrids": hybrids, "routing": routing, "optimizers": optimizers}
 SIZES = ("tiny", "small", "paper")
 

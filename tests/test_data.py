@@ -20,9 +20,9 @@ import pytest
 
 from lineax_attn.data import corpus
 from lineax_attn.data import pipeline as P
+from helpers import REPO_ROOT as ROOT
 from lineax_attn.data import tokenizers as tk
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BYTES = tk.ByteTokenizer()
 
 

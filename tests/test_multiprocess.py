@@ -31,9 +31,8 @@ from lineax_attn.data import pipeline as pipeline_lib
 from lineax_attn.train import checkpoint as checkpoint_lib
 from lineax_attn.train import experiment, loop
 from lineax_attn.train import sharding as sharding_lib
-from tests.helpers import cpu_env, fast_cpu_xla, rel_err
+from tests.helpers import cpu_env, fast_cpu_xla, rel_err, REPO_ROOT as ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
 
 WORKER = """

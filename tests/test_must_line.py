@@ -16,9 +16,8 @@ import re
 import pytest
 
 from experiments import must_line
-from helpers import run_cpu_program
+from helpers import REPO_ROOT as ROOT, run_cpu_program
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "docs", "data")
 STAGE = "h200_2026-12-04h"
 ARMS = ("softmax", "gdn", "kda", "gdn2")

@@ -33,12 +33,11 @@ import jax
 import numpy as np
 
 from configs import base
-from helpers import FAST_CPU_XLA, cpu_env, tensorboard_scalars
+from helpers import cpu_env, FAST_CPU_XLA, REPO_ROOT as ROOT, tensorboard_scalars
 from lineax_attn.train import checkpoint as checkpoint_lib
 from lineax_attn.train import experiment, loop
 from lineax_attn.train import sharding as sharding_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OVERRIDES = {
     "model.pattern": "L", "model.n_layers": 1, "model.d_model": 32, "model.mlp_hidden": 64, "model.chunk_size": 16,
     "train.steps": 6, "train.seq_len": 64, "train.global_batch_size": 4, "train.log_every": 1,

@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import subprocess
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO_ROOT as ROOT
+
 SCRIPT = os.path.join(ROOT, "experiments", "sources_sha.sh")
 
 

@@ -13,7 +13,8 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import REPO_ROOT as REPO
+
 
 # A loop as triton 3.6 writes it for sm_90a, cut down: line info, a debug temp label, comments
 # and a debug section around the instructions.
