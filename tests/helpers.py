@@ -167,10 +167,10 @@ def cpu_env(xla_flags: str | None = None, **extra: str) -> dict[str, str]:
   return env
 
 
-def run_cpu_python(args, *, xla_flags: str | None = None, timeout: int = 600, **extra_env: str):
+def run_cpu_python(args, *, xla_flags: str | None = None, timeout: int = 600):
   """`python args...` from the repository root on the CPU (cpu_env), its output captured: how
   the tests run a program end to end."""
-  return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=cpu_env(xla_flags, **extra_env),
+  return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=cpu_env(xla_flags),
                         capture_output=True, text=True, timeout=timeout)
 
 

@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 
-from helpers import REPO_ROOT as ROOT, cpu_env
+from helpers import REPO_ROOT as ROOT, cpu_env, run_cpu_python
 
 ENV = cpu_env()
 
@@ -67,7 +67,6 @@ def test_programs_import_no_kernels_or_grain():
   script = ("import sys\n"
             "import experiments.train, experiments.bench_ops, lineax_attn.train.checkpoint\n"
             f"print(sorted(m for m in sys.modules if m.startswith({heavy!r})))\n")
-  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=ENV, capture_output=True,
-                        text=True, timeout=300)
+  proc = run_cpu_python(["-c", script], timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert proc.stdout.strip() == "[]", proc.stdout

@@ -18,9 +18,9 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import REPO_ROOT as ROOT
 from lineax_attn.data import corpus
 from lineax_attn.data import pipeline as P
-from helpers import REPO_ROOT as ROOT
 from lineax_attn.data import tokenizers as tk
 
 BYTES = tk.ByteTokenizer()
