@@ -317,8 +317,9 @@ def intra_kernel(q, k, v, beta, G, segidx, scale, c, interpret, kernels="mosaic"
   inputs' layout, where there is no GVA (H = HV); else those are XLA's, below.
   gated=False (DeltaNet): G must be None (the kernels get zeros); nothing is differentiated
   with respect to a gate, so no part of dG is made (the Triton backward kernel skips it, the
-  Mosaic one's row sums are dropped). That Triton path is untimed: the next GPU session should
-  time DeltaNet with intra_grads="kernel" against "xla" (`experiments.bench_triton_parts`)."""
+  Mosaic one's row sums are dropped). Timed for DeltaNet on an H100 (2026-12-07): the fused
+  kernel's op 2.076 ms against 2.093 with intra_grads="xla" (docs/BENCHMARKS.md "forty-seventh
+  stage"), so "auto" fuses for it as for GDN."""
   kernel_module(kernels, "intra")  # validates `kernels`
   if gated == (G is None):
     raise ValueError(f"intra_kernel: G must be None exactly when gated=False, got "
