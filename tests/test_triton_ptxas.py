@@ -9,7 +9,6 @@ experiments imported by the suite define too.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
